@@ -1,0 +1,172 @@
+"""Paged KV memory: request rows, a token-slot allocator and the per-layer K/V buffers.
+
+Three pieces, each with one job:
+
+- `ReqToTokenPool`: one row per live request (row 0 is a dummy used to pad graph batches); row r,
+  column p holds the KV slot of the request's token at position p.
+- `TokenSlotAllocator`: hands out KV slots a page at a time. Page 0 is reserved, so slot 0 is a
+  safe target for the writes of padded rows. Running out is an explicit `None`, never an overwrite.
+- `KVBuffers`: K and V tensors per layer, indexed by slot.
+
+The Adder owns allocation (rows and slots); the Executor owns the buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class ReqToTokenPool:
+    """Request rows of KV slot indices: `[max_requests + 1, context_len]` int32; row 0 is the dummy."""
+
+    def __init__(self, max_requests: int, context_len: int, device: str | torch.device = "cpu"):
+        if max_requests < 1 or context_len < 1:
+            raise ValueError(f"ReqToTokenPool needs max_requests >= 1 and context_len >= 1, got {max_requests}, {context_len}")
+        self.max_requests = max_requests
+        self.context_len = context_len
+        self.table = torch.zeros((max_requests + 1, context_len), dtype=torch.int32, device=device)
+        # Pop from the end: lowest rows first, which keeps small tests easy to read.
+        self._free_rows: list[int] = list(range(max_requests, 0, -1))
+        self._is_free = [False] + [True] * max_requests
+
+    def available(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        """A free row, or None when every row is in use."""
+        if not self._free_rows:
+            return None
+        row = self._free_rows.pop()
+        self._is_free[row] = False
+        return row
+
+    def free(self, row: int) -> None:
+        if row <= 0 or row > self.max_requests:
+            raise ValueError(f"request row {row} is outside 1..{self.max_requests}")
+        if self._is_free[row]:
+            raise ValueError(f"request row {row} is already free (double free)")
+        self._is_free[row] = True
+        self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        """Record `slots` as the KV slots of positions start .. start + len(slots) - 1."""
+        end = start + slots.numel()
+        if end > self.context_len:
+            raise ValueError(f"positions up to {end} exceed the context length {self.context_len}")
+        self.table[row, start:end] = slots.to(self.table.dtype)
+
+    def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
+        return self.table[row, start:end]
+
+
+class TokenSlotAllocator:
+    """Allocates KV slots in whole pages of `page_size` slots.
+
+    `size` is the number of usable token slots; it is rounded down to whole pages. Page 0 is
+    reserved on top of that (slots 0 .. page_size - 1), so buffers need `size + page_size` slots.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu"):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        num_pages = size // page_size
+        if num_pages < 1:
+            raise ValueError(f"a KV pool of {size} tokens holds no page of {page_size} tokens")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.size = num_pages * page_size
+        self.device = device
+        self._page_is_free = torch.ones(num_pages + 1, dtype=torch.bool)
+        self._page_is_free[0] = False
+        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+
+    @property
+    def total_slots(self) -> int:
+        """Slots a KV buffer must hold, the reserved page included."""
+        return (self.num_pages + 1) * self.page_size
+
+    def available_size(self) -> int:
+        """Free token slots (whole free pages)."""
+        return len(self._free_pages) * self.page_size
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Slots for `num_tokens` tokens starting on fresh pages, or None if not enough are free.
+
+        The slots of one call are the leading `num_tokens` slots of the pages it takes, so a
+        request's tokens fill each page from its start.
+        """
+        if num_tokens < 0:
+            raise ValueError(f"cannot allocate {num_tokens} tokens")
+        pages_needed = -(-num_tokens // self.page_size)
+        if pages_needed > len(self._free_pages):
+            return None
+        pages = [self._free_pages.pop() for _ in range(pages_needed)]
+        page_ids = torch.tensor(pages, dtype=torch.int64)
+        self._page_is_free[page_ids] = False
+        return self._page_slots(page_ids)[:num_tokens].to(self.device)
+
+    def alloc_extend(self, cur_len: int, last_slot: int | None, num_tokens: int) -> torch.Tensor | None:
+        """Slots for `num_tokens` more tokens of a request that already holds `cur_len` tokens.
+
+        With pages larger than one slot, the request's partly filled last page is used first
+        (`last_slot` is the slot of its token at position cur_len - 1); fresh pages follow.
+        """
+        in_last_page = 0 if cur_len % self.page_size == 0 else self.page_size - cur_len % self.page_size
+        in_last_page = min(in_last_page, num_tokens)
+        if in_last_page and last_slot is None:
+            raise ValueError("alloc_extend needs the request's last slot to continue its partial page")
+        fresh = self.alloc(num_tokens - in_last_page)
+        if fresh is None:
+            return None
+        if not in_last_page:
+            return fresh
+        tail = torch.arange(last_slot + 1, last_slot + 1 + in_last_page, dtype=torch.int64, device=fresh.device)
+        return torch.cat([tail, fresh])
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return the pages that hold `slots`. Freeing a page that is already free is refused."""
+        if slots.numel() == 0:
+            return
+        page_ids = torch.unique(slots.detach().to("cpu", torch.int64) // self.page_size)
+        if int(page_ids.min()) < 1 or int(page_ids.max()) > self.num_pages:
+            raise ValueError(f"slots outside the pool (pages 1..{self.num_pages}): {page_ids.tolist()}")
+        if bool(self._page_is_free[page_ids].any()):
+            already = page_ids[self._page_is_free[page_ids]].tolist()
+            raise ValueError(f"double free of KV pages {already}")
+        self._page_is_free[page_ids] = True
+        self._free_pages.extend(page_ids.tolist())
+
+    def reset(self) -> None:
+        self._page_is_free[1:] = True
+        self._free_pages = list(range(self.num_pages, 0, -1))
+
+    def _page_slots(self, page_ids: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, dtype=torch.int64)
+        return (page_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+
+
+@dataclass(slots=True)
+class KVBuffers:
+    """K and V for every layer: `[num_slots, num_kv_heads, head_dim]` each."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @classmethod
+    def allocate(
+        cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device
+    ) -> KVBuffers:
+        shape = (num_slots, num_kv_heads, head_dim)
+        return cls(
+            k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+            v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+        )
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
