@@ -1,0 +1,167 @@
+"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+
+The families differ only in switches read from `ModelConfig`: q/k/v biases (Qwen2, or Llama with
+`attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
+follow Hugging Face's, so a checkpoint's state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu.attention import AttentionBackend
+from gpu.forward_batch import ForwardBatch
+from gpu.model_config import ModelConfig, RopeConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like the reference implementation, then scale in the input dtype.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the middle band blended.
+    original = rope.original_max_position_embeddings or 8192
+    low_wavelen = original / rope.low_freq_factor
+    high_wavelen = original / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (original / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, looked up per token (half-split rotation layout)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int):
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = attn.forward(q, k, v, self.layer_id)
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_id)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """`model.*` and `lm_head` as in Hugging Face checkpoints; rotary tables built separately."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None
+
+    def init_rotary(self, device: torch.device | str) -> None:
+        """Build the RoPE tables; separate from __init__ so the model can be created on `meta`."""
+        cfg = self.config
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings).to(device)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """Logits for each request's last new token ([batch, vocab]), or for every new token."""
+        assert self.rotary is not None, "call init_rotary() before forward()"
+        attn.init_forward_metadata(batch)
+        hidden = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, batch.positions, self.rotary, attn)
+        if not batch.return_all_logits:
+            hidden = hidden[batch.last_token_index()]
+        return F.linear(self.model.norm(hidden), self.output_weight())
