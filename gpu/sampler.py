@@ -1,0 +1,312 @@
+"""Token sampling for one batch: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+Order, per row (the same as vLLM's and SGLang's samplers):
+
+1. penalties on the logits: repetition (prompt + output tokens), then frequency and presence
+   (output tokens only);
+2. greedy rows (temperature < 1e-6) take the argmax of the penalised logits;
+3. the other rows: temperature, softmax, top-k, top-p, min-p, then one draw.
+
+Each filter acts on what the previous one kept, so top-p measures mass within the top-k tokens.
+None of them ever removes the most likely token, so a row always has something to sample.
+
+The draw is an exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) picks token i with
+probability p_i (normalisation is not needed). It is one vectorised op for the whole batch, and a
+seeded row only has to draw its own noise from its own generator, so its token depends on
+(seed, step, its own distribution) and on nothing else in the batch. Seeded streams are
+reproducible per device type: the CPU and CUDA generators produce different noise.
+
+Logprobs are the model's raw distribution: log_softmax of the logits before penalties,
+temperature and filters (vLLM's default "raw_logprobs"). They say what the model thought of a
+token, which is what clients comparing models or scoring text want; the processed distribution
+would report -inf for tokens a filter removed and change with the sampling knobs.
+
+`SamplingInfo` is built once per batch; its flags let the common cases skip work: an all-greedy
+batch is one argmax, a batch without top-k/top-p never sorts, and rows without penalties never
+count tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from runtime.sampling_params import SamplingParams
+
+# Stands for top_k = -1: a rank no vocabulary reaches, so the top-k mask keeps everything.
+_NO_TOP_K = 1 << 62
+# float32 cumulative sums land a hair either side of an exact top_p boundary (0.5 + 0.3 vs 0.8);
+# treat "within this much of top_p" as having reached it, so such boundaries behave as written.
+_TOP_P_SLACK = 1e-6
+_U64 = (1 << 64) - 1
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingInfo:
+    """Per-row sampling tensors of one batch, on the logits' device, plus flags for cheap paths."""
+
+    temperatures: Tensor  # [bs, 1] float32; 1.0 on greedy rows, whose result is the argmax anyway
+    top_ps: Tensor  # [bs] float32
+    top_ks: Tensor  # [bs] int64; _NO_TOP_K where top_k is -1
+    min_ps: Tensor  # [bs] float32
+    frequency_penalties: Tensor  # [bs] float32
+    presence_penalties: Tensor  # [bs] float32
+    repetition_penalties: Tensor  # [bs] float32
+    greedy: Tensor  # [bs] bool
+    seeds: tuple[int | None, ...]
+    all_greedy: bool
+    any_greedy: bool
+    # The filter flags only count sampled rows: a greedy row's top_k changes nothing.
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    freq_presence_rows: tuple[int, ...]  # rows with a nonzero frequency or presence penalty
+    repetition_rows: tuple[int, ...]  # rows with repetition_penalty != 1
+    seeded_rows: tuple[int, ...]  # sampled rows with a seed
+    unseeded_rows: tuple[int, ...]  # sampled rows without one (greedy rows are in neither)
+    return_logprobs: bool  # some row asked for logprobs or top logprobs
+    max_top_logprobs_num: int
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seeds)
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], device: str | torch.device) -> SamplingInfo:
+        greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, greedy) if not g]
+        # One host-to-device copy for all float columns instead of one per column.
+        floats = torch.tensor(
+            [
+                [1.0 if g else p.temperature for p, g in zip(params, greedy)],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.repetition_penalty for p in params],
+                [float(g) for g in greedy],
+            ],
+            dtype=torch.float32,
+            device=device,
+        ).reshape(7, len(params))
+        top_ks = torch.tensor([_NO_TOP_K if p.top_k < 0 else p.top_k for p in params], dtype=torch.int64, device=device)
+        max_top = max((p.top_logprobs_num for p in params), default=0)
+        return cls(
+            temperatures=floats[0].unsqueeze(1),
+            top_ps=floats[1],
+            top_ks=top_ks,
+            min_ps=floats[2],
+            frequency_penalties=floats[3],
+            presence_penalties=floats[4],
+            repetition_penalties=floats[5],
+            greedy=floats[6] > 0.5,
+            seeds=tuple(p.seed for p in params),
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            need_top_k=any(p.top_k >= 0 for p in sampled),
+            need_top_p=any(p.top_p < 1.0 for p in sampled),
+            need_min_p=any(p.min_p > 0.0 for p in sampled),
+            freq_presence_rows=tuple(i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty),
+            repetition_rows=tuple(i for i, p in enumerate(params) if p.repetition_penalty != 1.0),
+            seeded_rows=tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None),
+            unseeded_rows=tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is None),
+            return_logprobs=any(p.logprobs or p.top_logprobs_num > 0 for p in params),
+            max_top_logprobs_num=max_top,
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class SampleResult:
+    token_ids: Tensor  # [bs] int64
+    logprobs: Tensor | None  # [bs] float32: raw log-prob of the chosen token
+    # ([bs, k] float32 raw log-probs sorted descending, [bs, k] int64 token ids); k is the batch's
+    # largest top_logprobs_num (capped at the vocabulary), so each row keeps its own first n.
+    top_logprobs: tuple[Tensor, Tensor] | None
+
+
+def apply_penalties(
+    logits: Tensor,
+    info: SamplingInfo,
+    output_ids: Sequence[Sequence[int]] | None,
+    prompt_ids: Sequence[Sequence[int]] | None,
+) -> Tensor:
+    """Float32 logits with repetition, then frequency and presence penalties; the input is not changed.
+
+    Repetition (HF/vLLM): for every token seen in the prompt or the output, a positive logit is
+    divided by the penalty and a negative one multiplied, so > 1 always discourages.
+    Frequency and presence (OpenAI): logit -= frequency * count + presence * (count > 0), with
+    counts over the output only. Only the rows that set a penalty are counted or touched.
+    """
+    logits = logits.float()
+    if not info.repetition_rows and not info.freq_presence_rows:
+        return logits
+    logits = logits.clone()  # .float() returns the caller's tensor when it is float32 already
+    if info.repetition_rows:
+        outputs = _require(output_ids, "output_ids", "repetition_penalty")
+        prompts = _require(prompt_ids, "prompt_ids", "repetition_penalty")
+        _apply_repetition(logits, info, [[*prompts[r], *outputs[r]] for r in info.repetition_rows])
+    if info.freq_presence_rows:
+        outputs = _require(output_ids, "output_ids", "frequency_penalty/presence_penalty")
+        _apply_frequency_presence(logits, info, [outputs[r] for r in info.freq_presence_rows])
+    return logits
+
+
+def _require(seqs: Sequence[Sequence[int]] | None, name: str, why: str) -> Sequence[Sequence[int]]:
+    # Skipping a requested penalty silently would be a wrong answer, not a fast one.
+    if seqs is None:
+        raise ValueError(f"{name} is required when a request sets {why}")
+    return seqs
+
+
+def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
+    """[len(seqs), vocab] float32 occurrence counts, built with one scatter."""
+    ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs], dtype=torch.int64))
+    counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
+    ones = torch.ones(ids.numel(), dtype=torch.float32, device=device)
+    counts.index_put_((rows.to(device), ids.to(device)), ones, accumulate=True)
+    return counts
+
+
+def _apply_repetition(logits: Tensor, info: SamplingInfo, seqs: Sequence[Sequence[int]]) -> None:
+    rows = torch.tensor(info.repetition_rows, dtype=torch.int64, device=logits.device)
+    seen = _token_counts(seqs, logits.shape[-1], logits.device) > 0
+    sub = logits.index_select(0, rows)
+    penalty = info.repetition_penalties.index_select(0, rows).unsqueeze(1)
+    penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+    logits.index_copy_(0, rows, torch.where(seen, penalised, sub))
+
+
+def _apply_frequency_presence(logits: Tensor, info: SamplingInfo, seqs: Sequence[Sequence[int]]) -> None:
+    rows = torch.tensor(info.freq_presence_rows, dtype=torch.int64, device=logits.device)
+    counts = _token_counts(seqs, logits.shape[-1], logits.device)
+    freq = info.frequency_penalties.index_select(0, rows).unsqueeze(1)
+    pres = info.presence_penalties.index_select(0, rows).unsqueeze(1)
+    sub = logits.index_select(0, rows) - freq * counts - pres * (counts > 0).float()
+    logits.index_copy_(0, rows, sub)
+
+
+def filtered_probs(logits: Tensor, info: SamplingInfo) -> Tensor:
+    """[bs, vocab] probabilities after temperature, top-k, top-p and min-p, in vocabulary order.
+
+    Removed tokens are exactly 0; the rest are not renormalised (the draw does not need it).
+    """
+    probs = torch.softmax(logits.float() / info.temperatures, dim=-1)
+    if info.need_top_k or info.need_top_p:
+        return _filter_sorted(probs, info)
+    if info.need_min_p:
+        return _min_p(probs, probs.amax(dim=-1, keepdim=True), info.min_ps)
+    return probs
+
+
+def _filter_sorted(probs: Tensor, info: SamplingInfo) -> Tensor:
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    if info.need_top_k:
+        ranks = torch.arange(probs.shape[-1], device=probs.device)
+        sorted_probs = sorted_probs.masked_fill(ranks >= info.top_ks.unsqueeze(1), 0.0)
+    if info.need_top_p:
+        sorted_probs = _top_p_sorted(sorted_probs, info.top_ps)
+    if info.need_min_p:
+        sorted_probs = _min_p(sorted_probs, sorted_probs[:, :1], info.min_ps)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def _top_p_sorted(sorted_probs: Tensor, top_ps: Tensor) -> Tensor:
+    """Keep the smallest prefix whose mass reaches top_p of the mass still kept."""
+    cumulative = sorted_probs.cumsum(dim=-1)
+    better = cumulative - sorted_probs  # mass of the tokens ranked above each one
+    limit = top_ps.unsqueeze(1) * cumulative[:, -1:] - _TOP_P_SLACK
+    # top_p = 1 must be a no-op even when other rows in the batch filter.
+    drop = (better >= limit) & (top_ps < 1.0).unsqueeze(1)
+    drop[:, 0] = False
+    return sorted_probs.masked_fill(drop, 0.0)
+
+
+def _min_p(probs: Tensor, max_probs: Tensor, min_ps: Tensor) -> Tensor:
+    return probs.masked_fill(probs < min_ps.unsqueeze(1) * max_probs, 0.0)
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 64-bit generator seed from (request seed, step): nearby seeds and steps land far apart."""
+    return _splitmix64(_splitmix64(seed & _U64) ^ (step & _U64))
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _U64
+    return x ^ (x >> 31)
+
+
+class Sampler:
+    """Turns one batch of logits into token ids (and logprobs when asked)."""
+
+    def __init__(self) -> None:
+        # One generator per device, reseeded per seeded row: reseeding is cheap, creating is not.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def sample(
+        self,
+        logits: Tensor,
+        info: SamplingInfo,
+        *,
+        output_ids: Sequence[Sequence[int]] | None = None,
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        steps: Sequence[int] | None = None,
+    ) -> SampleResult:
+        """Sample one token per row of `logits` [bs, vocab] (any float dtype; math in float32).
+
+        `output_ids` / `prompt_ids` are each request's generated / prompt tokens, needed only when
+        a row sets a penalty; `steps[i]` is how many tokens request i has generated, needed only
+        when a sampled row has a seed.
+        """
+        if logits.dim() != 2 or logits.shape[0] != info.batch_size:
+            raise ValueError(f"logits must be [{info.batch_size}, vocab], got {list(logits.shape)}")
+        penalised = apply_penalties(logits, info, output_ids, prompt_ids)
+        if info.all_greedy:
+            token_ids = penalised.argmax(dim=-1)
+        else:
+            token_ids = self._draw(filtered_probs(penalised, info), info, steps)
+            if info.any_greedy:
+                token_ids = torch.where(info.greedy, penalised.argmax(dim=-1), token_ids)
+        return _with_logprobs(logits, token_ids, info)
+
+    def _draw(self, probs: Tensor, info: SamplingInfo, steps: Sequence[int] | None) -> Tensor:
+        if not info.seeded_rows:
+            noise = torch.empty_like(probs).exponential_()  # greedy rows draw too: one op beats indexing
+        else:
+            if steps is None:
+                raise ValueError("steps is required when a sampled request sets a seed")
+            noise = torch.ones_like(probs)  # greedy rows: any finite noise, their argmax replaces the draw
+            if info.unseeded_rows:
+                rows = torch.tensor(info.unseeded_rows, dtype=torch.int64, device=probs.device)
+                noise[rows] = torch.empty(len(rows), probs.shape[-1], device=probs.device).exponential_()
+            generator = self._generator(probs.device)
+            for row in info.seeded_rows:  # one generator state per row: a loop is unavoidable
+                generator.manual_seed(mix_seed(info.seeds[row], steps[row]))  # type: ignore[arg-type]
+                noise[row].exponential_(generator=generator)
+        # Exp(1) can round to 0; 0/0 would be NaN, which argmax would pick.
+        noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
+
+
+def _with_logprobs(logits: Tensor, token_ids: Tensor, info: SamplingInfo) -> SampleResult:
+    if not info.return_logprobs:
+        return SampleResult(token_ids=token_ids, logprobs=None, top_logprobs=None)
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(-1, token_ids.unsqueeze(1)).squeeze(1)
+    k = min(info.max_top_logprobs_num, raw.shape[-1])
+    top = None
+    if k > 0:
+        values, ids = raw.topk(k, dim=-1, sorted=True)
+        top = (values, ids)
+    return SampleResult(token_ids=token_ids, logprobs=chosen, top_logprobs=top)
