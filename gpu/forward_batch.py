@@ -55,12 +55,8 @@ class ForwardBatch:
         extend_lens = [len(ids) for ids in input_ids]
         if any(n < 1 for n in extend_lens):
             raise ValueError("every request in a batch needs at least one new token")
-        if all(n == 1 for n in extend_lens) and any(p > 0 for p in prefix_lens):
-            mode = ForwardMode.DECODE
-        elif any(n == 1 for n in extend_lens) and any(n > 1 for n in extend_lens):
-            mode = ForwardMode.MIXED
-        else:
-            mode = ForwardMode.EXTEND
+        decoding = [n == 1 and p > 0 for p, n in zip(prefix_lens, extend_lens)]
+        mode = ForwardMode.DECODE if all(decoding) else ForwardMode.MIXED if any(decoding) else ForwardMode.EXTEND
         flat_ids = [t for ids in input_ids for t in ids]
         positions = [p + j for p, n in zip(prefix_lens, extend_lens) for j in range(n)]
         return cls(

@@ -91,3 +91,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 def _progress(items: Iterator[tuple[str, torch.Tensor]], model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     return tqdm(items, desc=f"loading {model_dir.name}", unit=" tensors", disable=not sys.stderr.isatty(), leave=False)
+
+
+def load_tokenizer(model_dir: Path):  # -> transformers.PreTrainedTokenizerBase
+    from transformers import AutoTokenizer  # lazy: transformers is slow to import
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

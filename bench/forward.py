@@ -1,0 +1,146 @@
+"""Forward-pass speed: the engine's paged model runner against transformers' contiguous cache.
+
+    python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5]
+
+Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request. The KV content does
+not change the cost, so both sides start from random KV instead of a slow real prefill.
+Prefill: one 512-token prompt; both sides compute logits for the last token only.
+Times are medians over --repeats runs of --steps decode steps each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from gpu.forward_batch import ForwardBatch
+from gpu.model_runner import ModelRunner, RunnerConfig
+
+CONTEXT = 256
+PREFILL = 512
+
+
+def main() -> None:
+    args = _args()
+    torch.manual_seed(0)
+    model_path = _model_path(args.model)
+    runner = ModelRunner(
+        RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max(args.batches), max_total_tokens=max(args.batches) * (CONTEXT + args.steps + 1) + PREFILL)
+    )
+    hf = _hf_model(runner.model_dir, runner.dtype)
+    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} repeats={args.repeats}")
+    print(f"{'case':<26}{'engine ms':>12}{'transformers ms':>18}{'engine speedup':>16}")
+    for bs in args.batches:
+        engine = _median(lambda: _engine_decode(runner, bs, args.steps), args.repeats) / args.steps
+        baseline = _median(lambda: _hf_decode(hf, bs, args.steps), args.repeats) / args.steps
+        _row(f"decode bs={bs} ctx={CONTEXT}", engine, baseline)
+    engine = _median(lambda: _engine_prefill(runner), args.repeats)
+    baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
+    _row(f"prefill {PREFILL} tokens", engine, baseline)
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-qwen3", help="tiny-qwen3, smollm2, or a checkpoint path")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=5)
+    return p.parse_args()
+
+
+def _model_path(name: str) -> str | None:
+    if name == "smollm2":
+        return None
+    if name != "tiny-qwen3":
+        return name
+    from gpu.tiny_model import make_tiny_model
+
+    out = Path(tempfile.gettempdir()) / "actorserve-bench-tiny-qwen3"
+    # A "tiny" model big enough that the forward, not Python overhead, is what gets timed.
+    make_tiny_model(out, "qwen3", seed=0, vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=768)
+    return str(out)
+
+
+def _hf_model(model_dir: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+def _median(fn: Callable[[], float], repeats: int) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(repeats))
+
+
+def _row(case: str, engine_s: float, baseline_s: float) -> None:
+    print(f"{case:<26}{engine_s * 1e3:>12.2f}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
+
+
+def _engine_decode(runner: ModelRunner, bs: int, steps: int) -> float:
+    rows = [runner.req_to_token.alloc() for _ in range(bs)]
+    slots = [runner.allocator.alloc(CONTEXT + steps) for _ in range(bs)]
+    try:
+        for row, s in zip(rows, slots):
+            runner.req_to_token.write(row, 0, s)
+        tokens = torch.randint(0, runner.vocab_size, (bs,)).tolist()
+        start = time.perf_counter()
+        for step in range(steps):
+            out_loc = torch.stack([s[CONTEXT + step] for s in slots])
+            batch = ForwardBatch.build([[t] for t in tokens], rows, [CONTEXT + step] * bs, out_loc, runner.device)
+            tokens = runner.forward(batch).argmax(-1).tolist()
+        return time.perf_counter() - start
+    finally:
+        for row, s in zip(rows, slots):
+            runner.allocator.free(s)
+            runner.req_to_token.free(row)
+
+
+def _hf_decode(hf, bs: int, steps: int) -> float:
+    from transformers import DynamicCache
+
+    cfg = hf.config
+    cache = DynamicCache(config=cfg)
+    kv_shape = (bs, cfg.num_key_value_heads, CONTEXT, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(torch.randn(kv_shape, dtype=hf.dtype), torch.randn(kv_shape, dtype=hf.dtype), layer)
+    tokens = torch.randint(0, cfg.vocab_size, (bs, 1))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for step in range(steps):
+            positions = torch.full((bs, 1), CONTEXT + step)
+            out = hf(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+            tokens = out.logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - start
+
+
+def _engine_prefill(runner: ModelRunner) -> float:
+    row = runner.req_to_token.alloc()
+    slots = runner.allocator.alloc(PREFILL)
+    try:
+        runner.req_to_token.write(row, 0, slots)
+        ids = torch.randint(0, runner.vocab_size, (PREFILL,)).tolist()
+        start = time.perf_counter()
+        runner.forward(ForwardBatch.build([ids], [row], [0], slots, runner.device))
+        return time.perf_counter() - start
+    finally:
+        runner.allocator.free(slots)
+        runner.req_to_token.free(row)
+
+
+def _hf_prefill(hf, vocab_size: int) -> float:
+    ids = torch.randint(0, vocab_size, (1, PREFILL))
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hf(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""`EngineConfig`: every engine setting, with SGLang's argument names.
+
+The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-policy`), and
+`api.Engine(**kwargs)` takes the same names. Values that depend on the model or the device
+("auto", None) are resolved by the Engine, which then builds a new frozen config with
+`msgspec.structs.replace`; contradictions are rejected at construction, naming the flags.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight")
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    # model and device
+    model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on a CPU
+    device: str = "cpu"
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
+    random_seed: int | None = None
+
+    # memory
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
+    max_running_requests: int | None = None  # None: min(256, what the pool holds)
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    radix_eviction_policy: str = "lru"
+
+    # scheduling
+    schedule_policy: str = "fcfs"
+    lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 8192  # None or -1: no chunking
+    enable_mixed_chunk: bool = False
+    schedule_conservativeness: float = 1.0
+    disable_overlap_schedule: bool = False
+
+    # priority and admission
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    priority_scheduling_preemption_threshold: int = 10
+    abort_on_priority_when_disabled: bool = False
+    max_queued_requests: int | None = None
+    queue_timeout_s: float | None = None  # a request waiting longer than this is rejected
+
+    # outputs
+    stream_interval: int = 1
+    tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
+
+    def __post_init__(self) -> None:
+        error = self.validation_error()
+        if error:
+            raise ValueError(error)
+
+    @property
+    def chunking_enabled(self) -> bool:
+        return self.chunked_prefill_size is not None and self.chunked_prefill_size > 0
+
+    @property
+    def overlap_depth(self) -> int:
+        """Batches launched and not yet reported: the whole overlap switch."""
+        return 1 if self.disable_overlap_schedule else 2
+
+    @property
+    def effective_schedule_policy(self) -> str:
+        """A cache-aware policy without a prefix cache is fcfs (as in SGLang)."""
+        if self.disable_radix_cache and self.schedule_policy in CACHE_AWARE_POLICIES:
+            return "fcfs"
+        return self.schedule_policy
+
+    def validation_error(self) -> str | None:
+        checks = [
+            (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy {self.schedule_policy!r} is unknown; choose one of {', '.join(SCHEDULE_POLICIES)}"),
+            (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
+            (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"),
+            (self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}"),
+            (self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
+            (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
+            (_positive_or_none(self.max_total_tokens), f"max_total_tokens must be positive, got {self.max_total_tokens}"),
+            (_positive_or_none(self.max_running_requests), f"max_running_requests must be positive, got {self.max_running_requests}"),
+            (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),
+            (self.max_queued_requests is None or self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}"),
+            (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
+            (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
+            (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
+            (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
+            (
+                not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,
+                f"chunked_prefill_size ({self.chunked_prefill_size}) must be at least page_size ({self.page_size})",
+            ),
+            (
+                not (self.enable_mixed_chunk and not self.chunking_enabled),
+                "enable_mixed_chunk needs chunked prefill: set chunked_prefill_size to a positive value",
+            ),
+            (
+                not (self.schedule_low_priority_values_first and not self.enable_priority_scheduling),
+                "schedule_low_priority_values_first needs enable_priority_scheduling",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                return message
+        return None
+
+
+def _positive_or_none(value: int | None) -> bool:
+    return value is None or value > 0

@@ -1,0 +1,81 @@
+"""`Req`: the state of one request as it moves between actors.
+
+A `Req` travels by reference inside one process. Each field has one writer; the others only read
+it, and only after a message handed the request over:
+
+| fields | written by |
+| --- | --- |
+| rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time | Receiver (before the first message; never changed after) |
+| enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
+| req_row, kv_slots, prefix_len, cached_tokens, last_node, computed_len, chunk_end, retractions | Adder |
+| output_ids, output_logprobs, output_top_logprobs, finish_reason, finished_step | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+
+`fill_ids` (prompt + generated tokens) is derived, never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended the request
+    message: str | None = None  # why an abort happened
+    status: int | None = None  # for aborts the client did not ask for: 503 (queue), 500 (engine error)
+
+
+@dataclass(slots=True, eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    routing_key: str | None = None
+    extra_key: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    arrival_time: float = 0.0
+    enqueue_time: float = 0.0
+
+    # Adder
+    req_row: int | None = None
+    kv_slots: torch.Tensor | None = None  # slots of positions 0 .. len - 1 that this request holds
+    prefix_len: int = 0  # tokens matched in the prefix cache at (re)admission
+    cached_tokens: int = 0  # prefix hits reported to the user (first admission)
+    last_node: Any = None  # the prefix-cache node this request locks
+    computed_len: int = 0  # tokens whose KV is (or will be, once launched) in the pool
+    chunk_end: int | None = None  # set while the prompt is being prefilled in chunks
+    retractions: int = 0
+
+    # OutputProcessor
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling.max_new_tokens
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.sampling.max_new_tokens - len(self.output_ids))
