@@ -1,0 +1,74 @@
+"""Shared fixtures for the whole suite.
+
+- Hugging Face offline mode is forced (unless the caller set it): tests never touch the network.
+- Async tests run on uvloop, the loop `actorserve` itself runs on.
+- Tiny random-weight models are made once per session, on demand (see gpu/tiny_model.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Set before anything imports transformers / huggingface_hub, which read these at import.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import json  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+import uvloop  # noqa: E402
+
+from gpu.tiny_model import make_tiny_model  # noqa: E402
+
+TinyModelFactory = Callable[..., Path]
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> Mapping[str, Callable[[], Any]]:
+    """pytest-asyncio >= 1.3 hook: every async test (and async fixture) gets a uvloop loop.
+    A single factory, so test ids are not parametrized by it."""
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """`factory(arch, **make_tiny_model_kwargs) -> Path`; each distinct call builds its model
+    once per session, so tests can ask for variants freely. Treat the directory as read-only."""
+    made: dict[str, Path] = {}
+
+    def factory(arch: str, **kwargs: Any) -> Path:
+        key = json.dumps([arch, kwargs], sort_keys=True)
+        if key not in made:
+            out_dir = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = make_tiny_model(out_dir, arch, **kwargs)  # type: ignore[arg-type]
+        return made[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_model_factory: TinyModelFactory) -> Path:
+    return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model (SmolLM2-135M-Instruct GGUF) as a checkpoint directory, converted into
+    the user's cache once, like `actorserve serve` does."""
+    from gpu.gguf_loader import default_model_path, gguf_to_hf_dir
+
+    return gguf_to_hf_dir(default_model_path())
