@@ -5,10 +5,11 @@ it, and only after a message handed the request over:
 
 | fields | written by |
 | --- | --- |
-| rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time | Receiver (before the first message; never changed after) |
+| rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
+| abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
-| req_row, kv_slots, prefix_len, cached_tokens, last_node, computed_len, chunk_end, retractions | Adder |
-| output_ids, output_logprobs, output_top_logprobs, finish_reason, finished_step | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+| req_row, kv_slots, prefix_len, cached_tokens, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
+| output_ids, output_logprobs, output_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 `fill_ids` (prompt + generated tokens) is derived, never stored.
 """
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from runtime.sampling_params import SamplingParams
+from runtime.stream import Delta, RequestStream
 
 
 @dataclass(slots=True)
@@ -43,6 +45,8 @@ class Req:
     top_logprobs_num: int = 0
     arrival_time: float = 0.0
     enqueue_time: float = 0.0
+    stream: RequestStream | None = None
+    abort_requested: bool = False
 
     # Adder
     req_row: int | None = None
@@ -53,12 +57,17 @@ class Req:
     computed_len: int = 0  # tokens whose KV is (or will be, once launched) in the pool
     chunk_end: int | None = None  # set while the prompt is being prefilled in chunks
     retractions: int = 0
+    launched_outputs: int = 0  # output tokens that launched steps will produce
+    last_step: int = -1  # the latest launched step that includes this request
 
     # OutputProcessor
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    # Per-request output state lives on the request, so it ends with it whoever ends it.
+    detokenizer: Any = None
+    unsent: Delta | None = None  # tokens/text held back by stream_interval
 
     @property
     def fill_ids(self) -> list[int]:

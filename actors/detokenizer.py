@@ -1,0 +1,239 @@
+"""Per-request output logic of the OutputProcessor: incremental detokenization, stop strings and
+finish checks. Pure and synchronous; the actor owns one `IncrementalDetokenizer` per request.
+
+How the OutputProcessor uses it, for each token it appends to `req.output_ids`:
+
+    text, reason = process_token(req, token, eos_token_ids, detok)
+    # stream `text` (may be ""); when `reason` is not None the request is finished and `text`
+    # already holds everything left (process_token flushed the detokenizer).
+    # On an abort, `detok.flush()` gives what was held back, if the caller wants it.
+
+Text guarantees (for one request, everything streamed concatenated):
+
+- it equals `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
+  of the output ids (without a trimmed stop token), cut right before a trimmed stop string or
+  right after a kept one. Cleanup is off because it rewrites text across token boundaries
+  (" 's" -> "'s"), so it cannot be streamed (transformers 5 skips it for BPE tokenizers anyway).
+- with a prompt tail, it is the text the output adds after the prompt: for SentencePiece-style
+  tokenizers that keeps the space of the first output word, which a standalone decode drops.
+- no chunk ends in half a UTF-8 character, and no chunk contains a piece of a stop string that
+  is later trimmed. An incomplete character still pending when the request ends is emitted as
+  U+FFFD by `flush()`, exactly as a full decode renders it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.req import FinishReason, Req
+
+# Prompt tokens decoded in front of the output, as SGLang and vLLM do: enough for the tokenizer
+# to see that the first output token continues a word (or starts a new one).
+PROMPT_TAIL_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass(slots=True)
+class _StopScanner:
+    """Finds the first stop string in a stream of text and holds back what may begin one."""
+
+    stops: tuple[str, ...]
+    keep_stop: bool
+    # Every proper prefix of every stop string: the suffixes of pending text worth holding.
+    _prefixes: frozenset[str] = field(init=False)
+    _longest: int = field(init=False)
+    _pending: str = field(default="", init=False)
+    # Leading chars of _pending produced before min_new_tokens: a stop ending there is ignored.
+    _quiet: int = field(default=0, init=False)
+    matched: str | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = tuple(s for s in self.stops if s)
+        self._prefixes = frozenset(s[:i] for s in self.stops for i in range(1, len(s)))
+        self._longest = max(map(len, self.stops), default=0)
+
+    def feed(self, text: str, armed: bool, final: bool) -> str:
+        """Take new text; return what can be emitted now."""
+        if self.matched is not None:
+            return ""
+        self._pending += text
+        if not armed:
+            self._quiet = len(self._pending)
+            hit = None
+        else:
+            hit = self._first_match()
+        if hit is not None:
+            start, stop = hit
+            self.matched = stop
+            out = self._pending[: start + len(stop) if self.keep_stop else start]
+            self._pending = ""
+            return out
+        cut = len(self._pending) - (0 if final else self._held_len())
+        out, self._pending = self._pending[:cut], self._pending[cut:]
+        self._quiet = max(0, self._quiet - cut)
+        return out
+
+    def _first_match(self) -> tuple[int, str] | None:
+        """The match that ends first (what a char-by-char stream would meet first); on a tie the
+        longer one. Only matches ending past the quiet chars count."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop): min() picks the winner
+        for stop in self.stops:
+            start = self._pending.find(stop, max(0, self._quiet - len(stop) + 1))
+            if start >= 0:
+                hit = (start + len(stop), start, stop)
+                best = hit if best is None else min(best, hit)
+        return None if best is None else (best[1], best[2])
+
+    def _held_len(self) -> int:
+        """Length of the longest suffix of pending text that could still grow into a stop string."""
+        for k in range(min(len(self._pending), self._longest - 1), 0, -1):
+            if self._pending[-k:] in self._prefixes:
+                return k
+        return 0
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text deltas that are safe to stream.
+
+    Decoding uses a sliding window (prefix offset / read offset): each push decodes only the
+    tokens since the last emitted boundary plus the few before it that give spacing context, so
+    the cost per token does not grow with the output. Only that window is kept in memory.
+    """
+
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text", "_sent", "_scan",
+                 "_min_new", "_n_out", "_closed")
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_ids_tail: list[int] | None,
+        skip_special_tokens: bool,
+        stop: Sequence[str],
+        no_stop_trim: bool,
+        min_new_tokens: int = 0,
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids_tail or ())
+        # _ids[_prefix:_read] is context already emitted; _ids[_read:] is not (except the first
+        # _sent chars of its text, emitted ahead of an incomplete character).
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._sent = 0
+        self._scan = _StopScanner(tuple(stop), keep_stop=no_stop_trim)
+        self._min_new = min_new_tokens
+        self._n_out = 0
+        self._closed = False
+
+    @classmethod
+    def for_req(cls, tokenizer: Any, req: Req) -> IncrementalDetokenizer:
+        p = req.sampling
+        return cls(
+            tokenizer,
+            req.origin_input_ids[-PROMPT_TAIL_TOKENS:],
+            skip_special_tokens=p.skip_special_tokens,
+            stop=p.stop,
+            no_stop_trim=p.no_stop_trim,
+            min_new_tokens=p.min_new_tokens,
+        )
+
+    @property
+    def matched_stop(self) -> str | None:
+        """The stop string that ended the text, once one has; later pushes return ""."""
+        return self._scan.matched
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add output tokens; return the new text that is safe to emit (possibly "")."""
+        if self._closed or self.matched_stop is not None:
+            return ""
+        # Stop strings count only from the min_new_tokens-th token on (the same rule as
+        # check_finish), so split the push where that threshold falls.
+        quiet = max(0, min(len(token_ids), self._min_new - 1 - self._n_out))
+        out = ""
+        if quiet:
+            out += self._step(token_ids[:quiet], armed=False)
+        if quiet < len(token_ids):
+            out += self._step(token_ids[quiet:], armed=True)
+        return out
+
+    def flush(self) -> str:
+        """At finish: emit everything held back, an incomplete trailing character as U+FFFD.
+        A stop string completed by the flushed text is still trimmed and reported."""
+        if self._closed or self.matched_stop is not None:
+            return ""
+        self._closed = True
+        text = self._decode(self._ids[self._prefix :])[len(self._prefix_text) + self._sent :]
+        return self._scan.feed(text, armed=self._n_out >= self._min_new, final=True)
+
+    def _step(self, token_ids: Sequence[int], armed: bool) -> str:
+        self._ids.extend(token_ids)
+        self._n_out += len(token_ids)
+        return self._scan.feed(self._advance(), armed, final=False)
+
+    def _advance(self) -> str:
+        """Decode the window; move the offsets past text that ends on a whole character."""
+        new_text = self._decode(self._ids[self._prefix :])
+        start = len(self._prefix_text) + self._sent
+        if new_text.endswith(_REPLACEMENT):
+            # A character is still incomplete: the offsets stay, but the whole characters before
+            # it are final (UTF-8 resynchronises), so they need not wait for it.
+            delta = new_text.rstrip(_REPLACEMENT)[start:]
+            self._sent += len(delta)
+            return delta
+        # Nothing new: the tokens produced no text yet (a skipped special token, say).
+        if len(new_text) <= start:
+            return ""
+        delta = new_text[start:]
+        # The emitted tokens become the next window's context; older ones are no longer needed.
+        del self._ids[: self._read]
+        self._prefix, self._read, self._sent = 0, len(self._ids), 0
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tok.decode(
+            ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False
+        )
+
+
+def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
+    """Token-based finish for `new_token`, already appended to req.output_ids. SGLang's order:
+    length first, then (from the min_new_tokens-th token on) stop token ids, then EOS."""
+    p = req.sampling
+    n = len(req.output_ids)
+    if n >= p.max_new_tokens:
+        return FinishReason("length")
+    if n < p.min_new_tokens:
+        return None
+    if new_token in p.stop_token_ids:
+        return FinishReason("stop", matched=new_token)
+    if not p.ignore_eos and new_token in eos_token_ids:
+        return FinishReason("stop", matched=new_token)
+    return None
+
+
+def process_token(
+    req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer
+) -> tuple[str, FinishReason | None]:
+    """Everything the OutputProcessor does for one token appended to req.output_ids: the text
+    to stream and the finish reason. On finish the detokenizer is flushed into the text.
+
+    Precedence follows SGLang: length, stop token id, EOS, then stop string. A stop string
+    completed by the very token that hits the length limit still trims the text, but the
+    reason is "length". A matched stop or EOS token is left out of the text unless no_stop_trim
+    (as SGLang trims the matched token); with it, its text is kept (empty if it is special and
+    skip_special_tokens is on).
+    """
+    reason = check_finish(req, new_token, eos_token_ids)
+    drop_token = reason is not None and reason.kind == "stop" and not req.sampling.no_stop_trim
+    text = "" if drop_token else detok.push([new_token])
+    if reason is None and detok.matched_stop is not None:
+        reason = FinishReason("stop", matched=detok.matched_stop)
+    if reason is not None:
+        text += detok.flush()
+    return text, reason

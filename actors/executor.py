@@ -1,0 +1,142 @@
+"""Executor: runs each `Batch` through the model and hands the sampled tokens on.
+
+It owns the model runner (weights, KV buffers) and the token pool: `token_pool[row, pos]` is the
+token at position `pos` of the request in `row`. A decode row reads its input id from there,
+written by the previous step's sampler, which is what lets the Adder launch step N+1 before step
+N's tokens reach the host.
+
+On a CPU every step runs in one worker thread, in launch order; torch releases the GIL, so the
+event loop keeps serving clients and post-processing the previous step meanwhile. A reporter
+task awaits the steps in order and sends each result to the OutputProcessor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from gpu.forward_batch import ForwardBatch
+from gpu.model_runner import ModelRunner
+from gpu.sampler import SampleResult, SamplingInfo
+from runtime.actor import Actor
+from runtime.messages import Batch, StepOut
+from runtime.req import Req
+
+
+class Executor(Actor[Batch]):
+    def __init__(self, runner: ModelRunner, output: Actor[StepOut]):
+        super().__init__("executor")
+        self.runner = runner
+        self.output = output
+        self.token_pool = torch.zeros(
+            (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
+        )
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
+        self._launched: asyncio.Queue[tuple[Batch, asyncio.Future[StepOut]]] = asyncio.Queue()
+        self.steps = 0
+        self.forward_s = 0.0
+
+    def start(self, on_exit) -> None:
+        super().start(on_exit)
+        self.spawn(self._report(), "reporter")
+
+    async def handle(self, msg: Batch) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self._worker, self.run_step, msg)
+        self._launched.put_nowait((msg, future))
+
+    def shutdown(self) -> None:
+        """Stop the worker thread (after the actor stopped); a running step is not interrupted."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+    async def _report(self) -> None:
+        while True:
+            _, future = await self._launched.get()
+            out = await future
+            self.steps += 1
+            self.forward_s += out.forward_s
+            await self.output.send(out)
+
+    # --- worker thread ------------------------------------------------------------------------
+    def run_step(self, batch: Batch) -> StepOut:
+        start = time.perf_counter()
+        runner = self.runner
+        fb = self._forward_batch(batch)
+        # Tokens each request has generated before this step (the token pool is complete, the
+        # requests' output_ids may lag one step behind under overlap).
+        generated = [p + e - len(r.origin_input_ids) for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        logits = runner.forward(fb)
+        self._mask_early_stop_tokens(logits, batch.reqs, generated)
+        info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
+        result = runner.sample(
+            logits,
+            info,
+            output_ids=self._history(batch, info.freq_presence_rows, prompt=False),
+            prompt_ids=self._history(batch, info.repetition_rows, prompt=True),
+            steps=generated,
+        )
+        self._store_tokens(batch, result.token_ids)
+        return StepOut(
+            batch=batch,
+            token_ids=result.token_ids.tolist(),
+            logprobs=result.logprobs.tolist() if result.logprobs is not None else None,
+            top_logprobs=_top_logprobs(result, batch.reqs),
+            forward_s=time.perf_counter() - start,
+        )
+
+    def _forward_batch(self, batch: Batch) -> ForwardBatch:
+        device = self.runner.device
+        pieces: list[torch.Tensor] = []
+        for row, prefix, ids in zip(batch.rows, batch.prefix_lens, batch.extend_ids):
+            if ids is None:
+                pieces.append(self.token_pool[row, prefix : prefix + 1])
+            else:
+                t = torch.tensor(ids, dtype=torch.int64, device=device)
+                self.token_pool[row, prefix : prefix + len(ids)] = t
+                pieces.append(t)
+        positions = [torch.arange(p, p + e, device=device) for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        return ForwardBatch(
+            mode=batch.mode,
+            input_ids=torch.cat(pieces),
+            positions=torch.cat(positions),
+            out_cache_loc=batch.out_cache_loc,
+            req_rows=torch.tensor(batch.rows, dtype=torch.int64, device=device),
+            prefix_lens=batch.prefix_lens,
+            extend_lens=batch.extend_lens,
+        )
+
+    def _mask_early_stop_tokens(self, logits: torch.Tensor, reqs: list[Req], generated: list[int]) -> None:
+        """Before min_new_tokens, EOS and stop token ids cannot be sampled (as in SGLang)."""
+        eos = self.runner.model_config.eos_token_ids
+        for i, r in enumerate(reqs):
+            if generated[i] < r.sampling.min_new_tokens:
+                banned = list(r.sampling.stop_token_ids) + ([] if r.sampling.ignore_eos else list(eos))
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+    def _history(self, batch: Batch, rows: tuple[int, ...], prompt: bool) -> list[list[int]] | None:
+        """Token history for penalties, read from the token pool (complete even under overlap)."""
+        if not rows:
+            return None
+        out: list[list[int]] = [[] for _ in batch.reqs]
+        for i in rows:
+            r, end = batch.reqs[i], batch.prefix_lens[i] + batch.extend_lens[i]
+            start = 0 if prompt else len(r.origin_input_ids)
+            out[i] = self.token_pool[batch.rows[i], start:end].tolist()
+        return out
+
+    def _store_tokens(self, batch: Batch, token_ids: torch.Tensor) -> None:
+        for i, (row, p, e) in enumerate(zip(batch.rows, batch.prefix_lens, batch.extend_lens)):
+            if batch.produces_token[i] and p + e < self.token_pool.shape[1]:
+                self.token_pool[row, p + e] = token_ids[i]
+
+
+def _top_logprobs(result: SampleResult, reqs: list[Req]) -> list[list[tuple[int, float]]] | None:
+    if result.top_logprobs is None:
+        return None
+    values, ids = result.top_logprobs
+    return [
+        list(zip(ids[i, : r.top_logprobs_num].tolist(), values[i, : r.top_logprobs_num].tolist())) for i, r in enumerate(reqs)
+    ]

@@ -1,0 +1,72 @@
+"""OutputProcessor: turns each step's sampled tokens into stream deltas and finish decisions.
+
+It appends tokens, checks max_new_tokens, EOS, min_new_tokens, stop token ids and stop strings,
+detokenizes incrementally (never half a UTF-8 character), streams deltas every
+`stream_interval` tokens, and reports the requests that finished to the Adder with `StepDone`.
+Under overlap a request finished at step N is also in step N+1: that extra token is dropped here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from actors.detokenizer import IncrementalDetokenizer, process_token
+from runtime.actor import Actor
+from runtime.messages import AdderMsg, StepDone, StepOut
+from runtime.req import Req
+from runtime.stream import Delta
+
+
+class OutputProcessor(Actor[StepOut]):
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int):
+        super().__init__("output")
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.stream_interval = stream_interval
+        self.adder: Actor[AdderMsg] | None = None  # set by the Engine (the actors form a cycle)
+        self.generated_tokens = 0
+
+    async def handle(self, msg: StepOut) -> None:
+        batch = msg.batch
+        finished: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            if not batch.produces_token[i] or req.finished or req.abort_requested:
+                continue
+            if self._append(req, i, msg):
+                finished.append(req)
+        assert self.adder is not None
+        await self.adder.send(StepDone(step=batch.step, finished=finished))
+
+    def _append(self, req: Req, i: int, msg: StepOut) -> bool:
+        token = msg.token_ids[i]
+        req.output_ids.append(token)
+        self.generated_tokens += 1
+        if req.unsent is None:
+            req.unsent = Delta(rid=req.rid)
+        delta = req.unsent
+        delta.output_ids.append(token)
+        if msg.logprobs is not None and req.return_logprob:
+            req.output_logprobs.append(msg.logprobs[i])
+            delta.logprobs.append(msg.logprobs[i])
+        if msg.top_logprobs is not None and req.top_logprobs_num:
+            req.output_top_logprobs.append(msg.top_logprobs[i])
+            delta.top_logprobs.append(msg.top_logprobs[i])
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+        text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
+        delta.text += text
+        delta.completion_tokens = len(req.output_ids)
+        if reason is not None:
+            req.finish_reason = reason
+            delta.finish_reason = reason.kind
+            delta.matched_stop = reason.matched
+            delta.prompt_tokens = len(req.origin_input_ids)
+            delta.cached_tokens = req.cached_tokens
+        if reason is not None or len(req.output_ids) % self.stream_interval == 0:
+            req.unsent = None
+            if req.stream is not None:
+                req.stream.push(delta)
+        if reason is not None:
+            req.detokenizer = None
+        return reason is not None

@@ -1,0 +1,163 @@
+"""Receiver: validates and tokenizes requests, builds `Req`s, routes aborts.
+
+Bad input is answered here, before anything is queued or allocated: the caller's stream ends at
+once with status 400 and a message naming the parameter. The Receiver owns the registry of live
+requests (rid -> Req); a request leaves it when its stream delivers the final delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.messages import AbortRequest, Enqueue, GenerateSpec, PolicyMsg, Submit, Wake
+from runtime.req import Req
+from runtime.sampling_params import SamplingParams
+
+# A request without a priority gets the worst value (as in SGLang).
+WORST_PRIORITY = 2**62
+
+
+class InvalidInput(Exception):
+    """A request the engine refuses; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    context_len: int
+    vocab_size: int
+    kv_pool_size: int
+
+
+class Receiver(Actor[Submit | AbortRequest]):
+    def __init__(self, config: EngineConfig, tokenizer: Any, limits: ModelLimits, policy: Actor[PolicyMsg], adder: Actor):
+        super().__init__("receiver")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.policy = policy
+        self.adder = adder
+        self.live: dict[str, Req] = {}
+
+    async def handle(self, msg: Submit | AbortRequest) -> None:
+        if isinstance(msg, AbortRequest):
+            await self._abort(msg.rid)
+            return
+        try:
+            req = await self._build(msg)
+        except InvalidInput as exc:
+            msg.stream.finish("abort", error=str(exc), status=400, param=exc.param)
+            return
+        self.live[req.rid] = req
+        msg.stream.on_final = lambda rid=req.rid: self.live.pop(rid, None)
+        await self.policy.send(Enqueue(req))
+
+    def fail_all(self, message: str) -> None:
+        """The engine failed: end every live request with an error (called by the supervisor)."""
+        for req in list(self.live.values()):
+            if req.stream is not None:
+                req.stream.finish("abort", error=message, status=500)
+        self.live.clear()
+
+    async def _abort(self, rid: str) -> None:
+        req = self.live.get(rid)
+        if req is None or req.abort_requested:
+            return
+        req.abort_requested = True
+        # Whoever holds the request now sees the flag; both are told to look.
+        await self.policy.send(Wake())
+        await self.adder.send(Wake())
+
+    async def _build(self, msg: Submit) -> Req:
+        spec = msg.spec
+        if spec.rid in self.live:
+            raise InvalidInput(f"request id {spec.rid!r} is already in use", "rid")
+        sampling = self._sampling(spec)
+        input_ids = await self._input_ids(spec)
+        sampling = self._fit_to_context(sampling, len(input_ids))
+        now = time.monotonic()
+        return Req(
+            rid=spec.rid,
+            origin_input_ids=input_ids,
+            sampling=sampling,
+            priority=self._priority(spec.priority),
+            routing_key=spec.routing_key,
+            extra_key=spec.extra_key,
+            return_logprob=spec.return_logprob,
+            top_logprobs_num=spec.top_logprobs_num,
+            arrival_time=now,
+            enqueue_time=now,
+            stream=msg.stream,
+        )
+
+    def _sampling(self, spec: GenerateSpec) -> SamplingParams:
+        try:
+            params = msgspec.convert(spec.sampling, SamplingParams)
+        except msgspec.ValidationError as exc:
+            raise InvalidInput(f"invalid sampling_params: {exc}", _param_of(str(exc))) from None
+        params = msgspec.structs.replace(params, logprobs=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num)
+        error = params.validation_error(self.limits.vocab_size)
+        if error:
+            raise InvalidInput(error, error.split(" ", 1)[0])
+        return params
+
+    async def _input_ids(self, spec: GenerateSpec) -> list[int]:
+        if (spec.text is None) == (spec.input_ids is None):
+            raise InvalidInput("give exactly one of text and input_ids", "text")
+        if spec.input_ids is not None:
+            ids = list(spec.input_ids)
+            bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
+            if bad:
+                raise InvalidInput(f"input_ids {bad[:5]} are outside the vocabulary [0, {self.limits.vocab_size})", "input_ids")
+        elif len(spec.text) > self.config.tokenize_off_loop_chars:
+            ids = await asyncio.to_thread(self.tokenizer.encode, spec.text)  # a long prompt must not stall the loop
+        else:
+            ids = self.tokenizer.encode(spec.text)
+        if not ids:
+            raise InvalidInput("the prompt is empty", "input_ids" if spec.input_ids is not None else "text")
+        return ids
+
+    def _fit_to_context(self, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
+        limits = self.limits
+        if prompt_len >= limits.context_len:
+            raise InvalidInput(
+                f"the prompt has {prompt_len} tokens, but the context length is {limits.context_len} tokens "
+                "(the prompt must leave room for at least one new token)",
+                "input_ids",
+            )
+        if prompt_len >= limits.kv_pool_size:
+            raise InvalidInput(f"the prompt has {prompt_len} tokens, more than the KV pool holds ({limits.kv_pool_size})", "input_ids")
+        room = limits.context_len - prompt_len
+        if sampling.max_new_tokens > room:
+            # As SGLang does: generate up to the context length instead of refusing.
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=room, min_new_tokens=min(sampling.min_new_tokens, room))
+        return sampling
+
+    def _priority(self, priority: int | None) -> int:
+        cfg = self.config
+        if not cfg.enable_priority_scheduling:
+            if priority is not None and cfg.abort_on_priority_when_disabled:
+                raise InvalidInput("priority was given but priority scheduling is disabled (enable_priority_scheduling)", "priority")
+            return 0
+        if priority is None:
+            return WORST_PRIORITY if cfg.schedule_low_priority_values_first else -WORST_PRIORITY
+        return priority
+
+
+def _param_of(message: str) -> str | None:
+    # msgspec names the path as "... - at `$.field`"
+    if "`$." in message:
+        return message.split("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0]
+    if "unknown field" in message.lower() and "`" in message:
+        return message.split("`", 2)[1]
+    return None

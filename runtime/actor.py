@@ -1,0 +1,89 @@
+"""The actor base: a bounded mailbox, a run loop, an orderly stop and failure reporting.
+
+An actor owns its state and changes it only inside `handle`, one message at a time, on the event
+loop thread. A full mailbox makes `send` wait: that is how backpressure travels from the device
+back to admission. If `handle` raises, the actor stops and the `on_exit` callback given to
+`start` hears about it; the Engine then fails every in-flight request (nothing hangs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import msgspec
+
+M = TypeVar("M")
+
+DEFAULT_MAILBOX_SIZE = 1024
+
+
+class Stop(msgspec.Struct, frozen=True):
+    """Ends an actor's loop once the messages sent before it are handled (a drain)."""
+
+
+ExitCallback = Callable[["Actor", BaseException | None], None]
+
+
+class Actor(ABC, Generic[M]):
+    def __init__(self, name: str, mailbox_size: int = DEFAULT_MAILBOX_SIZE):
+        self.name = name
+        self.mailbox: asyncio.Queue[M | Stop] = asyncio.Queue(mailbox_size)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._on_exit: ExitCallback | None = None
+
+    @abstractmethod
+    async def handle(self, msg: M) -> None:
+        """Handle one message; may send messages to other actors."""
+
+    async def send(self, msg: M) -> None:
+        await self.mailbox.put(msg)
+
+    def start(self, on_exit: ExitCallback) -> None:
+        self._on_exit = on_exit
+        self.spawn(self._run(), "loop")
+
+    def spawn(self, coro, what: str) -> asyncio.Task[None]:
+        """Run a helper coroutine that belongs to this actor: its failure is the actor's failure."""
+        task = asyncio.get_running_loop().create_task(coro, name=f"{self.name}.{what}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+        return task
+
+    @property
+    def running(self) -> bool:
+        return any(not t.done() for t in self._tasks)
+
+    async def stop(self, drain: bool = True, timeout: float = 5.0) -> None:
+        """Drain (handle what is queued, then stop) or cancel; never leaves a task behind."""
+        if drain and self.running:
+            try:
+                self.mailbox.put_nowait(Stop())
+            except asyncio.QueueFull:
+                drain = False
+        if drain:
+            await asyncio.wait([t for t in self._tasks if not t.done()] or [asyncio.sleep(0)], timeout=timeout)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+
+    async def on_stop(self) -> None:
+        """Called once when the loop ends by a drain; subclasses release what they hold."""
+
+    async def _run(self) -> None:
+        while True:
+            msg = await self.mailbox.get()
+            if isinstance(msg, Stop):
+                await self.on_stop()
+                return
+            await self.handle(msg)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and self._on_exit is not None:
+            self._on_exit(self, error)

@@ -1,0 +1,114 @@
+"""The messages between actors, one tagged union per mailbox.
+
+    Receiver  <- Submit | AbortRequest
+    Policy    <- Enqueue | Pull | Requeue | Wake
+    Adder     <- Ranked | StepDone | Wake | FlushCache
+    Executor  <- Batch
+    Output    <- StepOut
+
+`Req` objects travel by reference (see runtime/req.py for who writes which field), and device
+tensors ride along in `Batch`; inside one process nothing is copied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import torch
+
+from runtime.forward_mode import ForwardMode
+from runtime.req import Req
+from runtime.stream import RequestStream
+
+
+class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """A request as a caller states it, before validation and tokenization."""
+
+    rid: str
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling: dict[str, Any] = {}
+    priority: int | None = None
+    routing_key: str | None = None
+    extra_key: str | None = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+
+# --- Receiver ---------------------------------------------------------------------------------
+class Submit(msgspec.Struct, frozen=True, tag=True):
+    spec: GenerateSpec
+    stream: RequestStream
+
+
+class AbortRequest(msgspec.Struct, frozen=True, tag=True):
+    rid: str
+
+
+# --- Policy -----------------------------------------------------------------------------------
+class Enqueue(msgspec.Struct, frozen=True, tag=True):
+    req: Req
+
+
+class Pull(msgspec.Struct, frozen=True, tag=True):
+    """The Adder asks for candidates; `block`: answer only once something is waiting."""
+
+    max_reqs: int
+    running_routing_keys: dict[str, int]
+    block: bool
+
+
+class Requeue(msgspec.Struct, frozen=True, tag=True):
+    reqs: list[Req]
+    front: bool  # candidates not admitted go back in front; preempted/retracted ones at the end
+
+
+class Wake(msgspec.Struct, frozen=True, tag=True):
+    """Something changed for a request this actor may hold (an abort): look again."""
+
+
+# --- Adder ------------------------------------------------------------------------------------
+class Ranked(msgspec.Struct, frozen=True, tag=True):
+    reqs: list[Req]  # best first; the Adder now owns them and returns the ones it does not admit
+    num_waiting: int  # still queued at the Policy after these
+
+
+class StepDone(msgspec.Struct, frozen=True, tag=True):
+    step: int
+    finished: list[Req]
+
+
+class FlushCache(msgspec.Struct, frozen=True, tag=True):
+    done: asyncio.Future
+
+
+# --- Executor ---------------------------------------------------------------------------------
+class Batch(msgspec.Struct, frozen=True, tag=True):
+    """One forward step. Decode rows carry no token values: the Executor reads them from its
+    token pool at (row, position), so this batch can launch before the previous step's tokens
+    reach the host."""
+
+    step: int
+    mode: ForwardMode
+    reqs: list[Req]
+    rows: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    extend_ids: list[list[int] | None]  # None: a decode row, its one input id is in the token pool
+    out_cache_loc: torch.Tensor
+    produces_token: list[bool]  # False for a chunk that does not end its prompt
+
+
+class StepOut(msgspec.Struct, frozen=True, tag=True):
+    batch: Batch
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+    forward_s: float  # seconds the worker spent on this step
+
+
+ReceiverMsg = Submit | AbortRequest
+PolicyMsg = Enqueue | Pull | Requeue | Wake
+AdderMsg = Ranked | StepDone | Wake | FlushCache

@@ -1,0 +1,84 @@
+"""The channel from the actors back to one caller: `RequestStream` of `Delta`s.
+
+Producers never wait on a slow reader: a push merges into the one pending delta, so a client
+that stops reading costs memory bounded by its own output, and the OutputProcessor never blocks.
+The final delta (with `finish_reason`) is delivered exactly once, whoever ends the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+
+
+class Delta(msgspec.Struct, kw_only=True):
+    rid: str
+    text: str = ""  # new text since the previous delta
+    output_ids: list[int] = []  # new token ids since the previous delta
+    logprobs: list[float] = []
+    top_logprobs: list[list[tuple[int, float]]] = []
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    matched_stop: int | str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0  # total so far
+    cached_tokens: int = 0
+    error: str | None = None  # why the request was refused or aborted by the engine
+    param: str | None = None  # the request field an error is about
+    status: int | None = None  # HTTP-like status for refusals: 400 invalid, 503 rejected, 500 engine
+
+    def merge(self, later: Delta) -> None:
+        """Fold a later delta into this one (the reader has not taken this one yet)."""
+        self.text += later.text
+        self.output_ids = self.output_ids + later.output_ids
+        self.logprobs = self.logprobs + later.logprobs
+        self.top_logprobs = self.top_logprobs + later.top_logprobs
+        for name in ("finish_reason", "matched_stop", "error", "param", "status"):
+            if getattr(later, name) is not None:
+                setattr(self, name, getattr(later, name))
+        self.prompt_tokens = later.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = later.completion_tokens
+        self.cached_tokens = later.cached_tokens or self.cached_tokens
+
+
+class RequestStream:
+    def __init__(self, rid: str):
+        self.rid = rid
+        self._pending: Delta | None = None
+        self._ready = asyncio.Event()
+        self._finished = False  # a final delta was pushed
+        self._closed = False  # the reader took the final delta
+        self.on_final: Callable[[], object] | None = None  # the owner's registry forgets the request
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def push(self, delta: Delta) -> bool:
+        """Queue a delta; False (and nothing queued) once the request has already ended."""
+        if self._finished:
+            return False
+        self._finished = delta.finish_reason is not None
+        if self._finished and self.on_final is not None:
+            self.on_final()
+        if self._pending is None:
+            self._pending = delta
+        else:
+            self._pending.merge(delta)
+        self._ready.set()
+        return True
+
+    def finish(self, reason: str, *, error: str | None = None, status: int | None = None, **meta) -> bool:
+        return self.push(Delta(rid=self.rid, finish_reason=reason, error=error, status=status, **meta))
+
+    async def next(self) -> Delta | None:
+        """The next (merged) delta, or None after the final one was taken."""
+        if self._closed:
+            return None
+        await self._ready.wait()
+        delta, self._pending = self._pending, None
+        self._ready.clear()
+        assert delta is not None
+        self._closed = delta.finish_reason is not None
+        return delta
