@@ -34,12 +34,14 @@ class AttentionBackend(ABC):
 @dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
-    kv_slots: torch.Tensor  # [batch, max_seq] slots of each request's sequence (padded with 0)
-    mask: torch.Tensor  # [batch, 1, max_new, max_seq] True where a query may attend
+    kv_slots: torch.Tensor | None  # [batch, max_seq] slots of each request's sequence (padded with 0)
+    mask: torch.Tensor | None  # [batch, 1, max_new, max_seq] True where a query may attend
     # Where packed token t sits in the padded [batch * max_new] layout; None for pure decode.
     pad_index: torch.Tensor | None
     batch_size: int
     max_new: int
+    # One request with nothing cached: attend to the new k/v directly with SDPA's causal kernel.
+    plain_causal: bool
 
 
 class TorchAttention(AttentionBackend):
@@ -51,6 +53,9 @@ class TorchAttention(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         device = batch.input_ids.device
+        if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
+            self._meta = _TorchMetadata(batch.out_cache_loc, None, None, None, 1, batch.extend_lens[0], True)
+            return
         seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
         prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
         max_seq = int(max(batch.seq_lens))
@@ -73,12 +78,18 @@ class TorchAttention(AttentionBackend):
             pad_index=pad_index,
             batch_size=batch.batch_size,
             max_new=max_new,
+            plain_causal=False,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "init_forward_metadata must run before forward"
         self.kv.write(layer_id, meta.out_cache_loc, k, v)
+        if meta.plain_causal:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True
+            )
+            return out[0].transpose(0, 1)
         keys = self.kv.k[layer_id][meta.kv_slots].transpose(1, 2)  # [b, kv_heads, seq, dim]
         values = self.kv.v[layer_id][meta.kv_slots].transpose(1, 2)
         num_heads, head_dim = q.shape[1], q.shape[2]
