@@ -60,6 +60,7 @@ class Executor(Actor[Batch]):
             await self.output.send(out)
 
     # --- worker thread ------------------------------------------------------------------------
+    @torch.inference_mode()
     def run_step(self, batch: Batch) -> StepOut:
         start = time.perf_counter()
         runner = self.runner
@@ -111,7 +112,7 @@ class Executor(Actor[Batch]):
         """Before min_new_tokens, EOS and stop token ids cannot be sampled (as in SGLang)."""
         eos = self.runner.model_config.eos_token_ids
         for i, r in enumerate(reqs):
-            if generated[i] < r.sampling.min_new_tokens:
+            if 0 <= generated[i] < r.sampling.min_new_tokens:
                 banned = list(r.sampling.stop_token_ids) + ([] if r.sampling.ignore_eos else list(eos))
                 if banned:
                     logits[i, banned] = float("-inf")

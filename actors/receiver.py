@@ -37,6 +37,7 @@ class ModelLimits:
     context_len: int
     vocab_size: int
     kv_pool_size: int
+    page_size: int
 
 
 class Receiver(Actor[Submit | AbortRequest]):
@@ -135,11 +136,15 @@ class Receiver(Actor[Submit | AbortRequest]):
                 "(the prompt must leave room for at least one new token)",
                 "input_ids",
             )
-        if prompt_len >= limits.kv_pool_size:
-            raise InvalidInput(f"the prompt has {prompt_len} tokens, more than the KV pool holds ({limits.kv_pool_size})", "input_ids")
-        room = limits.context_len - prompt_len
+        # A request must fit the KV pool on its own, with a page to spare for rounding.
+        pool_room = limits.kv_pool_size - limits.page_size - prompt_len
+        if pool_room < 1:
+            raise InvalidInput(
+                f"the prompt has {prompt_len} tokens, but the KV pool holds only {limits.kv_pool_size} tokens", "input_ids"
+            )
+        room = min(limits.context_len - prompt_len, pool_room)
         if sampling.max_new_tokens > room:
-            # As SGLang does: generate up to the context length instead of refusing.
+            # As SGLang does for the context length: generate up to the limit instead of refusing.
             sampling = msgspec.structs.replace(sampling, max_new_tokens=room, min_new_tokens=min(sampling.min_new_tokens, room))
         return sampling
 

@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description="SGLang's scheduler as asyncio actors.")
     commands = parser.add_subparsers(title="commands")
     _add_generate(commands.add_parser("generate", help="generate text offline (no server)"))
+    from api import serve_cli
+
+    serve_cli.add_parser(commands)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint for tests")
     from gpu import tiny_model
 
@@ -53,35 +56,36 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from gpu.loader import load_tokenizer
-    from gpu.model_runner import ModelRunner, RunnerConfig
-    from gpu.offline import generate
-    from runtime.sampling_params import SamplingParams
+    import uvloop
 
-    runner = ModelRunner(RunnerConfig(model_path=args.model_path, dtype=args.dtype, device=args.device, max_running_requests=1))
-    tokenizer = load_tokenizer(runner.model_dir)
-    prompt_ids = _prompt_ids(args, tokenizer)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    [out] = generate(runner, [prompt_ids], [params])
-    text = tokenizer.decode(out.output_ids, skip_special_tokens=True)
+    return uvloop.run(_generate_async(args))
+
+
+async def _generate_async(args: argparse.Namespace) -> int:
+    from api.engine import Engine
+
+    sampling = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "ignore_eos": args.ignore_eos,
+    }
+    async with Engine(model_path=args.model_path, dtype=args.dtype, device=args.device, max_running_requests=1) as engine:
+        prompt_ids = _prompt_ids(args, engine.tokenizer)
+        out = await engine.generate(input_ids=prompt_ids, sampling_params=sampling)
     if args.json:
         record = {
             "output_ids": out.output_ids,
-            "text": text,
+            "text": out.text,
             "finish_reason": out.finish_reason,
-            "prompt_tokens": len(prompt_ids),
-            "completion_tokens": len(out.output_ids),
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
         }
         print(json.dumps(record))
     else:
-        print(text)
+        print(out.text)
     return 0
 
 

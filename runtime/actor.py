@@ -53,12 +53,12 @@ class Actor(ABC, Generic[M]):
         return task
 
     @property
-    def running(self) -> bool:
+    def alive(self) -> bool:
         return any(not t.done() for t in self._tasks)
 
     async def stop(self, drain: bool = True, timeout: float = 5.0) -> None:
         """Drain (handle what is queued, then stop) or cancel; never leaves a task behind."""
-        if drain and self.running:
+        if drain and self.alive:
             try:
                 self.mailbox.put_nowait(Stop())
             except asyncio.QueueFull:

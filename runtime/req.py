@@ -33,7 +33,7 @@ class FinishReason:
     status: int | None = None  # for aborts the client did not ask for: 503 (queue), 500 (engine error)
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, repr=False)
 class Req:
     rid: str
     origin_input_ids: list[int]
@@ -68,6 +68,9 @@ class Req:
     # Per-request output state lives on the request, so it ends with it whoever ends it.
     detokenizer: Any = None
     unsent: Delta | None = None  # tokens/text held back by stream_interval
+
+    def __repr__(self) -> str:
+        return f"Req({self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, row={self.req_row})"
 
     @property
     def fill_ids(self) -> list[int]:

@@ -1,0 +1,470 @@
+"""Adder: forms every batch. Owns the running set, KV allocation, the prefix cache and its locks.
+
+The loop, driven by messages:
+
+1. While fewer than `overlap_depth` steps are launched and unreported, it pulls ranked candidates
+   from the Policy (`Pull` -> `Ranked`).
+2. It forms one batch: a prefill (chunked request first, then candidates under the PrefillAdder
+   budgets, with priority preemption), else a decode of the running set (evicting cache, then
+   retracting, when KV is short). Candidates it does not admit go back to the Policy.
+3. `StepDone(N)` from the OutputProcessor reports the requests that finished at step N.
+
+A request that leaves the running set (finished, aborted, retracted, preempted) keeps its KV and
+request row until the last launched step that includes it has completed; then they are released
+exactly once (`_release_done`). The token pool and KV slots are only touched by later steps,
+which run after that one, so nothing is overwritten under a step that still reads it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from actors.prefill_adder import (
+    AddResult,
+    Admission,
+    NewTokenRatio,
+    PrefillAdder,
+    match_for_admission,
+    select_preemption_victims,
+    select_retraction_victims,
+)
+from gpu.model_runner import ModelRunner
+from gpu.prefix_cache import PrefixCache
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.forward_mode import ForwardMode
+from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, StepDone, Wake
+from runtime.req import FinishReason, Req
+
+
+@dataclass(slots=True)
+class _Ending:
+    req: Req
+    kind: str  # "finish" | "abort" | "retract" | "preempt"
+
+
+class Adder(Actor[AdderMsg]):
+    def __init__(self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache, executor: Actor[Batch]):
+        super().__init__("adder")
+        self.config = config
+        self.allocator = runner.allocator
+        self.req_to_token = runner.req_to_token
+        self.cache = cache
+        self.executor = executor
+        self.policy: Actor[PolicyMsg] | None = None  # set by the Engine (the actors form a cycle)
+        self.page_size = config.page_size
+        self.max_running = runner.req_to_token.max_requests
+        self.running: list[Req] = []  # prompt fully launched: one decode token per step
+        self.chunked: Req | None = None  # prompt partly launched
+        self.ending: list[_Ending] = []
+        self.ratio = NewTokenRatio(config.schedule_conservativeness)
+        self.in_flight = 0
+        self.next_step = 0
+        self.done_step = -1
+        self._pull_outstanding = False
+        self._stalled = False  # the last round launched nothing: wait for a StepDone
+        self._to_requeue: list[Req] = []  # retracted / preempted, released, not yet sent back
+        self.counters: Counter[str] = Counter()
+        self.scheduler_s = 0.0
+
+    def start(self, on_exit) -> None:
+        super().start(on_exit)
+        self.mailbox.put_nowait(Wake())  # the first pull; after that every message ends in one
+
+    # --- messages -----------------------------------------------------------------------------
+    async def handle(self, msg: AdderMsg) -> None:
+        start = time.perf_counter()
+        if isinstance(msg, Ranked):
+            self._pull_outstanding = False
+            await self._round(msg.reqs)
+        elif isinstance(msg, StepDone):
+            self.in_flight -= 1
+            self.done_step = msg.step
+            self._stalled = False
+            for req in msg.finished:
+                self._leave(req, "finish")
+            self._release_done()
+        elif isinstance(msg, Wake):
+            self._collect_aborts()
+            self._stalled = False
+        elif isinstance(msg, FlushCache):
+            msg.done.set_result(self._flush_cache())
+        self.scheduler_s += time.perf_counter() - start
+        if self._to_requeue:
+            reqs, self._to_requeue = self._to_requeue, []
+            await self._requeue(reqs, front=False)
+        await self._pull_if_ready()
+
+    async def _pull_if_ready(self) -> None:
+        if self._pull_outstanding or self.in_flight >= self.config.overlap_depth:
+            return
+        if self._stalled and self.in_flight > 0:
+            return
+        idle = not self.running and self.chunked is None and self.in_flight == 0
+        assert self.policy is not None
+        self._pull_outstanding = True
+        await self.policy.send(Pull(max_reqs=self._max_candidates(), running_routing_keys=self._routing_keys(), block=idle))
+
+    def _max_candidates(self) -> int:
+        if self.config.enable_priority_scheduling:
+            return self.max_running  # a better newcomer may preempt even when the batch is full
+        return max(0, self.req_to_token.available())
+
+    def _routing_keys(self) -> dict[str, int]:
+        return dict(Counter(r.routing_key for r in self.running if r.routing_key is not None))
+
+    # --- one scheduling round -----------------------------------------------------------------
+    async def _round(self, candidates: list[Req]) -> None:
+        self._collect_aborts()
+        candidates = self._drop_aborted(candidates)
+        batch, leftover = self._form_prefill(candidates)
+        if leftover:
+            await self._requeue(leftover, front=True)
+        if batch is None:
+            batch = self._form_decode()
+        if batch is None:
+            self._stalled = True
+            if not self.running and self.chunked is None and self.in_flight == 0:
+                self.ratio.reset()
+            return
+        await self._launch(batch)
+
+    async def _launch(self, batch: Batch) -> None:
+        self.in_flight += 1
+        self.next_step += 1
+        self.counters["steps"] += 1
+        await self.executor.send(batch)
+        # Requests retracted or preempted while forming this batch go back to the queue only
+        # after their last step is done (see _release_done).
+
+    async def _requeue(self, reqs: list[Req], front: bool) -> None:
+        if reqs:
+            assert self.policy is not None
+            await self.policy.send(Requeue(reqs=reqs, front=front))
+
+    # --- prefill --------------------------------------------------------------------------------
+    def _form_prefill(self, candidates: list[Req]) -> tuple[Batch | None, list[Req]]:
+        """A prefill batch from the chunked request and the candidates; returns it and the
+        candidates not admitted (in order)."""
+        if not candidates and self.chunked is None:
+            return None, []
+        self._cache_chunked_prefix()
+        mixed = self._mixed_decode_reqs()
+        adder = PrefillAdder(
+            page_size=self.page_size,
+            cache=self.cache,
+            free_slots=self.allocator.available_size(),
+            running=self.running,
+            new_token_ratio=self.ratio.value,
+            max_prefill_tokens=self.config.max_prefill_tokens,
+            chunked_prefill_size=self.config.chunked_prefill_size if self.config.chunking_enabled else None,
+            mixed_decode_tokens=len(mixed),
+        )
+        if self.chunked is not None:
+            adder.add_chunked_req(self.chunked)
+        leftover = self._admit_candidates(adder, candidates)
+        if not adder.admitted:
+            return None, leftover
+        return self._prefill_batch(adder, mixed), leftover
+
+    def _admit_candidates(self, adder: PrefillAdder, candidates: list[Req]) -> list[Req]:
+        rows_left = self.req_to_token.available()
+        for i, req in enumerate(candidates):
+            if adder.budget_state() != AddResult.CONTINUE:
+                return candidates[i:]
+            match = match_for_admission(self.cache, req)
+            if rows_left == 0:
+                self._try_preempt(adder, req, match)
+                return candidates[i:]  # victims free their rows after their last step
+            result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
+            admitted = bool(adder.admitted) and adder.admitted[-1].req is req
+            rows_left -= admitted
+            if result != AddResult.CONTINUE:
+                if not admitted and result == AddResult.NO_TOKEN:
+                    self._try_preempt(adder, req, match)
+                return candidates[i + admitted :]
+        return []
+
+    def _try_preempt(self, adder: PrefillAdder, req: Req, match) -> None:
+        """Priority preemption: running requests less important by more than the threshold leave
+        (and are requeued) so that `req` fits next round."""
+        cfg = self.config
+        if not cfg.enable_priority_scheduling or any(e.kind in ("preempt", "retract") for e in self.ending):
+            return  # while earlier victims still hold KV, preempting more would over-preempt
+        sign = 1 if cfg.schedule_low_priority_values_first else -1
+        victims = select_preemption_victims(
+            req, adder.running, adder.preemption_need(req, match), sign,
+            cfg.priority_scheduling_preemption_threshold, adder.reserved_tokens,
+        )
+        for victim in victims or []:
+            self._leave(victim, "preempt")
+            adder.remove_running([victim])
+            self.counters["preemptions"] += 1
+        if victims:
+            self._release_done()
+
+    def _cache_chunked_prefix(self) -> None:
+        """Reference step 1: the computed part of the chunked request goes into the prefix cache."""
+        req = self.chunked
+        if req is None or req.computed_len == 0:
+            return
+        result = self.cache.cache_unfinished_req(req.fill_ids[: req.computed_len], self.req_to_token, req.req_row, req.last_node, req.extra_key)
+        req.last_node = result.last_node
+        req.prefix_len = result.length
+        req.kv_slots[: result.length] = result.slots
+
+    def _mixed_decode_reqs(self) -> list[Req]:
+        """Mixed chunk: running requests decode inside the prefill batch (not when logprobs are wanted)."""
+        cfg = self.config
+        if not (cfg.enable_mixed_chunk and cfg.chunking_enabled) or any(r.return_logprob for r in self.running):
+            return []
+        return [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+
+    def _prefill_batch(self, adder: PrefillAdder, mixed: list[Req]) -> Batch:
+        reqs: list[Req] = []
+        lens: list[int] = []
+        ids: list[list[int] | None] = []
+        slots: list[torch.Tensor] = []
+        produces: list[bool] = []
+        for adm in adder.admitted:
+            new_slots = self._allocate_admission(adm)
+            reqs.append(adm.req)
+            lens.append(adm.extend_len)
+            ids.append(adm.req.fill_ids[adm.prefix_len : adm.prefix_len + adm.extend_len])
+            slots.append(new_slots)
+            produces.append(not adm.truncated)
+        was_chunked, self.chunked = self.chunked, adder.new_chunked_req
+        for adm in adder.admitted:
+            if not adm.truncated and (adm.req is was_chunked or adm.match is not None):
+                self.running.append(adm.req)
+        mode = ForwardMode.EXTEND
+        if mixed and self._free_after_evict(self._decode_slots_needed(mixed)) >= self._decode_slots_needed(mixed):
+            for req in mixed:
+                reqs.append(req)
+                lens.append(1)
+                ids.append(None)
+                slots.append(self._grow(req, 1))
+                produces.append(True)
+            mode = ForwardMode.MIXED
+        return self._batch(mode, reqs, lens, ids, slots, produces)
+
+    def _allocate_admission(self, adm: Admission) -> torch.Tensor:
+        """A row (for a new admission, with its cached prefix) and KV slots for the extend.
+        The budgets guarantee free + evictable covers every extend of the round."""
+        req = adm.req
+        if adm.match is not None:
+            req.req_row = self.req_to_token.alloc()
+            assert req.req_row is not None, "rows were counted before admission"
+            req.kv_slots = adm.match.slots
+            if adm.prefix_len:
+                self.req_to_token.write(req.req_row, 0, req.kv_slots)
+            if req.retractions == 0:
+                req.cached_tokens = adm.prefix_len
+        self._free_after_evict(adm.extend_len + self.page_size)
+        new_slots = self._grow(req, adm.extend_len)
+        assert new_slots is not None, "the PrefillAdder budget guarantees the KV"
+        return new_slots
+
+    # --- decode ---------------------------------------------------------------------------------
+    def _form_decode(self) -> Batch | None:
+        reqs = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        if not reqs:
+            return None
+        if not self._ensure_decode_memory(reqs):
+            return None
+        reqs = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        if not reqs:
+            return None
+        slots = [self._grow(r, 1) for r in reqs]
+        assert all(s is not None for s in slots), "decode memory was checked"
+        self.ratio.decay()
+        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [None] * len(reqs), slots, [True] * len(reqs))
+
+    def _ensure_decode_memory(self, reqs: list[Req]) -> bool:
+        """Make room for one more token per request: evict cache, else retract (never the last)."""
+        need = self._decode_slots_needed(reqs)
+        if self._free_after_evict(need) >= need:
+            return True
+        if self.in_flight > 0 or self.ending:
+            return False  # memory comes back when in-flight steps report; wait for them
+        victims, new_ratio = select_retraction_victims(reqs, self._available_after_release)
+        for victim in victims:
+            self._leave(victim, "retract")
+            self.counters["retractions"] += 1
+        if victims:
+            self.ratio.set(new_ratio)
+            self._release_done()
+        remaining = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        need = self._decode_slots_needed(remaining)
+        if self._free_after_evict(need) >= need:
+            return True
+        # One request alone cannot fit: it cannot finish, so it ends now (SGLang aborts it too).
+        for req in remaining:
+            self._finish_with_error(req, "the KV pool is too small for this request to continue")
+        self._release_done()
+        return False
+
+    def _decode_slots_needed(self, reqs: list[Req]) -> int:
+        return sum(self.page_size for r in reqs if r.computed_len % self.page_size == 0)
+
+    def _available_after_release(self, victims) -> int:
+        owned = sum(r.kv_slots.numel() - r.last_node.depth for r in victims)
+        return self.allocator.available_size() + self.cache.evictable_size() + owned
+
+    def _free_after_evict(self, need: int) -> int:
+        available = self.allocator.available_size()
+        if available < need:
+            self.cache.evict(need - available)
+            available = self.allocator.available_size()
+        return available
+
+    # --- batches and KV -------------------------------------------------------------------------
+    def _grow(self, req: Req, num_tokens: int) -> torch.Tensor | None:
+        """Allocate KV slots for the next `num_tokens` positions of `req` and record them."""
+        held = 0 if req.kv_slots is None else req.kv_slots.numel()
+        last = int(req.kv_slots[-1]) if held else None
+        slots = self.allocator.alloc_extend(held, last, num_tokens)
+        if slots is None:
+            return None
+        self.req_to_token.write(req.req_row, held, slots)
+        req.kv_slots = slots if req.kv_slots is None else torch.cat([req.kv_slots, slots])
+        return slots
+
+    def _batch(
+        self,
+        mode: ForwardMode,
+        reqs: list[Req],
+        extend_lens: list[int],
+        extend_ids: list[list[int] | None],
+        slots: list[torch.Tensor],
+        produces_token: list[bool],
+    ) -> Batch:
+        step = self.next_step
+        prefix_lens = []
+        for req, n, makes_token in zip(reqs, extend_lens, produces_token):
+            prefix_lens.append(req.computed_len)
+            req.computed_len += n
+            req.last_step = step
+            if makes_token:
+                req.launched_outputs += 1
+        # A request whose last token is now launched needs no more steps: it leaves the running
+        # set now and is released once this step has reported (no wasted step for "length").
+        for req in reqs:
+            if req in self.running and req.launched_outputs >= req.max_new_tokens:
+                self._leave(req, "finish")
+        return Batch(
+            step=step,
+            mode=mode,
+            reqs=reqs,
+            rows=[r.req_row for r in reqs],
+            prefix_lens=prefix_lens,
+            extend_lens=extend_lens,
+            extend_ids=extend_ids,
+            out_cache_loc=torch.cat(slots),
+            produces_token=produces_token,
+        )
+
+    # --- leaving and releasing ------------------------------------------------------------------
+    def _leave(self, req: Req, kind: str) -> None:
+        """Take `req` out of the running set; its KV is released after its last step is done."""
+        if req in self.running:
+            self.running.remove(req)
+        elif self.chunked is req:
+            self.chunked = None
+        elif any(e.req is req for e in self.ending):
+            return
+        self.ending.append(_Ending(req, kind))
+
+    def _release_done(self) -> None:
+        keep: list[_Ending] = []
+        requeue: list[Req] = []
+        for ending in self.ending:
+            if ending.req.last_step > self.done_step:
+                keep.append(ending)
+                continue
+            req = ending.req
+            self._release(req, cache_it=ending.kind == "finish" and not req.abort_requested)
+            if ending.kind in ("retract", "preempt") and not req.finished and not req.abort_requested:
+                self._reset_for_requeue(req)
+                requeue.append(req)
+        self.ending = keep
+        self._to_requeue.extend(requeue)
+
+    def _release(self, req: Req, cache_it: bool) -> None:
+        if req.req_row is None:
+            return
+        slots = req.kv_slots if req.kv_slots is not None else torch.empty(0, dtype=torch.int64)
+        if cache_it:
+            # Slots past the computed tokens (none today) are freed by the cache as well.
+            self.cache.cache_finished_req(req.fill_ids[: req.computed_len], slots, req.last_node, req.extra_key)
+        else:
+            self.cache.release_req(slots, req.last_node)
+        self.req_to_token.free(req.req_row)
+        req.req_row, req.kv_slots, req.last_node = None, None, None
+
+    def _reset_for_requeue(self, req: Req) -> None:
+        req.prefix_len = 0
+        req.computed_len = 0
+        req.chunk_end = None
+        req.launched_outputs = len(req.output_ids)
+        req.retractions += 1
+        req.enqueue_time = time.monotonic()
+
+    def _collect_aborts(self) -> None:
+        for req in [r for r in self.running if r.abort_requested] + ([self.chunked] if self.chunked and self.chunked.abort_requested else []):
+            self._leave(req, "abort")
+            self._end_stream(req, "abort", None, None)
+            self.counters["aborted"] += 1
+        self._release_done()
+
+    def _drop_aborted(self, candidates: list[Req]) -> list[Req]:
+        keep = []
+        for req in candidates:
+            if req.abort_requested:
+                self._end_stream(req, "abort", None, None)
+                self.counters["aborted"] += 1
+            else:
+                keep.append(req)
+        return keep
+
+    def _finish_with_error(self, req: Req, message: str) -> None:
+        self._leave(req, "abort")
+        req.finish_reason = FinishReason("abort", message=message, status=500)
+        self._end_stream(req, "abort", message, 500)
+        self.counters["aborted"] += 1
+
+    @staticmethod
+    def _end_stream(req: Req, reason: str, error: str | None, status: int | None) -> None:
+        if req.stream is not None:
+            req.stream.finish(
+                reason, error=error, status=status, prompt_tokens=len(req.origin_input_ids),
+                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
+            )
+
+    # --- cache and stats -------------------------------------------------------------------------
+    def _flush_cache(self) -> bool:
+        if self.running or self.chunked or self.ending or self.in_flight:
+            return False
+        self.cache.reset()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_pool_size": self.allocator.size,
+            "kv_free": self.allocator.available_size(),
+            "kv_cached": self.cache.total_size(),
+            "kv_evictable": self.cache.evictable_size(),
+            "num_running": len(self.running) + (self.chunked is not None),
+            "new_token_ratio": self.ratio.value,
+            "steps": self.counters["steps"],
+            "retractions": self.counters["retractions"],
+            "preemptions": self.counters["preemptions"],
+            "aborted": self.counters["aborted"],
+            "scheduler_s": self.scheduler_s,
+            "rows_free": self.req_to_token.available(),
+        }

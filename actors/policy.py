@@ -1,0 +1,115 @@
+"""Policy: owns the waiting queue; orders it when the Adder pulls candidates.
+
+Admission limits that depend on the queue live here because the queue does: `max_queued_requests`
+(with priority scheduling, a strictly better newcomer evicts the worst queued request; otherwise
+the newcomer is refused) and `queue_timeout_s`. Refused, evicted and timed-out requests end with
+status 503; aborted ones with finish_reason "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+
+from actors.policy_order import QueueOrderer
+from gpu.prefix_cache import PrefixCache
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.messages import AdderMsg, Enqueue, PolicyMsg, Pull, Ranked, Requeue, Wake
+from runtime.req import Req
+
+QUEUE_FULL = "The request queue is full."
+
+
+class Policy(Actor[PolicyMsg]):
+    def __init__(self, config: EngineConfig, prefix_cache: PrefixCache, adder: Actor[AdderMsg]):
+        super().__init__("policy")
+        self.config = config
+        self.adder = adder
+        # The one sanctioned read of the Adder's prefix cache: match_prefix to order the queue.
+        self.orderer = QueueOrderer(config, prefix_cache, random.Random(config.random_seed))
+        self.waiting: list[Req] = []
+        self._parked: Pull | None = None
+        self.rejected = 0
+        self.timed_out = 0
+
+    def start(self, on_exit) -> None:
+        super().start(on_exit)
+        if self.config.queue_timeout_s is not None:
+            self.spawn(self._tick(self.config.queue_timeout_s / 4), "timeout-ticker")
+
+    async def handle(self, msg: PolicyMsg) -> None:
+        if isinstance(msg, Enqueue):
+            self._admit(msg.req)
+        elif isinstance(msg, Requeue):
+            self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
+        elif isinstance(msg, Pull):
+            self._parked = msg
+        self._drop_aborted_and_expired()
+        if self._parked is not None and (self.waiting or not self._parked.block):
+            pull, self._parked = self._parked, None
+            await self._answer(pull)
+
+    async def on_stop(self) -> None:
+        for req in self.waiting:
+            _end(req, "abort", "the engine is shutting down", 503)
+        self.waiting.clear()
+
+    async def _answer(self, pull: Pull) -> None:
+        given: list[Req] = []
+        if pull.max_reqs and self.waiting:
+            ordered = self.orderer.order(self.waiting, Counter(pull.running_routing_keys))
+            given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
+        await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
+
+    def _admit(self, req: Req) -> None:
+        limit = self.config.max_queued_requests
+        if limit is None or len(self.waiting) < limit:
+            self.waiting.append(req)
+            return
+        worst = self._worst_waiting() if self.config.enable_priority_scheduling else None
+        if worst is not None and self._better(req, worst):
+            self.waiting.remove(worst)
+            self.rejected += 1
+            _end(worst, "abort", "evicted from the queue by a higher-priority request", 503)
+            self.waiting.append(req)
+        else:
+            self.rejected += 1
+            _end(req, "abort", QUEUE_FULL, 503)
+
+    def _worst_waiting(self) -> Req | None:
+        if not self.waiting:
+            return None
+        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        # Worst priority; among equals the newest goes first.
+        return max(self.waiting, key=lambda r: (r.priority * sign, r.enqueue_time))
+
+    def _better(self, a: Req, b: Req) -> bool:
+        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        return a.priority * sign < b.priority * sign
+
+    def _drop_aborted_and_expired(self) -> None:
+        timeout = self.config.queue_timeout_s
+        now = time.monotonic()
+        keep: list[Req] = []
+        for req in self.waiting:
+            if req.abort_requested:
+                _end(req, "abort", None, None)
+            elif timeout is not None and now - req.enqueue_time > timeout:
+                self.timed_out += 1
+                _end(req, "abort", f"the request waited in the queue longer than {timeout} s", 503)
+            else:
+                keep.append(req)
+        self.waiting = keep
+
+    async def _tick(self, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            await self.send(Wake())
+
+
+def _end(req: Req, reason: str, error: str | None, status: int | None) -> None:
+    if req.stream is not None:
+        req.stream.finish(reason, error=error, status=status, prompt_tokens=len(req.origin_input_ids))

@@ -1,0 +1,142 @@
+"""Prometheus metrics of one server, named like SGLang's with our own prefix
+(`sglang:num_running_reqs` -> `actorserve:num_running_reqs`).
+
+Each app has its own registry, so several servers in one process (tests) never share counts.
+Two sources: what the server observes per request (tokens, latencies, aborts) is recorded as it
+happens; what the engine owns (running/queued requests, KV, preemptions, retractions) is read from
+`Engine.stats()` at scrape time by a collector, so the engine needs no knowledge of Prometheus.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from runtime.stream import Delta
+
+PREFIX = "actorserve"
+# Seconds. Wide on purpose: a CPU test model and a loaded GPU server both land inside.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05,
+               0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0)
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self.registry = CollectorRegistry()
+        reg, p = self.registry, PREFIX
+        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=reg)
+        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Inter-token latency", buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram(f"{p}:request_queue_time_seconds", "Time waiting in the queue", buckets=LATENCY_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens of finished requests", registry=reg)
+        self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=reg)
+        self.cached_tokens = Counter(f"{p}:cached_tokens", "Prompt tokens served from the prefix cache", registry=reg)
+        self.requests = Counter(f"{p}:num_requests", "Requests that reached the engine", registry=reg)
+        self.aborted = Counter(f"{p}:num_aborted_requests", "Requests that ended without finishing", registry=reg)
+        # Plain copies for the cache hit rate: reading a Counter's value back is not public API.
+        self.prompt_total = 0
+        self.cached_total = 0
+        reg.register(_EngineCollector(stats, self))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        self.requests.inc()
+        return RequestTracker(self)
+
+    def cache_hit_rate(self) -> float:
+        return self.cached_total / self.prompt_total if self.prompt_total else 0.0
+
+
+class RequestTracker:
+    """Latency bookkeeping of one engine request, fed every delta it yields."""
+
+    __slots__ = ("metrics", "start", "last", "ended")
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = time.perf_counter()
+        self.last: float | None = None
+        self.ended = False
+
+    def on_delta(self, delta: Delta) -> None:
+        m, now, n = self.metrics, time.perf_counter(), len(delta.output_ids)
+        if n:
+            if self.last is None:
+                m.ttft.observe(now - self.start)
+            else:
+                # A delta may carry several tokens (stream_interval): spread the gap over them.
+                gap = (now - self.last) / n
+                for _ in range(n):
+                    m.itl.observe(gap)
+            self.last = now
+            m.generation_tokens.inc(n)
+        if delta.finish_reason is not None:
+            self._end(delta, now)
+
+    def refused(self) -> None:
+        """The engine refused the input (a 400): not an abort."""
+        self.ended = True
+
+    def on_exit(self) -> None:
+        """The request left without a final delta: the client went away or it was refused."""
+        if not self.ended:
+            self.ended = True
+            self.metrics.aborted.inc()
+
+    def _end(self, delta: Delta, now: float) -> None:
+        m = self.metrics
+        self.ended = True
+        m.e2e.observe(now - self.start)
+        m.prompt_tokens.inc(delta.prompt_tokens)
+        m.cached_tokens.inc(delta.cached_tokens)
+        m.prompt_total += delta.prompt_tokens
+        m.cached_total += delta.cached_tokens
+        # Forward-compatible: observed once the engine reports how long a request queued.
+        queue_time = getattr(delta, "queue_time", None)
+        if queue_time is not None:
+            m.queue_time.observe(queue_time)
+        if delta.finish_reason == "abort":
+            m.aborted.inc()
+
+
+class _EngineCollector:
+    """Engine-owned numbers, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], metrics: ServerMetrics):
+        self.stats = stats
+        self.metrics = metrics
+        self._last_tokens: tuple[float, int] | None = None  # (time, generated) at the last scrape
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats()
+        if not s.get("running", True):
+            return
+        p = PREFIX
+        pool = max(1, s["kv_pool_size"])
+        used = pool - s["kv_free"] - s["kv_evictable"]  # evictable cache is free for the taking
+        yield GaugeMetricFamily(f"{p}:num_running_reqs", "Requests in the running batch", value=s["num_running"])
+        yield GaugeMetricFamily(f"{p}:num_queue_reqs", "Requests waiting in the queue", value=s["num_waiting"])
+        yield GaugeMetricFamily(f"{p}:num_used_tokens", "KV slots held (not free, not evictable)", value=used)
+        yield GaugeMetricFamily(f"{p}:token_usage", "Fraction of the KV pool held", value=used / pool)
+        yield GaugeMetricFamily(f"{p}:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", value=self.metrics.cache_hit_rate())
+        yield GaugeMetricFamily(f"{p}:gen_throughput", "Generated tokens per second since the last scrape", value=self._throughput(s))
+        yield CounterMetricFamily(f"{p}:num_preemptions", "Requests preempted by higher-priority ones", value=s["preemptions"])
+        yield CounterMetricFamily(f"{p}:num_retractions", "Requests retracted on KV shortage", value=s["retractions"])
+        yield CounterMetricFamily(f"{p}:num_rejected_requests", "Requests refused by a full queue or evicted from it", value=s["rejected"])
+        yield CounterMetricFamily(f"{p}:num_queue_timeouts", "Requests that waited longer than the queue timeout", value=s["queue_timeouts"])
+        yield CounterMetricFamily(f"{p}:forward_steps", "Forward steps run", value=s["forward_steps"])
+
+    def _throughput(self, s: dict[str, Any]) -> float:
+        now, tokens = time.monotonic(), s["generated_tokens"]
+        last, self._last_tokens = self._last_tokens, (now, tokens)
+        if last is None or now <= last[0]:
+            return 0.0
+        return (tokens - last[1]) / (now - last[0])

@@ -1,0 +1,492 @@
+"""The HTTP server: an aiohttp application over one `api.Engine`.
+
+    OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    SGLang-native       POST /generate, GET /health, GET /health_generate, GET /get_server_info,
+                        GET /get_model_info, POST /flush_cache, POST /abort_request
+    Prometheus          GET /metrics
+
+Every error is answered in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
+A streamed answer waits for the request's first delta before sending headers, so refusals
+(invalid input, full queue, queue timeout, priority eviction) keep their real status codes; a
+failure after the headers ends the stream with an error event and `data: [DONE]`.
+
+Disconnects: the runner is made with `handler_cancellation=True`, so aiohttp cancels a handler
+whose client went away, streaming or not. Every engine stream is consumed under `aclosing`, and
+the cancellation runs `Engine.stream`'s `finally`, which sends the abort at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from api.metrics import ServerMetrics
+from api.openai_response import (
+    Choice,
+    TokenText,
+    chat_chunk,
+    chat_response,
+    chat_role_chunk,
+    completion_chunk,
+    completion_response,
+    generate_body,
+    usage_chunk,
+)
+from api.openai_schema import (
+    AbortRequestBody,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EngineCall,
+    GenerateRequest,
+    chat_calls,
+    chat_messages,
+    completion_calls,
+    decode,
+    error_body,
+    generate_calls,
+    invalid,
+)
+from runtime.stream import Delta
+
+log = logging.getLogger("actorserve.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
+DONE = b"data: [DONE]\n\n"
+# Paths answered without an API key: probes and scrapers rarely carry one (as in SGLang).
+OPEN_PATHS = ("/health", "/health_generate", "/metrics")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: the model directory's name
+    max_body_bytes: int = 32 * 2**20
+    health_timeout_s: float = 20.0
+    shutdown_timeout_s: float = 5.0
+
+
+class Server:
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics(engine.stats)
+        self.model_name = settings.served_model_name or _default_model_name(engine.config.model_path)
+        self.model_aliases = {self.model_name, engine.config.model_path or self.model_name}
+        self.context_len = engine.config.context_length or 0
+        self.live: set[str] = set()  # rids of requests this server has in the engine
+        self._token_texts: dict[int, str] = {}
+        self.app = self._make_app()
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=[self._errors, self._auth])
+        post, get = web.post, web.get
+        app.add_routes([
+            post("/v1/completions", self.completions),
+            post("/v1/chat/completions", self.chat_completions),
+            get("/v1/models", self.models),
+            post("/generate", self.generate),
+            get("/health", self.health),
+            get("/health_generate", self.health_generate),
+            get("/get_server_info", self.server_info),
+            get("/get_model_info", self.model_info),
+            get("/flush_cache", self.flush_cache),
+            post("/flush_cache", self.flush_cache),
+            post("/abort_request", self.abort_request),
+            get("/metrics", self.prometheus),
+        ])
+        return app
+
+    # --- middlewares --------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        except InvalidRequest as exc:
+            return _error_response(400, str(exc), param=exc.param)
+        except Rejected as exc:
+            return _error_response(503, str(exc))
+        except EngineError as exc:
+            return _error_response(500, str(exc), code="engine_error")
+        except web.HTTPException as exc:
+            return _http_error(exc)
+        except Exception as exc:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            return _error_response(500, f"internal error: {exc!r}")
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        key = self.settings.api_key
+        if key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
+        return await handler(request)
+
+    # --- OpenAI -------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode(await request.read(), CompletionRequest)
+        self._check_model(req.model)
+        rid, calls = completion_calls(req, self.context_len)
+        token_text = self._token_text if req.logprobs is not None else None
+        created = int(time.time())
+        if not req.stream:
+            choices = await self._collect(calls)
+            return _json(completion_response(rid, self.model_name, created, choices, token_text))
+
+        choices = [Choice(c.index, c.prompt_index) for c in calls]
+        offsets = [0] * len(calls)  # text offsets of each choice, for streamed logprobs
+
+        def chunk(call: EngineCall, delta: Delta) -> dict[str, Any]:
+            choices[call.index].add(delta)
+            body = completion_chunk(rid, self.model_name, created, call.index, delta, offsets[call.index], token_text)
+            offsets[call.index] += len(delta.text)
+            return body
+
+        def closing() -> list[dict[str, Any]]:
+            return [usage_chunk(rid, "text_completion", self.model_name, created, choices)] if req.include_usage else []
+
+        return await self._stream(request, calls, chunk, [], closing)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = decode(await request.read(), ChatCompletionRequest)
+        self._check_model(req.model)
+        input_ids = await self._render_chat(chat_messages(req), req.chat_template_kwargs or {})
+        rid, calls = chat_calls(req, input_ids, self.context_len)
+        token_text = self._token_text if req.logprobs else None
+        created = int(time.time())
+        if not req.stream:
+            choices = await self._collect(calls)
+            return _json(chat_response(rid, self.model_name, created, choices, token_text))
+
+        choices = [Choice(c.index, c.prompt_index) for c in calls]
+
+        def chunk(call: EngineCall, delta: Delta) -> dict[str, Any]:
+            choices[call.index].add(delta)
+            return chat_chunk(rid, self.model_name, created, call.index, delta, token_text)
+
+        def closing() -> list[dict[str, Any]]:
+            return [usage_chunk(rid, "chat.completion.chunk", self.model_name, created, choices)] if req.include_usage else []
+
+        opening = [chat_role_chunk(rid, self.model_name, created, c.index) for c in calls]
+        return await self._stream(request, calls, chunk, opening, closing)
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "actorserve",
+            "root": self.engine.config.model_path or self.model_name,
+            "max_model_len": self.context_len,
+        }
+        return _json({"object": "list", "data": [card]})
+
+    async def _stream(
+        self,
+        request: web.Request,
+        calls: list[EngineCall],
+        chunk: Callable[[EngineCall, Delta], dict[str, Any]],
+        opening: list[dict[str, Any]],
+        closing: Callable[[], list[dict[str, Any]]],
+    ) -> web.StreamResponse:
+        """Server-sent events: `opening`, one `chunk` per delta, `closing()`, then [DONE]."""
+        async with contextlib.aclosing(self._deltas(calls)) as deltas:
+            item = await anext(deltas, None)  # a refusal raises here, before any header
+            sse = await _open_sse(request)
+            try:
+                for body in opening:
+                    await _send(sse, body)
+                while item is not None:
+                    await _send(sse, chunk(*item))
+                    item = await anext(deltas, None)
+                for body in closing():
+                    await _send(sse, body)
+            except (InvalidRequest, Rejected, EngineError) as exc:
+                await _send(sse, _exception_body(exc))
+            except ConnectionResetError:
+                return sse  # the client is gone; leaving this block aborts its requests
+        with contextlib.suppress(ConnectionResetError):
+            await sse.write(DONE)
+        return sse
+
+    async def _render_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise invalid("this model has no chat template: use /v1/completions", "messages", code="no_chat_template")
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+            # The template already placed any BOS it wants.
+            return tokenizer.encode(text, add_special_tokens=False)
+
+        try:
+            if sum(len(m["content"]) for m in messages) > self.engine.config.tokenize_off_loop_chars:
+                return await asyncio.to_thread(render)  # a long conversation must not stall the loop
+            return render()
+        except Exception as exc:  # jinja errors, template-raised exceptions, bad kwargs
+            raise invalid(f"the chat template could not render these messages: {exc}", "messages") from None
+
+    # --- native -------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        req = decode(await request.read(), GenerateRequest)
+        calls, batch = generate_calls(req)
+        token_text = self._token_text if req.return_text_in_logprobs else None
+        start = time.perf_counter()
+
+        def body(choice: Choice) -> dict[str, Any]:
+            index = choice.index if batch else None
+            return generate_body(choice, time.perf_counter() - start, logprobs=req.return_logprob, token_text=token_text, index=index)
+
+        if not req.stream:
+            choices = await self._collect(calls)
+            return _json([body(c) for c in choices] if batch else body(choices[0]))
+        choices = [Choice(c.index, c.prompt_index) for c in calls]
+
+        def chunk(call: EngineCall, delta: Delta) -> dict[str, Any]:
+            choices[call.index].add(delta)
+            return body(choices[call.index])  # cumulative text, as SGLang streams
+
+        return await self._stream(request, calls, chunk, [], list)
+
+    async def health(self, request: web.Request) -> web.Response:
+        failure = self._failure()
+        if failure is not None:
+            return _error_response(503, failure, code="engine_unhealthy")
+        return web.Response(text="OK")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """A real one-token generation through every actor."""
+        call = EngineCall(0, 0, None, [0], {"max_new_tokens": 1, "temperature": 0.0}, {"rid": f"health-{uuid.uuid4().hex}"})
+        try:
+            await asyncio.wait_for(self._collect([call]), self.settings.health_timeout_s)
+        except TimeoutError:
+            return _error_response(503, f"no token within {self.settings.health_timeout_s} s", code="engine_unhealthy")
+        except (Rejected, EngineError) as exc:
+            return _error_response(503, str(exc), code="engine_unhealthy")
+        return web.Response(text="OK")
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        s = self.settings
+        info = {
+            **msgspec.structs.asdict(self.engine.config),
+            "served_model_name": self.model_name,
+            "host": s.host,
+            "port": s.port,
+            "max_body_bytes": s.max_body_bytes,
+            "stats": {**self.engine.stats(), "http_live_requests": len(self.live)},
+        }
+        return _json(info)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        path = self.engine.config.model_path or self.model_name
+        return _json({"model_path": path, "tokenizer_path": path, "is_generation": True, "served_model_name": self.model_name})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        if not await self.engine.flush_cache():
+            raise ApiError(400, "the cache was not flushed: requests are running; retry when idle", code="requests_running")
+        return _json({"success": True, "message": "Cache flushed."})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = decode(await request.read() or b"{}", AbortRequestBody)
+        if not body.rid and not body.abort_all:
+            raise invalid("give rid, or abort_all: true", "rid")
+        rids = list(self.live) if body.abort_all else [body.rid]
+        for rid in rids:
+            await self.engine.abort(rid)
+        return _json({"success": True, "aborted": rids})
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # --- engine calls -------------------------------------------------------------------------
+    async def _collect(self, calls: list[EngineCall]) -> list[Choice]:
+        choices = [Choice(c.index, c.prompt_index) for c in calls]
+        async with contextlib.aclosing(self._deltas(calls)) as deltas:
+            async for call, delta in deltas:
+                choices[call.index].add(delta)
+        return choices
+
+    def _deltas(self, calls: Sequence[EngineCall]) -> AsyncIterator[tuple[EngineCall, Delta]]:
+        if len(calls) == 1:
+            return self._single(calls[0])
+        return self._merged(calls)
+
+    async def _single(self, call: EngineCall) -> AsyncIterator[tuple[EngineCall, Delta]]:
+        async with contextlib.aclosing(self._one(call)) as deltas:
+            async for delta in deltas:
+                yield call, delta
+
+    async def _one(self, call: EngineCall) -> AsyncIterator[Delta]:
+        tracker = self.metrics.tracker()
+        rid = call.options.get("rid")
+        if rid is not None:
+            self.live.add(rid)
+        stream = self.engine.stream(call.prompt, input_ids=call.input_ids, sampling_params=call.sampling, **call.options)
+        try:
+            async with contextlib.aclosing(stream) as deltas:
+                async for delta in deltas:
+                    tracker.on_delta(delta)
+                    yield delta
+        except InvalidRequest:
+            tracker.refused()
+            raise
+        finally:
+            tracker.on_exit()
+            self.live.discard(rid)
+
+    async def _merged(self, calls: Sequence[EngineCall]) -> AsyncIterator[tuple[EngineCall, Delta]]:
+        """Several engine requests (n > 1, or a batch of prompts) as one stream, in arrival order.
+        Leaving early cancels every pump, and each cancellation aborts its engine request."""
+        queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async with contextlib.aclosing(self._one(calls[i])) as deltas:
+                    async for delta in deltas:
+                        queue.put_nowait((i, delta))
+                queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(calls))]
+        try:
+            remaining = len(calls)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield calls[i], item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _check_model(self, model: str | None) -> None:
+        if model and model not in self.model_aliases:
+            raise invalid(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model", code="model_not_found")
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id])
+        return text
+
+    def _failure(self) -> str | None:
+        stats = self.engine.stats()
+        if not stats.get("running", True):
+            return "the engine is not running"
+        return stats.get("failure")
+
+
+# --- responses --------------------------------------------------------------------------------
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error_response(status: int, message: str, *, param: str | None = None, code: str | None = None) -> web.Response:
+    return _json(error_body(status, message, param=param, code=code), status)
+
+
+def _http_error(exc: web.HTTPException) -> web.Response:
+    codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+    message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+    if exc.status == 404:
+        message = "no such endpoint"
+    return _error_response(exc.status, message, code=codes.get(exc.status))
+
+
+def _exception_body(exc: Exception) -> dict[str, Any]:
+    if isinstance(exc, InvalidRequest):
+        return error_body(400, str(exc), param=exc.param)
+    if isinstance(exc, Rejected):
+        return error_body(503, str(exc))
+    return error_body(500, str(exc), code="engine_error")
+
+
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+
+def _default_model_name(model_path: str | None) -> str:
+    if model_path is None:
+        return DEFAULT_MODEL_NAME
+    return Path(model_path).name or model_path
+
+
+# --- running ----------------------------------------------------------------------------------
+async def start_site(server: Server, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Listen on host:port (0: a free port); returns the runner and the bound port."""
+    runner = web.AppRunner(
+        server.app, handler_cancellation=True, access_log=None, shutdown_timeout=server.settings.shutdown_timeout_s
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, shutdown_timeout=server.settings.shutdown_timeout_s)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound
+
+
+async def stop_site(runner: web.AppRunner, engine: Engine) -> None:
+    """Stop listening, end what is in flight (clients get an error, not a hang), then close."""
+    for site in list(runner.sites):
+        await site.stop()
+    await engine.close()
+    await runner.cleanup()
+
+
+async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> None:
+    """Run until SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    engine = Engine(**engine_kwargs)
+    try:
+        await engine.start()
+        server = Server(engine, settings)
+        runner, port = await start_site(server, settings.host, settings.port)
+        log.info("actorserve ready: http://%s:%d serving %s", settings.host, port, server.model_name)
+        await stop.wait()
+        log.info("shutting down")
+        # A second Ctrl-C during shutdown interrupts it the usual way.
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await stop_site(runner, engine)
+    finally:
+        await engine.close()

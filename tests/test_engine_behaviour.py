@@ -1,0 +1,192 @@
+"""End to end on a tiny model: priorities, aborts, bad input, failures, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory):
+    return str(tiny_model_factory("qwen3", max_position_embeddings=1024))
+
+
+async def _first_delta(engine: Engine, prompt: list[int], **kw):
+    """Start a request and return (task collecting the rest, first delta)."""
+    agen = engine.stream(input_ids=prompt, **kw)
+    first = await agen.__anext__()
+
+    async def rest():
+        parts = [first]
+        async for d in agen:
+            parts.append(d)
+        return parts
+
+    return asyncio.create_task(rest()), first
+
+
+async def _wait_queued(engine: Engine, n: int) -> None:
+    for _ in range(500):
+        if engine.stats()["num_waiting"] >= n:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} requests never queued: {engine.stats()}")
+
+
+async def test_priority_order_and_queue_eviction(model_path):
+    engine = Engine(model_path=model_path, max_running_requests=1, max_queued_requests=3, enable_priority_scheduling=True)
+    async with engine:
+        long_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 64}, priority=0)
+        order: list[str] = []
+
+        async def run(rid: str, priority: int):
+            await engine.generate(input_ids=[7, 8, 9], sampling_params={**GREEDY, "max_new_tokens": 2}, rid=rid, priority=priority)
+            order.append(rid)
+
+        tasks = {rid: asyncio.create_task(run(rid, p)) for rid, p in [("b", 1), ("c", 5), ("d", 3)]}
+        await _wait_queued(engine, 3)
+        # Queue full: a strictly better newcomer evicts the worst queued request (b)...
+        tasks["e"] = asyncio.create_task(run("e", 4))
+        with pytest.raises(Rejected, match="higher-priority"):
+            await tasks.pop("b")
+        # ...a newcomer no better than the worst queued one is refused.
+        with pytest.raises(Rejected, match="queue is full"):
+            await run("f", 3)
+        await asyncio.gather(long_task, *tasks.values())
+        assert order == ["c", "e", "d"]
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_preemption_only_past_the_threshold(model_path):
+    engine = Engine(model_path=model_path, max_running_requests=1, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10)
+    async with engine:
+        reference = await engine.generate(input_ids=[5] * 8, sampling_params={**GREEDY, "max_new_tokens": 48})
+        low_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 48}, priority=0)
+        # A difference of exactly the threshold does not preempt.
+        await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=10)
+        assert engine.stats()["preemptions"] == 0
+        # Strictly greater does; the preempted request resumes and still gives the same tokens.
+        await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=11)
+        parts = await low_task
+        assert engine.stats()["preemptions"] >= 1
+        assert [t for p in parts for t in p.output_ids] == reference.output_ids
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_aborts_of_waiting_running_and_chunked_requests(model_path):
+    engine = Engine(model_path=model_path, max_running_requests=1, chunked_prefill_size=8)
+    async with engine:
+        running, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 200}, rid="running")
+        waiting = asyncio.create_task(engine.generate(input_ids=[6] * 4, sampling_params=GREEDY, rid="waiting"))
+        await _wait_queued(engine, 1)
+        await engine.abort("waiting")
+        assert (await waiting).finish_reason == "abort"
+        await engine.abort("running")
+        parts = await running
+        assert parts[-1].finish_reason == "abort"
+        # A long prompt prefilled in chunks of 8, aborted right away.
+        chunked = asyncio.create_task(engine.generate(input_ids=list(range(3, 400)), sampling_params=GREEDY, rid="chunked"))
+        await asyncio.sleep(0)
+        await engine.abort("chunked")
+        assert (await chunked).finish_reason == "abort"
+        await assert_idle_invariants(engine)
+        assert engine.stats()["aborted"] >= 2
+    await close_and_check_tasks(engine)
+
+
+async def test_a_stream_left_early_is_aborted(model_path):
+    engine = Engine(model_path=model_path)
+    async with engine:
+        async for _ in engine.stream(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 500}):
+            break
+        await assert_idle_invariants(engine)
+        # A caller cancelled while waiting is aborted too.
+        task = asyncio.create_task(engine.generate(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 500}))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_bad_input_is_refused_without_leaks(model_path):
+    engine = Engine(model_path=model_path, context_length=64)
+    async with engine:
+        with pytest.raises(InvalidRequest, match="top_p") as err:
+            await engine.generate(input_ids=[1, 2], sampling_params={"top_p": 1.5})
+        assert err.value.param == "top_p"
+        with pytest.raises(InvalidRequest, match=r"100 tokens.*context length is 64"):
+            await engine.generate(input_ids=[3] * 100)
+        with pytest.raises(InvalidRequest, match="bogus"):
+            await engine.generate(input_ids=[3], sampling_params={"bogus": 1})
+        with pytest.raises(InvalidRequest, match="vocabulary"):
+            await engine.generate(input_ids=[10**6])
+        with pytest.raises(InvalidRequest, match="exactly one"):
+            await engine.generate()
+        out = await engine.generate(input_ids=[3] * 60, sampling_params={**GREEDY, "max_new_tokens": 100})
+        assert out.completion_tokens == 4  # clipped to the context length, as SGLang does
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+    with pytest.raises(ValueError, match="schedule_policy"):
+        Engine(model_path=model_path, schedule_policy="nope")
+    with pytest.raises(ValueError, match="enable_mixed_chunk"):
+        Engine(model_path=model_path, enable_mixed_chunk=True, chunked_prefill_size=None)
+
+
+async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monkeypatch):
+    engine = Engine(model_path=model_path)
+    async with engine:
+        def boom(batch):
+            raise RuntimeError("simulated device failure")
+
+        monkeypatch.setattr(engine.executor, "run_step", boom)
+        with pytest.raises(EngineError, match="simulated device failure"):
+            await asyncio.wait_for(engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY), timeout=10)
+        for _ in range(100):
+            if not any(a.alive for a in engine._actors):
+                break
+            await asyncio.sleep(0.01)
+        assert not any(a.alive for a in engine._actors)
+        with pytest.raises(EngineError, match="failed"):
+            await engine.generate(input_ids=[1, 2, 3])
+
+
+async def test_stream_text_logprobs_and_stop_strings(model_path):
+    engine = Engine(model_path=model_path)
+    async with engine:
+        full = await engine.generate(prompt="hello world", sampling_params={**GREEDY, "max_new_tokens": 24}, return_logprob=True, top_logprobs_num=3)
+        assert len(full.logprobs) == 24 and all(x <= 0 for x in full.logprobs)
+        assert all(len(t) == 3 for t in full.top_logprobs)
+        assert full.text == engine.tokenizer.decode(full.output_ids, skip_special_tokens=True)
+        streamed = [d async for d in engine.stream(prompt="hello world", sampling_params={**GREEDY, "max_new_tokens": 24})]
+        assert "".join(d.text for d in streamed) == full.text
+        assert [t for d in streamed for t in d.output_ids] == full.output_ids
+        assert streamed[-1].finish_reason == "length" and all(d.finish_reason is None for d in streamed[:-1])
+        # A stop string taken from the greedy text ends the request there and is trimmed.
+        stop = full.text[len(full.text) // 2 :][:3]
+        if stop.strip():
+            cut = await engine.generate(prompt="hello world", sampling_params={**GREEDY, "max_new_tokens": 24, "stop": [stop]})
+            assert cut.finish_reason == "stop" and cut.matched_stop == stop
+            assert stop not in cut.text and full.text.startswith(cut.text)
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_seeded_sampling_is_the_same_with_and_without_overlap(model_path):
+    params = {"temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 16, "ignore_eos": True, "frequency_penalty": 0.5}
+    results = []
+    for overlap_off in (False, True):
+        async with Engine(model_path=model_path, disable_overlap_schedule=overlap_off) as engine:
+            outs = await asyncio.gather(*(engine.generate(input_ids=[3 + i, 4, 5], sampling_params=params) for i in range(6)))
+            results.append([o.output_ids for o in outs])
+    assert results[0] == results[1]
+    assert len({tuple(r) for r in results[0]}) > 1

@@ -1,0 +1,446 @@
+"""The HTTP server end to end, on a tiny random model on the CPU.
+
+Servers run in a background thread with their own uvloop loop (as `actorserve serve` would in its
+process), bound to 127.0.0.1 on a free port; tests talk to them over real sockets with the
+official `openai` client and with raw aiohttp requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+import uvloop
+
+from api.engine import Engine
+from api.server import Server, ServerSettings, start_site, stop_site
+from tests.engine_helpers import assert_idle_invariants
+
+API_KEY = "sk-test"
+BODY_LIMIT = 256 * 1024
+LONG = 1500  # max_tokens that keeps a request busy for well over a second on the tiny model
+
+
+class ServerThread:
+    """One Engine + Server on its own loop in a daemon thread."""
+
+    def __init__(self, engine_kwargs: dict[str, Any], settings: ServerSettings):
+        self.engine_kwargs = engine_kwargs
+        self.settings = settings
+        self.port = 0
+        self.engine: Engine | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._ready: Future[None] = Future()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: uvloop.run(self._main()), daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        self._ready.result(timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        """Run a coroutine on the server's loop (to inspect the engine in place)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.loop is not None and self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "the server did not stop"
+
+    async def _main(self) -> None:
+        try:
+            self.loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self.engine = Engine(**self.engine_kwargs)
+            await self.engine.start()
+            server = Server(self.engine, self.settings)
+            runner, self.port = await start_site(server, "127.0.0.1", 0)
+        except BaseException as exc:
+            self._ready.set_exception(exc)
+            raise
+        self._ready.set_result(None)
+        await self._stop.wait()
+        await stop_site(runner, self.engine)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path) -> Iterator[ServerThread]:
+    engine = {"model_path": str(tiny_llama), "enable_priority_scheduling": True, "max_running_requests": 16}
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=BODY_LIMIT, served_model_name="tiny")
+    with ServerThread(engine, settings) as s:
+        yield s
+        s.run(assert_idle_invariants(s.engine))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: Path) -> Any:
+    from gpu.loader import load_tokenizer
+
+    return load_tokenizer(tiny_llama)
+
+
+@pytest.fixture
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# --- the official client ----------------------------------------------------------------------
+def test_completion_usage_equals_token_counts(client: openai.OpenAI, tokenizer: Any) -> None:
+    out = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, **GREEDY)
+    [choice] = out.choices
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tokenizer.encode("The quick brown fox"))
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert out.model == "tiny" and out.object == "text_completion"
+
+
+def test_completion_stream_matches_whole_answer(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model="tiny", prompt="Once upon", max_tokens=10, **GREEDY)
+    chunks = list(client.completions.create(
+        model="tiny", prompt="Once upon", max_tokens=10, stream=True, stream_options={"include_usage": True}, **GREEDY,
+    ))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_renders_template_and_counts(client: openai.OpenAI, tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, **GREEDY)
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+    assert out.usage.completion_tokens == 8
+    assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, max_completion_tokens=8, stream=True, stream_options={"include_usage": True}, **GREEDY,
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == out.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == out.usage.total_tokens
+
+
+def test_stop_string_ends_the_text(client: openai.OpenAI) -> None:
+    full = client.completions.create(model="tiny", prompt="abc", max_tokens=30, **GREEDY).choices[0].text
+    stop = full[8:11]
+    out = client.completions.create(model="tiny", prompt="abc", max_tokens=30, stop=[stop], **GREEDY)
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[: full.index(stop)]
+
+
+def test_priority_and_sglang_extras_accepted(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=4, seed=3, temperature=0.8,
+        extra_body={"priority": 5, "top_k": 20, "min_p": 0.05, "min_tokens": 4, "repetition_penalty": 1.1,
+                    "stop_token_ids": [2], "rid": "extras-1", "cache_salt": "tenant-a", "routing_key": "k"},
+    )
+    assert out.id == "extras-1" and out.usage.completion_tokens == 4
+
+
+def test_seed_reproduces(client: openai.OpenAI) -> None:
+    kwargs = {"model": "tiny", "prompt": "seed", "max_tokens": 10, "temperature": 1.0, "seed": 7, "extra_body": {"ignore_eos": True}}
+    assert client.completions.create(**kwargs).choices[0].text == client.completions.create(**kwargs).choices[0].text
+
+
+def test_n_choices_and_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(model="tiny", prompt=["a", "b"], n=2, max_tokens=3, logprobs=2, seed=1, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 12
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == 3 and all(len(t) <= 2 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3, logprobs=True, top_logprobs=2, **GREEDY
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(c.top_logprobs) == 2 and c.logprob <= 0 for c in content)
+    # Greedy: the chosen token is the most likely one.
+    assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob, abs=1e-4) for c in content)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_client_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert info.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{client.base_url}", api_key="wrong", max_retries=0).models.list()
+
+
+# --- raw HTTP: /generate and the native endpoints ---------------------------------------------
+async def _post(url: str, body: Any, headers: dict[str, str] = AUTH) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, data=orjson.dumps(body), headers=headers) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def _get(url: str, headers: dict[str, str] = AUTH) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s, s.get(url, headers=headers) as r:
+        return r.status, await r.read()
+
+
+async def _sse(response: aiohttp.ClientResponse) -> list[Any]:
+    """Every `data:` payload of an SSE response, `[DONE]` included as a string."""
+    events = []
+    async for line in response.content:
+        if line.startswith(b"data: "):
+            payload = line[6:].strip()
+            events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
+    return events
+
+
+async def test_generate_native(server: ServerThread) -> None:
+    body = {"text": "Hello", "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}, "return_logprob": True}
+    status, whole = await _post(f"{server.url}/generate", body)
+    assert status == 200
+    meta = whole["meta_info"]
+    assert meta["completion_tokens"] == 6 == len(whole["output_ids"]) and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"] == {"type": "length", "length": 6} and len(meta["output_token_logprobs"]) == 6
+    async with aiohttp.ClientSession() as s, s.post(f"{server.url}/generate", json={**body, "stream": True}, headers=AUTH) as r:
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        events = await _sse(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    texts = [c["text"] for c in chunks]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "streamed text must be cumulative"
+    assert texts[-1] == whole["text"] and chunks[-1]["output_ids"] == whole["output_ids"]
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_generate_batch(server: ServerThread) -> None:
+    body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+    status, out = await _post(f"{server.url}/generate", body)
+    assert status == 200 and [o["meta_info"]["prompt_tokens"] for o in out] == [3, 2]
+
+
+async def test_info_endpoints(server: ServerThread) -> None:
+    assert (await _get(f"{server.url}/health", headers={}))[0] == 200
+    assert (await _get(f"{server.url}/health_generate", headers={}))[0] == 200
+    status, raw = await _get(f"{server.url}/get_server_info")
+    info = orjson.loads(raw)
+    assert status == 200 and info["enable_priority_scheduling"] is True and info["served_model_name"] == "tiny"
+    assert "api_key" not in info and {"kv_free", "kv_cached", "kv_pool_size", "num_running"} <= set(info["stats"])
+    status, body = await _post(f"{server.url}/flush_cache", {})
+    assert status == 200 and body["success"] is True
+    assert (await _get(f"{server.url}/get_model_info"))[0] == 200
+
+
+# --- errors -----------------------------------------------------------------------------------
+def _assert_error(status: int, body: Any, expected: int, param: str | None = None) -> dict[str, Any]:
+    assert status == expected, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str)
+    assert err["code"] is None or isinstance(err["code"], str)
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "model": "other"}, "model"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+        ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+        ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 2, "bogus": 1}}, None),
+        ("/generate", {"text": "x", "sampling_params": {"top_k": 0}}, "top_k"),
+        ("/generate", {"input_ids": [10**6]}, "input_ids"),
+    ],
+)
+async def test_invalid_input_is_400(server: ServerThread, path: str, body: Any, param: str | None) -> None:
+    status, out = await _post(server.url + path, body)
+    _assert_error(status, out, 400, param)
+    # The same refusal on a streamed request keeps its status: headers wait for the first delta.
+    if isinstance(body, dict) and path != "/v1/chat/completions":
+        status, out = await _post(server.url + path, {**body, "stream": True})
+        _assert_error(status, out, 400, param)
+
+
+async def test_malformed_json_and_unknown_path(server: ServerThread) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.url}/v1/completions", data=b'{"prompt": ', headers=AUTH) as r:
+            _assert_error(r.status, orjson.loads(await r.read()), 400)
+        async with s.get(f"{server.url}/v2/nothing", headers=AUTH) as r:
+            _assert_error(r.status, orjson.loads(await r.read()), 404)
+        async with s.get(f"{server.url}/v1/completions", headers=AUTH) as r:
+            _assert_error(r.status, orjson.loads(await r.read()), 405)
+
+
+async def test_prompt_longer_than_context(server: ServerThread) -> None:
+    context = server.engine.config.context_length
+    status, out = await _post(f"{server.url}/v1/completions", {"prompt": [7] * (context + 10), "max_tokens": 2})
+    err = _assert_error(status, out, 400)
+    assert str(context + 10) in err["message"] and str(context) in err["message"]
+
+
+async def test_api_key(server: ServerThread) -> None:
+    body = {"prompt": "x", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY}):
+        status, out = await _post(f"{server.url}/v1/completions", body, headers=headers)
+        _assert_error(status, out, 401)
+    status, _ = await _post(f"{server.url}/v1/completions", body, headers={"Authorization": f"bearer {API_KEY}"})
+    assert status == 200
+
+
+async def test_body_over_limit_is_413(server: ServerThread) -> None:
+    status, out = await _post(f"{server.url}/v1/completions", {"prompt": "x" * (BODY_LIMIT + 1)})
+    assert _assert_error(status, out, 413)["code"] == "request_too_large"
+
+
+async def test_full_queue_is_503(tiny_llama: Path) -> None:
+    with ServerThread({"model_path": str(tiny_llama), "max_queued_requests": 0}, ServerSettings()) as s:
+        for stream in (False, True):
+            status, out = await _post(f"{s.url}/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": stream})
+            assert "queue" in _assert_error(status, out, 503)["message"]
+        status, out = await _post(f"{s.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+        _assert_error(status, out, 503)
+        metrics = (await _get(f"{s.url}/metrics"))[1].decode()
+        assert _sample(metrics, "actorserve:num_rejected_requests_total") == 3
+
+
+# --- disconnects and aborts -------------------------------------------------------------------
+async def _server_info(server: ServerThread) -> dict[str, Any]:
+    return orjson.loads((await _get(f"{server.url}/get_server_info"))[1])["stats"]
+
+
+async def _wait_kv_idle(server: ServerThread, within: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        stats = await _server_info(server)
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_free"] + stats["kv_cached"] == stats["kv_pool_size"]:
+            return stats
+        assert loop.time() < deadline, f"KV not back at idle accounting within {within} s: {stats}"
+        await asyncio.sleep(0.02)
+
+
+async def _aborted(server: ServerThread) -> float:
+    return _sample((await _get(f"{server.url}/metrics"))[1].decode(), "actorserve:num_aborted_requests_total")
+
+
+def _sample(metrics: str, name: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} not exposed")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
+async def test_disconnect_mid_stream_aborts(server: ServerThread, path: str) -> None:
+    await _wait_kv_idle(server, 5)
+    before = await _aborted(server)
+    body = {"prompt": "tell me", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    if path == "/generate":
+        body = {"text": "tell me", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(server.url + path, json=body, headers=AUTH)
+        assert r.status == 200
+        for _ in range(3):
+            await r.content.readline()
+        assert (await _server_info(server))["num_running"] == 1
+        r.connection.transport.abort()  # the client vanishes, no goodbye
+        r.release()
+    await _wait_kv_idle(server, 1.0)
+    assert await _aborted(server) == before + 1
+
+
+async def test_disconnect_while_waiting_for_whole_answer(server: ServerThread) -> None:
+    await _wait_kv_idle(server, 5)
+    before = await _aborted(server)
+    body = {"prompt": "tell me", "max_tokens": LONG, "ignore_eos": True}
+    timeout = aiohttp.ClientTimeout(total=0.5)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        with pytest.raises(asyncio.TimeoutError):
+            await s.post(f"{server.url}/v1/completions", json=body, headers=AUTH)
+    await _wait_kv_idle(server, 1.0)
+    assert await _aborted(server) == before + 1
+
+
+async def test_abort_request_endpoint(server: ServerThread) -> None:
+    body = {"text": "x", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}, "stream": True, "rid": "to-abort"}
+    async with aiohttp.ClientSession() as s, s.post(f"{server.url}/generate", json=body, headers=AUTH) as r:
+        await r.content.readline()
+        status, out = await _post(f"{server.url}/abort_request", {"rid": "to-abort"})
+        assert status == 200 and out["success"]
+        events = await _sse(r)
+    assert events[-1] == "[DONE]" and events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(events[-2]["output_ids"]) < LONG
+    await _wait_kv_idle(server, 1.0)
+
+
+# --- metrics ----------------------------------------------------------------------------------
+FAMILIES = (
+    "actorserve:num_running_reqs", "actorserve:num_queue_reqs", "actorserve:token_usage", "actorserve:cache_hit_rate",
+    "actorserve:gen_throughput", "actorserve:prompt_tokens_total", "actorserve:generation_tokens_total",
+    "actorserve:cached_tokens_total", "actorserve:num_aborted_requests_total", "actorserve:num_preemptions_total",
+    "actorserve:num_retractions_total", "actorserve:time_to_first_token_seconds_count",
+    "actorserve:inter_token_latency_seconds_count", "actorserve:e2e_request_latency_seconds_count",
+    "actorserve:request_queue_time_seconds_count",
+)
+
+
+async def test_metrics_move(server: ServerThread) -> None:
+    async def scrape() -> dict[str, float]:
+        status, raw = await _get(f"{server.url}/metrics", headers={})  # open without the key
+        assert status == 200
+        return {name: _sample(raw.decode(), name) for name in FAMILIES}
+
+    before = await scrape()
+    prompt = "a shared prefix that the radix cache will keep " * 3
+    for _ in range(2):
+        status, _ = await _post(f"{server.url}/v1/completions", {"prompt": prompt, "max_tokens": 5, "ignore_eos": True})
+        assert status == 200
+    after = await scrape()
+    assert after["actorserve:generation_tokens_total"] == before["actorserve:generation_tokens_total"] + 10
+    assert after["actorserve:prompt_tokens_total"] > before["actorserve:prompt_tokens_total"]
+    assert after["actorserve:cached_tokens_total"] > before["actorserve:cached_tokens_total"]
+    assert after["actorserve:cache_hit_rate"] > 0
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        key = f"actorserve:{name}_seconds_count"
+        assert after[key] > before[key], key
+
+
+# --- shutdown ---------------------------------------------------------------------------------
+async def test_shutdown_ends_streams_with_error_and_done(tiny_llama: Path) -> None:
+    s = ServerThread({"model_path": str(tiny_llama)}, ServerSettings()).__enter__()
+    body = {"prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as session, session.post(f"{s.url}/v1/completions", json=body) as r:
+        await r.content.readline()
+        stopping = asyncio.get_running_loop().run_in_executor(None, s.stop)
+        events = await asyncio.wait_for(_sse(r), 10)
+        await asyncio.wait_for(stopping, 30)
+    assert events[-1] == "[DONE]" and "error" in events[-2]

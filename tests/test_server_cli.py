@@ -1,0 +1,71 @@
+"""`actorserve serve` as a user runs it: a subprocess, one ready line, a clean stop on a signal."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+    lines: list[str] = []
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)  # keep reading to the end: a full pipe would block the server
+            if needle in line:
+                found.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(timeout):
+        proc.kill()
+        pytest.fail(f"no {needle!r} line within {timeout} s:\n{''.join(lines)}")
+    return next(line for line in lines if needle in line)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_starts_answers_and_stops_cleanly(tiny_llama: Path, sig: signal.Signals) -> None:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", str(tiny_llama), "--port", str(port),
+           "--api-key", "k", "--schedule-policy", "lpm", "--chunked-prefill-size", "64"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        line = _wait_for_line(proc, "ready", 120)
+        assert f"http://127.0.0.1:{port}" in line and tiny_llama.name in line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        out = client.chat.completions.create(model=tiny_llama.name, messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        assert out.usage.completion_tokens <= 3
+        # A request in flight when the signal comes ends with an error event and [DONE], no hang.
+        body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Authorization": "Bearer k"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")
+        started = time.monotonic()
+        proc.send_signal(sig)
+        rest = [line.strip() for line in response if line.startswith(b"data: ")]
+        assert rest[-1] == b"data: [DONE]" and b'"error"' in rest[-2]
+        assert proc.wait(timeout=15) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
