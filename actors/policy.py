@@ -34,6 +34,7 @@ class Policy(Actor[PolicyMsg]):
         self._parked: Pull | None = None
         self.rejected = 0
         self.timed_out = 0
+        self.aborted = 0
 
     def start(self, on_exit) -> None:
         super().start(on_exit)
@@ -96,6 +97,7 @@ class Policy(Actor[PolicyMsg]):
         keep: list[Req] = []
         for req in self.waiting:
             if req.abort_requested:
+                self.aborted += 1
                 _end(req, "abort", None, None)
             elif timeout is not None and now - req.enqueue_time > timeout:
                 self.timed_out += 1

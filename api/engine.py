@@ -172,6 +172,7 @@ class Engine:
             return {"running": False}
         return {
             **self.adder.stats(),
+            "aborted": self.adder.counters["aborted"] + self.policy.aborted,
             "num_waiting": len(self.policy.waiting),
             "rejected": self.policy.rejected,
             "queue_timeouts": self.policy.timed_out,

@@ -66,16 +66,20 @@ async def test_priority_order_and_queue_eviction(model_path):
 
 async def test_preemption_only_past_the_threshold(model_path):
     engine = Engine(model_path=model_path, max_running_requests=1, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10)
+    low_params = {**GREEDY, "max_new_tokens": 300}
     async with engine:
-        reference = await engine.generate(input_ids=[5] * 8, sampling_params={**GREEDY, "max_new_tokens": 48})
-        low_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 48}, priority=0)
-        # A difference of exactly the threshold does not preempt.
-        await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=10)
-        assert engine.stats()["preemptions"] == 0
-        # Strictly greater does; the preempted request resumes and still gives the same tokens.
+        reference = await engine.generate(input_ids=[5] * 8, sampling_params=low_params)
+        low_task, _ = await _first_delta(engine, [5] * 8, sampling_params=low_params, priority=0)
+        # A difference of exactly the threshold does not preempt: it waits in the queue.
+        equal = asyncio.create_task(engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=10))
+        await _wait_queued(engine, 1)
+        await asyncio.sleep(0.05)
+        assert engine.stats()["preemptions"] == 0 and not equal.done()
+        # Strictly greater does, at once; the preempted request resumes with the same tokens.
         await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=11)
+        assert engine.stats()["preemptions"] == 1 and not low_task.done()
         parts = await low_task
-        assert engine.stats()["preemptions"] >= 1
+        await equal
         assert [t for p in parts for t in p.output_ids] == reference.output_ids
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
