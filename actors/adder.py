@@ -389,9 +389,13 @@ class Adder(Actor[AdderMsg]):
                 continue
             req = ending.req
             self._release(req, cache_it=ending.kind == "finish" and not req.abort_requested)
-            if ending.kind in ("retract", "preempt") and not req.finished and not req.abort_requested:
-                self._reset_for_requeue(req)
-                requeue.append(req)
+            if ending.kind in ("retract", "preempt") and not req.finished:
+                if req.abort_requested:
+                    self._end_stream(req, "abort", None, None)
+                    self.counters["aborted"] += 1
+                else:
+                    self._reset_for_requeue(req)
+                    requeue.append(req)
         self.ending = keep
         self._to_requeue.extend(requeue)
 

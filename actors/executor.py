@@ -74,8 +74,8 @@ class Executor(Actor[Batch]):
         result = runner.sample(
             logits,
             info,
-            output_ids=self._history(batch, info.freq_presence_rows, prompt=False),
-            prompt_ids=self._history(batch, info.repetition_rows, prompt=True),
+            output_ids=self._history(batch, info.freq_presence_rows + info.repetition_rows, outputs=True),
+            prompt_ids=self._history(batch, info.repetition_rows, outputs=False),
             steps=generated,
         )
         self._store_tokens(batch, result.token_ids)
@@ -90,13 +90,17 @@ class Executor(Actor[Batch]):
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         device = self.runner.device
         pieces: list[torch.Tensor] = []
-        for row, prefix, ids in zip(batch.rows, batch.prefix_lens, batch.extend_ids):
+        for req, row, prefix, ids in zip(batch.reqs, batch.rows, batch.prefix_lens, batch.extend_ids):
             if ids is None:
                 pieces.append(self.token_pool[row, prefix : prefix + 1])
-            else:
-                t = torch.tensor(ids, dtype=torch.int64, device=device)
-                self.token_pool[row, prefix : prefix + len(ids)] = t
-                pieces.append(t)
+                continue
+            t = torch.tensor(ids, dtype=torch.int64, device=device)
+            self.token_pool[row, prefix : prefix + len(ids)] = t
+            if prefix:
+                # A prefix served from the cache was never written to this row; penalties read it.
+                # (A request being prefilled has no step in flight, so its fill_ids are stable.)
+                self.token_pool[row, :prefix] = torch.tensor(req.fill_ids[:prefix], dtype=torch.int64, device=device)
+            pieces.append(t)
         positions = [torch.arange(p, p + e, device=device) for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         return ForwardBatch(
             mode=batch.mode,
@@ -117,14 +121,15 @@ class Executor(Actor[Batch]):
                 if banned:
                     logits[i, banned] = float("-inf")
 
-    def _history(self, batch: Batch, rows: tuple[int, ...], prompt: bool) -> list[list[int]] | None:
-        """Token history for penalties, read from the token pool (complete even under overlap)."""
+    def _history(self, batch: Batch, rows: tuple[int, ...], outputs: bool) -> list[list[int]] | None:
+        """Prompt or output tokens of `rows` for penalties, read from the token pool (complete
+        even under overlap, where a request's output_ids may lag one step behind)."""
         if not rows:
             return None
         out: list[list[int]] = [[] for _ in batch.reqs]
-        for i in rows:
-            r, end = batch.reqs[i], batch.prefix_lens[i] + batch.extend_lens[i]
-            start = 0 if prompt else len(r.origin_input_ids)
+        for i in set(rows):
+            prompt_len = len(batch.reqs[i].origin_input_ids)
+            start, end = (prompt_len, batch.prefix_lens[i] + batch.extend_lens[i]) if outputs else (0, prompt_len)
             out[i] = self.token_pool[batch.rows[i], start:end].tolist()
         return out
 

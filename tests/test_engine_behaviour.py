@@ -194,3 +194,67 @@ async def test_seeded_sampling_is_the_same_with_and_without_overlap(model_path):
             results.append([o.output_ids for o in outs])
     assert results[0] == results[1]
     assert len({tuple(r) for r in results[0]}) > 1
+
+
+async def test_queue_timeout_rejects_a_request_that_waited_too_long(model_path):
+    engine = Engine(model_path=model_path, max_running_requests=1, queue_timeout_s=0.2)
+    async with engine:
+        running, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 400})
+        with pytest.raises(Rejected, match="waited in the queue"):
+            await engine.generate(input_ids=[6, 7], sampling_params=GREEDY)
+        running.cancel()  # the stream is left: the running request is aborted
+        await asyncio.gather(running, return_exceptions=True)
+        await assert_idle_invariants(engine)
+        assert engine.stats()["queue_timeouts"] == 1
+    await close_and_check_tasks(engine)
+
+
+async def test_a_reader_that_stops_reading_blocks_nobody(model_path):
+    engine = Engine(model_path=model_path)
+    async with engine:
+        slow = engine.stream(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 40})
+        first = await slow.__anext__()  # then stop reading while the engine goes on
+        other = await engine.generate(input_ids=[7, 8], sampling_params={**GREEDY, "max_new_tokens": 40})
+        assert other.completion_tokens == 40
+        await assert_idle_invariants(engine)  # the unread request finished and was released
+        rest = [d async for d in slow]  # what it missed arrives merged
+        assert len(rest) == 1 and rest[0].finish_reason == "length"
+        assert len(first.output_ids) + len(rest[0].output_ids) == 40
+    await close_and_check_tasks(engine)
+
+
+async def test_aborting_requests_while_retraction_happens(tiny_model_factory):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    engine = Engine(model_path=path, max_total_tokens=256)
+    async with engine:
+        params = {**GREEDY, "max_new_tokens": 60}
+        tasks = [asyncio.create_task(engine.generate(input_ids=[3 + i] * 12, sampling_params=params, rid=f"r{i}")) for i in range(12)]
+        for _ in range(1000):
+            if engine.stats()["retractions"]:
+                break
+            await asyncio.sleep(0.005)
+        assert engine.stats()["retractions"] > 0
+        for i in range(0, 12, 2):
+            await engine.abort(f"r{i}")
+        outs = await asyncio.gather(*tasks)
+        assert all(o.finish_reason == "abort" for o in outs[0::2] if o.completion_tokens < 60)
+        assert all(o.finish_reason == "length" and o.completion_tokens == 60 for o in outs[1::2])
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_penalties_see_the_cached_prefix(model_path):
+    """Repetition penalties count prompt tokens, including a prefix served from the radix cache."""
+    params = {**GREEDY, "max_new_tokens": 16, "repetition_penalty": 1.8, "frequency_penalty": 0.4}
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 3
+    results = []
+    for disable in (True, False):
+        async with Engine(model_path=model_path, disable_radix_cache=disable) as engine:
+            first = await engine.generate(input_ids=prompt, sampling_params=params)
+            second = await engine.generate(input_ids=prompt, sampling_params=params)
+            assert second.cached_tokens == (0 if disable else len(prompt) - 1)
+            results.append((first.output_ids, second.output_ids))
+    assert results[0][0] == results[0][1] == results[1][0] == results[1][1]
+    async with Engine(model_path=model_path) as engine:
+        plain = await engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 16})
+    assert plain.output_ids != results[0][0]  # the penalties did change the answer
