@@ -105,10 +105,12 @@ class Adder(Actor[AdderMsg]):
             return
         if self._stalled and self.in_flight > 0:
             return
-        idle = not self.running and self.chunked is None and self.in_flight == 0
         assert self.policy is not None
         self._pull_outstanding = True
-        await self.policy.send(Pull(max_reqs=self._max_candidates(), running_routing_keys=self._routing_keys(), block=idle))
+        await self.policy.send(Pull(max_reqs=self._max_candidates(), running_routing_keys=self._routing_keys(), block=self._idle()))
+
+    def _idle(self) -> bool:
+        return not self.running and self.chunked is None and self.in_flight == 0 and not self.ending
 
     def _max_candidates(self) -> int:
         if self.config.enable_priority_scheduling:
@@ -123,13 +125,17 @@ class Adder(Actor[AdderMsg]):
         self._collect_aborts()
         candidates = self._drop_aborted(candidates)
         batch, leftover = self._form_prefill(candidates)
+        if batch is None and leftover and self._idle():
+            # Nothing runs and the best candidate still does not fit: it never will. Refuse it
+            # instead of pulling it again forever.
+            self._finish_with_error(leftover.pop(0), "the request does not fit in the KV pool")
         if leftover:
             await self._requeue(leftover, front=True)
         if batch is None:
             batch = self._form_decode()
         if batch is None:
             self._stalled = True
-            if not self.running and self.chunked is None and self.in_flight == 0:
+            if self._idle():
                 self.ratio.reset()
             return
         await self._launch(batch)
@@ -437,7 +443,8 @@ class Adder(Actor[AdderMsg]):
         return keep
 
     def _finish_with_error(self, req: Req, message: str) -> None:
-        self._leave(req, "abort")
+        if req.req_row is not None:
+            self._leave(req, "abort")
         req.finish_reason = FinishReason("abort", message=message, status=500)
         self._end_stream(req, "abort", message, 500)
         self.counters["aborted"] += 1

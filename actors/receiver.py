@@ -136,8 +136,9 @@ class Receiver(Actor[Submit | AbortRequest]):
                 "(the prompt must leave room for at least one new token)",
                 "input_ids",
             )
-        # A request must fit the KV pool on its own, with a page to spare for rounding.
-        pool_room = limits.kv_pool_size - limits.page_size - prompt_len
+        # A request must fit the KV pool on its own, with pages to spare for rounding and the
+        # admission rules' slack (so an idle engine can always admit it).
+        pool_room = limits.kv_pool_size - 2 * limits.page_size - 2 - prompt_len
         if pool_room < 1:
             raise InvalidInput(
                 f"the prompt has {prompt_len} tokens, but the KV pool holds only {limits.kv_pool_size} tokens", "input_ids"

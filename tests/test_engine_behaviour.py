@@ -258,3 +258,14 @@ async def test_penalties_see_the_cached_prefix(model_path):
     async with Engine(model_path=model_path) as engine:
         plain = await engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 16})
     assert plain.output_ids != results[0][0]  # the penalties did change the answer
+
+
+async def test_a_request_as_big_as_the_pool_still_runs(model_path):
+    """max_new_tokens is clipped to what the pool holds; an idle engine admits it and finishes."""
+    for disable_radix in (False, True):
+        engine = Engine(model_path=model_path, max_total_tokens=64, disable_radix_cache=disable_radix)
+        async with engine:
+            out = await asyncio.wait_for(engine.generate(input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": 500}), 30)
+            assert out.finish_reason == "length" and 0 < out.completion_tokens < 64 - 20
+            await assert_idle_invariants(engine)
+        await close_and_check_tasks(engine)
