@@ -269,3 +269,24 @@ async def test_a_request_as_big_as_the_pool_still_runs(model_path):
             assert out.finish_reason == "length" and 0 < out.completion_tokens < 64 - 20
             await assert_idle_invariants(engine)
         await close_and_check_tasks(engine)
+
+
+async def test_the_documented_api(model_path):
+    from api import Engine as PublicEngine
+    from api import SamplingParams
+
+    async with PublicEngine(model_path=model_path, schedule_policy="lpm", chunked_prefill_size=512) as engine:
+        out = await engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
+        assert out.finish_reason in ("stop", "length") and out.prompt_tokens > 0
+        out = await engine.generate(
+            input_ids=[1, 2, 3], sampling_params=SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True),
+            priority=5, rid="req-1", routing_key=None, extra_key=None, return_logprob=False, top_logprobs_num=0,
+        )
+        assert out.rid == "req-1" and out.completion_tokens == 8 and out.matched_stop is None
+        deltas = [d async for d in engine.stream(prompt="Hi", sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})]
+        assert deltas[-1].finish_reason == "length" and sum(len(d.output_ids) for d in deltas) == 4
+        await engine.abort("req-unknown")  # aborting an unknown id is a no-op
+        stats = engine.stats()
+        for key in ("kv_pool_size", "kv_free", "kv_cached", "num_running", "num_waiting", "new_token_ratio", "steps", "retractions", "preemptions", "aborted"):
+            assert key in stats
+        assert stats["steps"] > 0
