@@ -193,6 +193,9 @@ class Engine:
             max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
             page_size=cfg.page_size,
             context_length=cfg.context_length,
+            attention_backend=cfg.attention_backend,
+            disable_cuda_graph=cfg.disable_cuda_graph,
+            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         )
 
     def _prefix_cache(self, runner: ModelRunner) -> PrefixCache:

@@ -120,22 +120,30 @@ class _EngineCollector:
         if not s.get("running", True):
             return
         p = PREFIX
-        pool = max(1, s["kv_pool_size"])
-        used = pool - s["kv_free"] - s["kv_evictable"]  # evictable cache is free for the taking
-        yield GaugeMetricFamily(f"{p}:num_running_reqs", "Requests in the running batch", value=s["num_running"])
-        yield GaugeMetricFamily(f"{p}:num_queue_reqs", "Requests waiting in the queue", value=s["num_waiting"])
-        yield GaugeMetricFamily(f"{p}:num_used_tokens", "KV slots held (not free, not evictable)", value=used)
-        yield GaugeMetricFamily(f"{p}:token_usage", "Fraction of the KV pool held", value=used / pool)
-        yield GaugeMetricFamily(f"{p}:cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", value=self.metrics.cache_hit_rate())
-        yield GaugeMetricFamily(f"{p}:gen_throughput", "Generated tokens per second since the last scrape", value=self._throughput(s))
-        yield CounterMetricFamily(f"{p}:num_preemptions", "Requests preempted by higher-priority ones", value=s["preemptions"])
-        yield CounterMetricFamily(f"{p}:num_retractions", "Requests retracted on KV shortage", value=s["retractions"])
-        yield CounterMetricFamily(f"{p}:num_rejected_requests", "Requests refused by a full queue or evicted from it", value=s["rejected"])
-        yield CounterMetricFamily(f"{p}:num_queue_timeouts", "Requests that waited longer than the queue timeout", value=s["queue_timeouts"])
-        yield CounterMetricFamily(f"{p}:forward_steps", "Forward steps run", value=s["forward_steps"])
+        pool = max(1, s.get("kv_pool_size", 0))
+        used = pool - s.get("kv_free", pool) - s.get("kv_evictable", 0)  # evictable cache is free for the taking
+        gauges = [
+            ("num_running_reqs", "Requests in the running batch", s.get("num_running", 0)),
+            ("num_queue_reqs", "Requests waiting in the queue", s.get("num_waiting", 0)),
+            ("num_used_tokens", "KV slots held (not free, not evictable)", used),
+            ("token_usage", "Fraction of the KV pool held", used / pool),
+            ("cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens", self.metrics.cache_hit_rate()),
+            ("gen_throughput", "Generated tokens per second since the last scrape", self._throughput(s)),
+        ]
+        counters = [
+            ("num_preemptions", "Requests preempted by higher-priority ones", "preemptions"),
+            ("num_retractions", "Requests retracted on KV shortage", "retractions"),
+            ("num_rejected_requests", "Requests refused by a full queue or evicted from it", "rejected"),
+            ("num_queue_timeouts", "Requests that waited longer than the queue timeout", "queue_timeouts"),
+            ("forward_steps", "Forward steps run", "forward_steps"),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(f"{p}:{name}", doc, value=value)
+        for name, doc, key in counters:
+            yield CounterMetricFamily(f"{p}:{name}", doc, value=s.get(key, 0))
 
     def _throughput(self, s: dict[str, Any]) -> float:
-        now, tokens = time.monotonic(), s["generated_tokens"]
+        now, tokens = time.monotonic(), s.get("generated_tokens", 0)
         last, self._last_tokens = self._last_tokens, (now, tokens)
         if last is None or now <= last[0]:
             return 0.0

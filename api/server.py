@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hmac
 import logging
 import signal
@@ -36,7 +37,6 @@ from api.engine import Engine, EngineError, InvalidRequest, Rejected
 from api.metrics import ServerMetrics
 from api.openai_response import (
     Choice,
-    TokenText,
     chat_chunk,
     chat_response,
     chat_role_chunk,
@@ -89,7 +89,6 @@ class Server:
         self.metrics = ServerMetrics(engine.stats)
         self.model_name = settings.served_model_name or _default_model_name(engine.config.model_path)
         self.model_aliases = {self.model_name, engine.config.model_path or self.model_name}
-        self.context_len = engine.config.context_length or 0
         self.live: set[str] = set()  # rids of requests this server has in the engine
         self._token_texts: dict[int, str] = {}
         self.app = self._make_app()
@@ -112,6 +111,11 @@ class Server:
             get("/metrics", self.prometheus),
         ])
         return app
+
+    @property
+    def context_len(self) -> int:
+        # Read per use: the engine resolves the model's context length when it starts.
+        return self.engine.config.context_length or 0
 
     # --- middlewares --------------------------------------------------------------------------
     @web.middleware
@@ -451,7 +455,7 @@ async def start_site(server: Server, host: str, port: int) -> tuple[web.AppRunne
         server.app, handler_cancellation=True, access_log=None, shutdown_timeout=server.settings.shutdown_timeout_s
     )
     await runner.setup()
-    site = web.TCPSite(runner, host, port, shutdown_timeout=server.settings.shutdown_timeout_s)
+    site = web.TCPSite(runner, host, port)
     try:
         await site.start()
     except OSError as exc:
@@ -469,6 +473,14 @@ async def stop_site(runner: web.AppRunner, engine: Engine) -> None:
     await runner.cleanup()
 
 
+def freeze_startup_objects() -> None:
+    """Move everything loaded so far (torch, transformers, the tokenizer: ~350k objects) out of
+    the garbage collector's view. Otherwise each full collection walks them all and stalls the
+    loop for ~170 ms, which showed up as the p99 latency of every endpoint."""
+    gc.collect()
+    gc.freeze()
+
+
 async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> None:
     """Run until SIGINT or SIGTERM."""
     loop = asyncio.get_running_loop()
@@ -479,6 +491,7 @@ async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> None
     engine = Engine(**engine_kwargs)
     try:
         await engine.start()
+        freeze_startup_objects()
         server = Server(engine, settings)
         runner, port = await start_site(server, settings.host, settings.port)
         log.info("actorserve ready: http://%s:%d serving %s", settings.host, port, server.model_name)

@@ -444,3 +444,24 @@ async def test_shutdown_ends_streams_with_error_and_done(tiny_llama: Path) -> No
         events = await asyncio.wait_for(_sse(r), 10)
         await asyncio.wait_for(stopping, 30)
     assert events[-1] == "[DONE]" and "error" in events[-2]
+
+
+async def test_priority_eviction_and_queue_timeout_are_503(tiny_llama: Path) -> None:
+    engine = {
+        "model_path": str(tiny_llama), "enable_priority_scheduling": True, "max_running_requests": 1,
+        "max_queued_requests": 1, "queue_timeout_s": 1.0,
+    }
+    with ServerThread(engine, ServerSettings()) as s:
+        long = {"text": "x", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}, "stream": True, "rid": "long", "priority": 5}
+        async with aiohttp.ClientSession() as session, session.post(f"{s.url}/generate", json=long) as running:
+            await running.content.readline()
+            low = asyncio.create_task(_post(f"{s.url}/v1/completions", {"prompt": "b", "max_tokens": 2, "priority": 1, "stream": True}))
+            while (await _server_info(s))["num_waiting"] == 0:
+                await asyncio.sleep(0.01)
+            high = asyncio.create_task(_post(f"{s.url}/v1/completions", {"prompt": "c", "max_tokens": 2, "priority": 5}))
+            status, out = await low
+            assert "higher-priority" in _assert_error(status, out, 503)["message"]
+            status, out = await high  # waits behind the running request until the queue timeout
+            assert "queue" in _assert_error(status, out, 503)["message"]
+            await _post(f"{s.url}/abort_request", {"rid": "long"})
+        await _wait_kv_idle(s, 1.0)

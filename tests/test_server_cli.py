@@ -40,7 +40,7 @@ def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> 
     return next(line for line in lines if needle in line)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_serve_starts_answers_and_stops_cleanly(tiny_llama: Path, sig: signal.Signals) -> None:
     port = _free_port()
     cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", str(tiny_llama), "--port", str(port),
