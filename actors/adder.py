@@ -269,8 +269,9 @@ class Adder(Actor[AdderMsg]):
             req.kv_slots = adm.match.slots
             if adm.prefix_len:
                 self.req_to_token.write(req.req_row, 0, req.kv_slots)
-            if req.retractions == 0:
+            if req.admitted_time is None:
                 req.cached_tokens = adm.prefix_len
+                req.admitted_time = time.monotonic()
         self._free_after_evict(adm.extend_len + self.page_size)
         new_slots = self._grow(req, adm.extend_len)
         assert new_slots is not None, "the PrefillAdder budget guarantees the KV"

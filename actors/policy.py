@@ -55,7 +55,7 @@ class Policy(Actor[PolicyMsg]):
 
     async def on_stop(self) -> None:
         for req in self.waiting:
-            _end(req, "abort", "the engine is shutting down", 503)
+            _end(req, "abort", "the engine is shutting down", 503, "shutting_down")
         self.waiting.clear()
 
     async def _answer(self, pull: Pull) -> None:
@@ -74,11 +74,11 @@ class Policy(Actor[PolicyMsg]):
         if worst is not None and self._better(req, worst):
             self.waiting.remove(worst)
             self.rejected += 1
-            _end(worst, "abort", "evicted from the queue by a higher-priority request", 503)
+            _end(worst, "abort", "evicted from the queue by a higher-priority request", 503, "evicted")
             self.waiting.append(req)
         else:
             self.rejected += 1
-            _end(req, "abort", QUEUE_FULL, 503)
+            _end(req, "abort", QUEUE_FULL, 503, "queue_full")
 
     def _worst_waiting(self) -> Req | None:
         if not self.waiting:
@@ -101,7 +101,7 @@ class Policy(Actor[PolicyMsg]):
                 _end(req, "abort", None, None)
             elif timeout is not None and now - req.enqueue_time > timeout:
                 self.timed_out += 1
-                _end(req, "abort", f"the request waited in the queue longer than {timeout} s", 503)
+                _end(req, "abort", f"the request waited in the queue longer than {timeout} s", 503, "queue_timeout")
             else:
                 keep.append(req)
         self.waiting = keep
@@ -112,6 +112,6 @@ class Policy(Actor[PolicyMsg]):
             await self.send(Wake())
 
 
-def _end(req: Req, reason: str, error: str | None, status: int | None) -> None:
+def _end(req: Req, reason: str, error: str | None, status: int | None, code: str | None = None) -> None:
     if req.stream is not None:
-        req.stream.finish(reason, error=error, status=status, prompt_tokens=len(req.origin_input_ids))
+        req.stream.finish(reason, error=error, status=status, code=code, prompt_tokens=len(req.origin_input_ids))

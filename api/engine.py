@@ -46,7 +46,12 @@ class InvalidRequest(ValueError):
 
 
 class Rejected(RuntimeError):
-    """The engine refused the request for now: full queue, queue timeout, or priority eviction."""
+    """The engine refused the request for now: full queue, queue timeout, or priority eviction.
+    `code` says which: "queue_full", "queue_timeout" or "evicted"."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class EngineError(RuntimeError):
@@ -246,7 +251,7 @@ def _raise_for_refusal(delta: Delta) -> None:
     if delta.status == 400:
         raise InvalidRequest(message, delta.param)
     if delta.status == 503:
-        raise Rejected(message)
+        raise Rejected(message, delta.code)
     raise EngineError(message)
 
 

@@ -127,7 +127,7 @@ class Server:
         except InvalidRequest as exc:
             return _error_response(400, str(exc), param=exc.param)
         except Rejected as exc:
-            return _error_response(503, str(exc))
+            return _error_response(503, str(exc), code=exc.code)
         except EngineError as exc:
             return _error_response(500, str(exc), code="engine_error")
         except web.HTTPException as exc:
@@ -428,7 +428,7 @@ def _exception_body(exc: Exception) -> dict[str, Any]:
     if isinstance(exc, InvalidRequest):
         return error_body(400, str(exc), param=exc.param)
     if isinstance(exc, Rejected):
-        return error_body(503, str(exc))
+        return error_body(503, str(exc), code=exc.code)
     return error_body(500, str(exc), code="engine_error")
 
 

@@ -8,7 +8,7 @@ it, and only after a message handed the request over:
 | rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
-| req_row, kv_slots, prefix_len, cached_tokens, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
+| req_row, kv_slots, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
 | output_ids, output_logprobs, output_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 `fill_ids` (prompt + generated tokens) is derived, never stored.
@@ -53,6 +53,7 @@ class Req:
     kv_slots: torch.Tensor | None = None  # slots of positions 0 .. len - 1 that this request holds
     prefix_len: int = 0  # tokens matched in the prefix cache at (re)admission
     cached_tokens: int = 0  # prefix hits reported to the user (first admission)
+    admitted_time: float | None = None  # first admission (monotonic); queue time = this - arrival_time
     last_node: Any = None  # the prefix-cache node this request locks
     computed_len: int = 0  # tokens whose KV is (or will be, once launched) in the pool
     chunk_end: int | None = None  # set while the prompt is being prefilled in chunks

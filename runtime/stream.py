@@ -24,8 +24,10 @@ class Delta(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0  # total so far
     cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first admission (first delta on)
     error: str | None = None  # why the request was refused or aborted by the engine
     param: str | None = None  # the request field an error is about
+    code: str | None = None  # a machine-readable reason, e.g. queue_full, queue_timeout, evicted
     status: int | None = None  # HTTP-like status for refusals: 400 invalid, 503 rejected, 500 engine
 
     def merge(self, later: Delta) -> None:
@@ -34,7 +36,7 @@ class Delta(msgspec.Struct, kw_only=True):
         self.output_ids = self.output_ids + later.output_ids
         self.logprobs = self.logprobs + later.logprobs
         self.top_logprobs = self.top_logprobs + later.top_logprobs
-        for name in ("finish_reason", "matched_stop", "error", "param", "status"):
+        for name in ("finish_reason", "matched_stop", "queue_time", "error", "param", "code", "status"):
             if getattr(later, name) is not None:
                 setattr(self, name, getattr(later, name))
         self.prompt_tokens = later.prompt_tokens or self.prompt_tokens

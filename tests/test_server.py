@@ -325,7 +325,8 @@ async def test_full_queue_is_503(tiny_llama: Path) -> None:
     with ServerThread({"model_path": str(tiny_llama), "max_queued_requests": 0}, ServerSettings()) as s:
         for stream in (False, True):
             status, out = await _post(f"{s.url}/v1/completions", {"prompt": "x", "max_tokens": 2, "stream": stream})
-            assert "queue" in _assert_error(status, out, 503)["message"]
+            error = _assert_error(status, out, 503)
+            assert "queue" in error["message"] and error["code"] == "queue_full"
         status, out = await _post(f"{s.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
         _assert_error(status, out, 503)
         metrics = (await _get(f"{s.url}/metrics"))[1].decode()
@@ -460,8 +461,10 @@ async def test_priority_eviction_and_queue_timeout_are_503(tiny_llama: Path) -> 
                 await asyncio.sleep(0.01)
             high = asyncio.create_task(_post(f"{s.url}/v1/completions", {"prompt": "c", "max_tokens": 2, "priority": 5}))
             status, out = await low
-            assert "higher-priority" in _assert_error(status, out, 503)["message"]
+            error = _assert_error(status, out, 503)
+            assert "higher-priority" in error["message"] and error["code"] == "evicted"
             status, out = await high  # waits behind the running request until the queue timeout
-            assert "queue" in _assert_error(status, out, 503)["message"]
+            error = _assert_error(status, out, 503)
+            assert "queue" in error["message"] and error["code"] == "queue_timeout"
             await _post(f"{s.url}/abort_request", {"rid": "long"})
         await _wait_kv_idle(s, 1.0)
