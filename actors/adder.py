@@ -362,7 +362,7 @@ class Adder(Actor[AdderMsg]):
         # A request whose last token is now launched needs no more steps: it leaves the running
         # set now and is released once this step has reported (no wasted step for "length").
         for req in reqs:
-            if req in self.running and req.launched_outputs >= req.max_new_tokens:
+            if req.launched_outputs >= req.max_new_tokens and req in self.running:
                 self._leave(req, "finish")
         return Batch(
             step=step,

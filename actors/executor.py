@@ -89,6 +89,18 @@ class Executor(Actor[Batch]):
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         device = self.runner.device
+        rows = torch.tensor(batch.rows, dtype=torch.int64, device=device)
+        if all(ids is None for ids in batch.extend_ids):
+            positions = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+            return ForwardBatch(
+                mode=batch.mode,
+                input_ids=self.token_pool[rows, positions],  # one gather: the pure-decode fast path
+                positions=positions,
+                out_cache_loc=batch.out_cache_loc,
+                req_rows=rows,
+                prefix_lens=batch.prefix_lens,
+                extend_lens=batch.extend_lens,
+            )
         pieces: list[torch.Tensor] = []
         for req, row, prefix, ids in zip(batch.reqs, batch.rows, batch.prefix_lens, batch.extend_ids):
             if ids is None:
@@ -107,7 +119,7 @@ class Executor(Actor[Batch]):
             input_ids=torch.cat(pieces),
             positions=torch.cat(positions),
             out_cache_loc=batch.out_cache_loc,
-            req_rows=torch.tensor(batch.rows, dtype=torch.int64, device=device),
+            req_rows=rows,
             prefix_lens=batch.prefix_lens,
             extend_lens=batch.extend_lens,
         )
@@ -134,9 +146,14 @@ class Executor(Actor[Batch]):
         return out
 
     def _store_tokens(self, batch: Batch, token_ids: torch.Tensor) -> None:
-        for i, (row, p, e) in enumerate(zip(batch.rows, batch.prefix_lens, batch.extend_lens)):
-            if batch.produces_token[i] and p + e < self.token_pool.shape[1]:
-                self.token_pool[row, p + e] = token_ids[i]
+        """Each sampled token goes where the next step's decode reads it: (row, seq_len)."""
+        keep = [i for i, makes in enumerate(batch.produces_token) if makes]
+        if len(keep) < len(batch.produces_token):
+            token_ids = token_ids[keep]
+        rows = [batch.rows[i] for i in keep]
+        ends = [batch.prefix_lens[i] + batch.extend_lens[i] for i in keep]
+        # The context length bounds positions; a token past it is never read (the request ends).
+        self.token_pool[rows, [min(e, self.token_pool.shape[1] - 1) for e in ends]] = token_ids
 
 
 def _top_logprobs(result: SampleResult, reqs: list[Req]) -> list[list[tuple[int, float]]] | None:
