@@ -8,6 +8,11 @@ N's tokens reach the host.
 On a CPU every step runs in one worker thread, in launch order; torch releases the GIL, so the
 event loop keeps serving clients and post-processing the previous step meanwhile. A reporter
 task awaits the steps in order and sends each result to the OutputProcessor.
+
+On CUDA the worker only launches (`launch_step`): each step runs on a forward stream that waits on
+the scheduling stream (gpu/cuda_streams.py), its sampled ids land in the device token pool, and its
+results are copied into pinned host memory behind an event. The reporter awaits that event without
+blocking the loop, so the worker is already launching step N+1 while step N runs on the GPU.
 """
 
 from __future__ import annotations
@@ -15,15 +20,26 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
+from gpu.cuda_streams import HostResult, StepStreams
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
-from gpu.sampler import SampleResult, SamplingInfo
+from gpu.sampler import SamplingInfo
 from runtime.actor import Actor
 from runtime.messages import Batch, StepOut
 from runtime.req import Req
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A launched CUDA step whose results may still be on their way to the host."""
+
+    batch: Batch
+    host: HostResult  # (token_ids, logprobs, top logprob values, top logprob ids)
+    launch_s: float
 
 
 class Executor(Actor[Batch]):
@@ -35,7 +51,8 @@ class Executor(Actor[Batch]):
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
         )
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
-        self._launched: asyncio.Queue[tuple[Batch, asyncio.Future[StepOut]]] = asyncio.Queue()
+        self.streams = StepStreams(runner.device) if runner.device.type == "cuda" else None
+        self._launched: asyncio.Queue[tuple[Batch, asyncio.Future[StepOut | _Launched]]] = asyncio.Queue()
         self.steps = 0
         self.forward_s = 0.0
 
@@ -44,17 +61,22 @@ class Executor(Actor[Batch]):
         self.spawn(self._report(), "reporter")
 
     async def handle(self, msg: Batch) -> None:
-        future = asyncio.get_running_loop().run_in_executor(self._worker, self.run_step, msg)
+        step = self.run_step if self.streams is None else self.launch_step
+        future = asyncio.get_running_loop().run_in_executor(self._worker, step, msg)
         self._launched.put_nowait((msg, future))
 
     def shutdown(self) -> None:
         """Stop the worker thread (after the actor stopped); a running step is not interrupted."""
         self._worker.shutdown(wait=False, cancel_futures=True)
+        if self.streams is not None:
+            self.streams.close()
 
     async def _report(self) -> None:
         while True:
             _, future = await self._launched.get()
             out = await future
+            if isinstance(out, _Launched):
+                out = await _collect(out)
             self.steps += 1
             self.forward_s += out.forward_s
             await self.output.send(out)
@@ -62,7 +84,24 @@ class Executor(Actor[Batch]):
     # --- worker thread ------------------------------------------------------------------------
     @torch.inference_mode()
     def run_step(self, batch: Batch) -> StepOut:
+        """One step, complete on return (CPU)."""
         start = time.perf_counter()
+        _, _, tensors = self._step(batch)
+        return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def launch_step(self, batch: Batch) -> _Launched:
+        """One step launched on the forward stream (CUDA); its results reach the host behind an event."""
+        assert self.streams is not None
+        start = time.perf_counter()
+        with self.streams.launch():
+            fb, logits, tensors = self._step(batch)
+            # The step's inputs stay referenced until its event fires (see gpu/cuda_streams.py).
+            host = self.streams.copy_out(tensors, keep_alive=(fb, logits, batch.out_cache_loc))
+        return _Launched(batch, host, time.perf_counter() - start)
+
+    def _step(self, batch: Batch) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        """Forward, sample, store the sampled ids in the token pool; (inputs, logits, results)."""
         runner = self.runner
         fb = self._forward_batch(batch)
         # Tokens each request has generated before this step (the token pool is complete, the
@@ -79,13 +118,8 @@ class Executor(Actor[Batch]):
             steps=generated,
         )
         self._store_tokens(batch, result.token_ids)
-        return StepOut(
-            batch=batch,
-            token_ids=result.token_ids.tolist(),
-            logprobs=result.logprobs.tolist() if result.logprobs is not None else None,
-            top_logprobs=_top_logprobs(result, batch.reqs),
-            forward_s=time.perf_counter() - start,
-        )
+        top = result.top_logprobs or (None, None)
+        return fb, logits, (result.token_ids, result.logprobs, *top)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         device = self.runner.device
@@ -156,10 +190,28 @@ class Executor(Actor[Batch]):
         self.token_pool[rows, [min(e, self.token_pool.shape[1] - 1) for e in ends]] = token_ids
 
 
-def _top_logprobs(result: SampleResult, reqs: list[Req]) -> list[list[tuple[int, float]]] | None:
-    if result.top_logprobs is None:
+async def _collect(launched: _Launched) -> StepOut:
+    """The StepOut of a launched step, once its event has fired (the event loop keeps running)."""
+    start = time.perf_counter()
+    tensors = await launched.host.wait()
+    return _step_out(launched.batch, tensors, launched.launch_s + time.perf_counter() - start)
+
+
+def _step_out(batch: Batch, tensors: tuple[torch.Tensor | None, ...], forward_s: float) -> StepOut:
+    token_ids, logprobs, top_values, top_ids = tensors
+    assert token_ids is not None
+    return StepOut(
+        batch=batch,
+        token_ids=token_ids.tolist(),
+        logprobs=logprobs.tolist() if logprobs is not None else None,
+        top_logprobs=_top_logprobs(top_values, top_ids, batch.reqs),
+        forward_s=forward_s,
+    )
+
+
+def _top_logprobs(values: torch.Tensor | None, ids: torch.Tensor | None, reqs: list[Req]) -> list[list[tuple[int, float]]] | None:
+    if values is None or ids is None:
         return None
-    values, ids = result.top_logprobs
     return [
         list(zip(ids[i, : r.top_logprobs_num].tolist(), values[i, : r.top_logprobs_num].tolist())) for i, r in enumerate(reqs)
     ]

@@ -2,6 +2,12 @@
 
 It takes a `ForwardBatch` whose requests already hold KV slots (the Adder allocates them; the
 runner only creates the pools) and returns logits, then sampled token ids.
+
+Attention is `torch` (SDPA, any device) or `flashinfer` (CUDA, half precision); "auto" takes
+flashinfer where it can run. On CUDA with flashinfer, decode batches go through CUDA graphs
+(gpu/graph_runner.py) unless `disable_cuda_graph`; other batches, and every batch on a CPU, run
+eagerly. `init_graph_runner(capture=False)` puts the same padded-bucket runner in front of decode
+on any device without capturing (what the CPU tests use).
 """
 
 from __future__ import annotations
@@ -13,7 +19,9 @@ from pathlib import Path
 import torch
 
 from gpu.attention import AttentionBackend, TorchAttention
+from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
+from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
@@ -31,6 +39,9 @@ class RunnerConfig:
     max_running_requests: int = 64
     page_size: int = 1
     context_length: int | None = None  # None: the model's max_position_embeddings
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None  # None: by GPU memory (SGLang's table), at most max_running_requests
 
 
 class ModelRunner:
@@ -40,6 +51,8 @@ class ModelRunner:
         self.model_dir: Path = resolve_model_dir(config.model_path)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        # Before the weights load: a backend that cannot run here fails fast with the reason.
+        self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device)
         self.context_len = self._context_len()
         pool_tokens = config.max_total_tokens or self._default_pool_tokens()
@@ -49,14 +62,32 @@ class ModelRunner:
         self.kv = KVBuffers.allocate(
             mc.num_layers, self.allocator.total_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
         )
-        self.attn: AttentionBackend = TorchAttention(self.kv, self.req_to_token.table, scale=mc.head_dim**-0.5)
+        self.attn: AttentionBackend = self._make_attention()
         self.sampler = Sampler()
+        self.graph_runner: DecodeGraphRunner | None = None
+        if self.uses_cuda_graphs:
+            self.init_graph_runner(capture=True)
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """CUDA graphs need FlashInfer's fixed-address decode metadata; torch attention's
+        metadata changes shape with the longest sequence, so it cannot be captured."""
+        return self.device.type == "cuda" and self.attention_backend == "flashinfer" and not self.config.disable_cuda_graph
+
+    def init_graph_runner(self, capture: bool) -> DecodeGraphRunner:
+        """Route decode batches through the bucketed graph runner (eager replay if not `capture`)."""
+        buckets = capture_batch_sizes(self._cuda_graph_max_bs())
+        self.graph_runner = DecodeGraphRunner(self.model, self.attn, buckets, device=self.device, capture=capture)
+        return self.graph_runner
 
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits; for a decode batch on the graph runner, a view valid until the next forward."""
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.run(batch)
         return self.model(batch, self.attn)
 
     def sample(
@@ -73,6 +104,23 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         mc = self.model_config
         return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _make_attention(self) -> AttentionBackend:
+        mc = self.model_config
+        scale = mc.head_dim**-0.5
+        if self.attention_backend == "torch":
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale)
+        shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.config.page_size, scale)
+        return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
+
+    def _cuda_graph_max_bs(self) -> int:
+        wanted = self.config.cuda_graph_max_bs
+        if wanted is None:
+            wanted = default_cuda_graph_max_bs(torch.cuda.get_device_properties(self.device).total_memory) if self.device.type == "cuda" else 256
+        if wanted < 1:
+            raise ValueError(f"cuda_graph_max_bs must be >= 1, got {wanted}; use --disable-cuda-graph to turn graphs off")
+        # A decode batch never has more rows than there are request rows.
+        return min(wanted, self.config.max_running_requests)
 
     def _context_len(self) -> int:
         model_max = self.model_config.max_position_embeddings

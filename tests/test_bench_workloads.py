@@ -135,3 +135,14 @@ def test_bad_arguments() -> None:
         make_workload("W1-mixed-64", VOCAB, num_requests=65)
     with pytest.raises(ValueError, match="vocab_size"):
         make_workload("W1-mixed", 20)
+
+
+def test_shared_prefix_generator_defaults_are_w2() -> None:
+    from bench.workloads import shared_prefix_requests
+
+    assert shared_prefix_requests(VOCAB) == make_workload("W2-shared-prefix", VOCAB).requests
+    big = shared_prefix_requests(VOCAB, num_requests=1024, output_len=4)
+    w2 = make_workload("W2-shared-prefix", VOCAB).requests
+    assert len(big) == 1024 and [r.input_ids for r in big[:256]] == [r.input_ids for r in w2]
+    assert all(r.max_new_tokens == 4 and r.group == r.index % 16 for r in big)
+    assert len({tuple(r.input_ids[:512]) for r in big}) == 16

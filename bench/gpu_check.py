@@ -1,0 +1,299 @@
+"""The one command for a machine with a GPU: run the CUDA tests, then measure the GPU path.
+
+    python -m bench.gpu_check [--out bench/results_gpu.md] [--quick] [--skip-tests]
+        [--models tiny-llama,tiny-qwen3,smollm2] [--batches 1,8,32,64,128,256]
+
+1. Runs tests/test_cuda.py and tests/test_graph_runner.py with pytest and records the outcome.
+2. Decode step table, straight on a `ModelRunner`: for each model, each batch size, and each of
+   flashinfer + CUDA graphs / flashinfer eager / torch eager: milliseconds per decode step at
+   CONTEXT tokens of context (random KV, as in bench.forward; the content does not change the
+   cost), and whether the greedy tokens of that step agree with torch eager on the same KV.
+   Steps are launched back to back with no host sync in between; the clock stops after a
+   synchronize, so this is GPU + launch time, not host post-processing.
+3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
+   submitted at t=0 through `api.Engine`, with graphs on / off and overlap on / off, flashinfer
+   and torch: output tokens per second from the first submit to the last answer.
+
+Writes a Markdown report to --out and prints it. Without CUDA it says so and exits with status 2;
+it exits 1 when the tests failed, 0 otherwise. bfloat16 throughout (FlashInfer needs half types).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu.forward_batch import ForwardBatch
+from gpu.model_runner import ModelRunner, RunnerConfig
+from runtime.forward_mode import ForwardMode
+
+CONTEXT = 256
+STEPS = 16
+REPEATS = 5
+DTYPE = "bfloat16"
+REQUESTS, PROMPT_LEN, NEW_TOKENS = 256, 128, 128
+CONCURRENCY = (1, 16, 64, 256)
+TEST_FILES = ("tests/test_cuda.py", "tests/test_graph_runner.py")
+DEVICE = "cuda"  # a module constant so the measuring code can be smoke-run on a CPU
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    name: str
+    backend: str
+    graphs: bool
+
+
+RUNNER_VARIANTS = (Variant("flashinfer+graphs", "flashinfer", True), Variant("flashinfer", "flashinfer", False), Variant("torch", "torch", False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    if not torch.cuda.is_available():
+        print("No CUDA device here: the GPU path (FlashInfer, CUDA graphs, streams) cannot be checked on this machine.")
+        return 2
+    sections = [_environment()]
+    tests_ok = True
+    if not args.skip_tests:
+        tests_ok, text = _run_tests()
+        sections.append(text)
+    models = {name: _model_dir(name) for name in args.models}
+    sections.append(_decode_table({k: v for k, v in models.items() if v}, args.batches, _variants()))
+    sections.append(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(), args.requests))
+    missing = [k for k, v in models.items() if v is None]
+    if missing:
+        sections.append(f"Not measured (model not available here): {', '.join(missing)}.\n")
+    report = "\n".join(sections)
+    Path(args.out).write_text(report)
+    print(report)
+    print(f"written to {args.out}")
+    return 0 if tests_ok else 1
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench/results_gpu.md")
+    p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--quick", action="store_true", help="fewer batch sizes and requests (a smoke run)")
+    p.add_argument("--models", type=_csv, default=["tiny-llama", "tiny-qwen3", "smollm2"])
+    p.add_argument("--batches", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8, 16, 32, 64, 128, 256])
+    args = p.parse_args(argv)
+    args.concurrency = (1, 16) if args.quick else CONCURRENCY
+    args.requests = 32 if args.quick else REQUESTS
+    if args.quick:
+        args.batches = [b for b in args.batches if b <= 32]
+    return args
+
+
+def _csv(s: str) -> list[str]:
+    return [x for x in s.split(",") if x]
+
+
+def _variants() -> tuple[Variant, ...]:
+    if importlib.util.find_spec("flashinfer") is None:
+        return tuple(v for v in RUNNER_VARIANTS if v.backend == "torch")
+    return RUNNER_VARIANTS
+
+
+# --- report sections ------------------------------------------------------------------------------
+def _environment() -> str:
+    props = torch.cuda.get_device_properties(0)
+    fi = "not installed"
+    if importlib.util.find_spec("flashinfer") is not None:
+        import flashinfer
+
+        fi = getattr(flashinfer, "__version__", "installed")
+    return (
+        "# GPU check\n\n"
+        f"Command: `python -m bench.gpu_check {' '.join(sys.argv[1:])}`\n\n"
+        f"- GPU: {props.name}, {props.total_memory / (1 << 30):.0f} GiB, {props.multi_processor_count} SMs\n"
+        f"- torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer {fi}, Python {platform.python_version()}\n"
+        f"- dtype {DTYPE}; decode context {CONTEXT} tokens; medians of {REPEATS} runs of {STEPS} steps\n"
+    )
+
+
+def _run_tests() -> tuple[bool, str]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", *TEST_FILES]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+    status = "passed" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+    return proc.returncode == 0, f"## Tests: {status}\n\n`{' '.join(cmd[1:])}`\n\n```\n{tail}\n```\n"
+
+
+def _decode_table(models: dict[str, str], batches: list[int], variants: tuple[Variant, ...]) -> str:
+    lines = [
+        "## Decode step (ModelRunner)\n",
+        "ms per decode step; `agree` = share of rows whose greedy token equals torch eager's on the same KV.\n",
+        "| model | batch | " + " | ".join(f"{v.name} ms" for v in variants) + " | " + " | ".join(f"{v.name} tok/s" for v in variants) + " | agree |",
+        "| --- | --- | " + " | ".join("---" for _ in range(2 * len(variants))) + " | --- |",
+    ]
+    for name, path in models.items():
+        results = {v.name: _decode_runs(path, v, batches) for v in variants}
+        for bs in batches:
+            ms = [results[v.name][bs][0] for v in variants]
+            agree = [_agreement(results[v.name][bs][1], results["torch"][bs][1]) for v in variants if v.name != "torch"]
+            lines.append(
+                f"| {name} | {bs} | " + " | ".join(f"{m:.3f}" for m in ms) + " | "
+                + " | ".join(f"{bs / m * 1e3:,.0f}" for m in ms) + f" | {min(agree, default=1.0):.0%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _engine_table(models: dict[str, str], concurrency: tuple[int, ...], variants: tuple[Variant, ...], requests: int) -> str:
+    lines = [
+        "## Engine throughput (all requests at t=0)\n",
+        f"{requests} requests, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens each, greedy; output tokens per second. "
+        "`max running` caps the decode batch.\n",
+        "| model | variant | overlap | max running | tok/s | wall s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, path in models.items():
+        for v in variants:
+            for overlap in (True, False):
+                for running in concurrency:
+                    tok_s, wall = asyncio.run(_engine_run(path, v, overlap, running, requests))
+                    lines.append(f"| {name} | {v.name} | {'on' if overlap else 'off'} | {running} | {tok_s:,.0f} | {wall:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+# --- measurements ---------------------------------------------------------------------------------
+def _decode_runs(path: str, variant: Variant, batches: list[int]) -> dict[int, tuple[float, torch.Tensor]]:
+    max_bs = max(batches)
+    runner = ModelRunner(
+        RunnerConfig(
+            model_path=path, dtype=DTYPE, device=DEVICE, max_total_tokens=max_bs * (CONTEXT + STEPS * (REPEATS + 2)) + 64,
+            max_running_requests=max_bs, attention_backend=variant.backend, disable_cuda_graph=not variant.graphs, cuda_graph_max_bs=max_bs,
+        )
+    )
+    _random_kv(runner)
+    out = {bs: _decode_one(runner, bs) for bs in batches}
+    del runner
+    _free_cached()
+    return out
+
+
+def _random_kv(runner: ModelRunner) -> None:
+    # The same seed and shapes in every runner, so their KV and hence their logits are comparable.
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    for t in runner.kv.k + runner.kv.v:
+        t.normal_(generator=gen)
+
+
+def _decode_one(runner: ModelRunner, bs: int) -> tuple[float, torch.Tensor]:
+    """(median ms per step, greedy tokens of the first step) for `bs` requests at CONTEXT tokens."""
+    total = CONTEXT + STEPS * (REPEATS + 2)
+    rows = [runner.req_to_token.alloc() for _ in range(bs)]
+    slots = [runner.allocator.alloc(total) for _ in range(bs)]
+    try:
+        for row, s in zip(rows, slots):
+            runner.req_to_token.write(row, 0, s)
+        slot_table = torch.stack(slots)  # [bs, total] on the device
+        rows_dev = torch.tensor(rows, device=DEVICE)
+        tokens = torch.arange(bs, device=DEVICE) % runner.vocab_size
+        pos = CONTEXT
+
+        def step(tokens: torch.Tensor) -> torch.Tensor:
+            nonlocal pos
+            batch = ForwardBatch(
+                mode=ForwardMode.DECODE, input_ids=tokens, positions=torch.full((bs,), pos, device=DEVICE),
+                out_cache_loc=slot_table[:, pos], req_rows=rows_dev, prefix_lens=[pos] * bs, extend_lens=[1] * bs,
+            )
+            pos += 1
+            return runner.forward(batch).argmax(-1)
+
+        first = step(tokens).cpu()
+        pos = CONTEXT  # the timed steps rewrite the same positions: the cost does not depend on the values
+        return _median_ms(lambda: _timed_steps(step, tokens)), first
+    finally:
+        for row, s in zip(rows, slots):
+            runner.allocator.free(s)
+            runner.req_to_token.free(row)
+
+
+def _timed_steps(step: Callable[[torch.Tensor], torch.Tensor], tokens: torch.Tensor) -> float:
+    _sync()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        tokens = step(tokens)
+    _sync()
+    return (time.perf_counter() - start) / STEPS
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free_cached() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _median_ms(fn: Callable[[], float]) -> float:
+    fn()  # warm-up
+    return statistics.median(fn() for _ in range(REPEATS)) * 1e3
+
+
+def _agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((tokens == reference).float().mean())
+
+
+async def _engine_run(path: str, variant: Variant, overlap: bool, running: int, requests: int) -> tuple[float, float]:
+    from api.engine import Engine
+
+    gen = torch.Generator().manual_seed(0)
+    config = dict(
+        model_path=path, device=DEVICE, dtype=DTYPE, attention_backend=variant.backend, disable_cuda_graph=not variant.graphs,
+        disable_overlap_schedule=not overlap, max_running_requests=running, cuda_graph_max_bs=running,
+        max_total_tokens=requests * (PROMPT_LEN + NEW_TOKENS) + 1024,  # all of them fit: no retraction
+    )
+    async with Engine(**config) as engine:
+        vocab = engine.runner.vocab_size
+        prompts = [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(requests)]
+        params = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
+        await engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up
+        start = time.perf_counter()
+        outs = await asyncio.gather(*(engine.generate(input_ids=p, sampling_params=params) for p in prompts))
+        wall = time.perf_counter() - start
+    del engine
+    _free_cached()
+    return sum(len(o.output_ids) for o in outs) / wall, wall
+
+
+def _model_dir(name: str) -> str | None:
+    if name == "smollm2":
+        try:
+            from gpu.gguf_loader import default_model_path, gguf_to_hf_dir
+
+            return str(gguf_to_hf_dir(default_model_path()))
+        except Exception as exc:  # the GGUF package is optional; say what is missing
+            print(f"smollm2 unavailable: {exc}", file=sys.stderr)
+            return None
+    arch = {"tiny-llama": "llama", "tiny-qwen3": "qwen3"}.get(name)
+    if arch is None:
+        return name  # a checkpoint directory
+    from gpu.tiny_model import make_tiny_model
+
+    out = Path(tempfile.gettempdir()) / f"actorserve-gpu-check-{name}"
+    if not (out / "model.safetensors").exists():
+        # head_dim 64: a size FlashInfer has kernels for; 8 heads over 2 kv heads: grouped-query.
+        make_tiny_model(out, arch, vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1536)
+    return str(out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
