@@ -58,7 +58,6 @@ class Adder(Actor[AdderMsg]):
         self.executor = executor
         self.policy: Actor[PolicyMsg] | None = None  # set by the Engine (the actors form a cycle)
         self.page_size = config.page_size
-        self.max_running = runner.req_to_token.max_requests
         self.running: list[Req] = []  # prompt fully launched: one decode token per step
         self.chunked: Req | None = None  # prompt partly launched
         self.ending: list[_Ending] = []
@@ -113,11 +112,14 @@ class Adder(Actor[AdderMsg]):
         return not self.running and self.chunked is None and self.in_flight == 0 and not self.ending
 
     def _max_candidates(self) -> int:
-        if self.config.enable_priority_scheduling:
-            return self.max_running  # a better newcomer may preempt even when the batch is full
-        return max(0, self.req_to_token.available())
+        rows = self.req_to_token.available()
+        if rows == 0 and self.config.enable_priority_scheduling:
+            return 1  # the best waiting request may still preempt a running one
+        return rows
 
     def _routing_keys(self) -> dict[str, int]:
+        if self.config.effective_schedule_policy != "routing-key":
+            return {}
         return dict(Counter(r.routing_key for r in self.running if r.routing_key is not None))
 
     # --- one scheduling round -----------------------------------------------------------------
