@@ -1,0 +1,356 @@
+"""bench.serving: the metric arithmetic on synthetic timings (exact numbers), the arrival process,
+the datasets, and short end-to-end runs against a tiny-model server (each backend) and an
+in-process Engine. Never timings."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from api.server import ServerSettings
+from bench import serving, serving_backends
+from bench.serving_backends import Backend, Call
+from bench.serving_datasets import gsp_dataset, multi_turn_dataset, random_ids_dataset, sharegpt_dataset, workload_dataset
+from bench.serving_metrics import RequestOutput, compute_metrics, distserve_goodput, summarize, throughput_over_time
+from bench.serving_plot import plot_runs
+from bench.workloads import make_workload
+from tests.test_server import ServerThread
+
+API_KEY = "sk-bench"
+VOCAB = 512  # the tiny llama's
+
+# --- metric arithmetic ---------------------------------------------------------------------------
+
+
+def _out(ttft: float, e2e: float, output_len: int, itl: list[float], prompt: int = 100, cached: int = 0, ok: bool = True) -> RequestOutput:
+    return RequestOutput(success=ok, prompt_len=prompt, output_len=output_len, requested_output_len=output_len,
+                         cached_tokens=cached, ttft=ttft, e2e=e2e, itl=itl)
+
+
+@pytest.fixture
+def outputs() -> list[RequestOutput]:
+    return [
+        _out(0.1, 1.0, 10, [0.1] * 9, prompt=100, cached=50),  # TPOT (1.0 - 0.1) / 9 = 0.1
+        _out(0.2, 0.2, 1, [], prompt=50, cached=0),  # one token: no TPOT
+        _out(0.3, 2.3, 5, [0.5] * 4, prompt=50, cached=25),  # TPOT (2.3 - 0.3) / 4 = 0.5
+        _out(0.0, 0.0, 0, [], prompt=77, ok=False),  # failed: counts nowhere else
+    ]
+
+
+def test_metrics_exact(outputs: list[RequestOutput]) -> None:
+    m = compute_metrics(outputs, 4.0)
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 200 and m["total_output_tokens"] == 16
+    assert m["requested_output_tokens"] == 16  # failed requests asked for nothing here
+    assert m["request_throughput"] == pytest.approx(0.75)
+    assert m["output_throughput"] == pytest.approx(4.0)
+    assert m["input_throughput"] == pytest.approx(50.0)
+    assert m["total_token_throughput"] == pytest.approx(54.0)
+    assert m["concurrency"] == pytest.approx((1.0 + 0.2 + 2.3) / 4.0)
+    assert m["cache_hit_rate"] == pytest.approx(75 / 200)
+    # TTFT over [100, 200, 300] ms: linear interpolation between order statistics.
+    assert (m["mean_ttft_ms"], m["median_ttft_ms"]) == (pytest.approx(200.0), pytest.approx(200.0))
+    assert m["p90_ttft_ms"] == pytest.approx(280.0) and m["p95_ttft_ms"] == pytest.approx(290.0)
+    assert m["p99_ttft_ms"] == pytest.approx(298.0)
+    # TPOT only for output_len > 1: [100, 500] ms.
+    assert m["mean_tpot_ms"] == pytest.approx(300.0) and m["median_tpot_ms"] == pytest.approx(300.0)
+    assert m["p90_tpot_ms"] == pytest.approx(460.0) and m["p99_tpot_ms"] == pytest.approx(496.0)
+    # ITL pooled over requests: nine gaps of 100 ms and four of 500 ms.
+    assert m["mean_itl_ms"] == pytest.approx(2900 / 13)
+    assert m["median_itl_ms"] == pytest.approx(100.0) and m["p90_itl_ms"] == pytest.approx(500.0)
+    assert m["p99_e2e_ms"] == pytest.approx(1000 + 0.98 * 1300)
+    assert "goodput" not in m
+
+
+def test_tpot_of_one_token_is_undefined() -> None:
+    assert _out(0.2, 0.2, 1, []).tpot is None
+    assert _out(0.2, 0.5, 0, []).tpot is None
+    assert _out(0.1, 0.4, 4, []).tpot == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "good"),
+    [
+        (250.0, 200.0, 2),  # A (100 ms, 100 ms) and B (200 ms, one token: TPOT 0) meet both
+        (None, 200.0, 2),  # C's TPOT is 500 ms
+        (150.0, None, 1),  # only A's TTFT
+        (None, 99.0, 1),  # B only: its TPOT counts as 0
+        (1000.0, 1000.0, 3),  # the failed request never counts
+    ],
+)
+def test_goodput(outputs: list[RequestOutput], ttft: float | None, tpot: float | None, good: int) -> None:
+    m = compute_metrics(outputs, 4.0, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+    assert m["goodput"] == pytest.approx(good / 4.0)
+    assert m["slo_attained"] == pytest.approx(good / 4)  # of all requests sent
+
+
+def test_distserve_goodput() -> None:
+    assert distserve_goodput([(1, 1.0), (2, 0.95), (4, 0.9), (8, 0.5), (math.inf, 0.1)]) == 4
+    assert distserve_goodput([(1, 0.5)]) is None
+
+
+def test_empty_run_and_summary() -> None:
+    m = compute_metrics([], 1.0)
+    assert m["completed"] == 0 and m["p99_itl_ms"] == 0.0 and m["cache_hit_rate"] == 0.0
+    assert summarize([0.001, 0.003]) == pytest.approx({"mean": 2.0, "median": 2.0, "std": 1.0, "p90": 2.8, "p95": 2.9, "p99": 2.98})
+
+
+def test_throughput_over_time_spreads_tokens_over_chunks() -> None:
+    a = RequestOutput(success=True, output_len=4, start=0.0, e2e=2.0, chunk_times=[0.5, 1.5])
+    b = RequestOutput(success=True, output_len=2, start=1.0, e2e=1.0, chunk_times=[1.9])
+    t, tok_s, in_flight = throughput_over_time([a, b], bins=2)
+    assert t.tolist() == [0.5, 1.5]
+    assert tok_s.tolist() == [2.0, 4.0]  # 2 tokens in [0, 1); 2 + 2 in [1, 2)
+    assert in_flight.tolist() == [1.0, 2.0]
+
+
+class FakeBackend(Backend):
+    """Chunks at scripted times on a fake clock: (time, carries output)."""
+
+    name = "fake"
+
+    def __init__(self, clock: list[float], chunks: list[tuple[float, bool]], end: float, output_len: int):
+        self.clock, self.chunks, self.end, self.n = clock, chunks, end, output_len
+
+    async def _stream(self, call: Call, out: RequestOutput) -> AsyncIterator[tuple[float, bool]]:
+        for t, carries in self.chunks:
+            self.clock[0] = t
+            yield t, carries
+        out.output_len = self.n
+        self.clock[0] = self.end
+
+
+async def test_send_times_first_non_empty_chunk_and_gaps(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [10.0]
+    monkeypatch.setattr(serving_backends, "clock", lambda: clock[0])
+    # A role chunk with no text at 10.05, tokens at 10.5, 10.7 and 11.0, usage chunk at 11.05.
+    backend = FakeBackend(clock, [(10.05, False), (10.5, True), (10.7, True), (11.0, True), (11.05, False)], end=11.1, output_len=3)
+    out = await backend.send(Call(3, input_ids=[1, 2]), t0=9.0)
+    assert out.success and out.error == ""
+    assert out.start == pytest.approx(1.0)
+    assert out.ttft == pytest.approx(0.5)
+    assert out.itl == pytest.approx([0.2, 0.3])
+    assert out.e2e == pytest.approx(1.1)
+    assert out.tpot == pytest.approx((1.1 - 0.5) / 2)
+    assert out.chunk_times == pytest.approx([1.5, 1.7, 2.0])
+    assert out.prompt_len == 2  # the local count, as the fake server reports none
+
+
+async def test_send_turns_exceptions_into_failures(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Broken(Backend):
+        name = "broken"
+
+        async def _stream(self, call: Call, out: RequestOutput) -> AsyncIterator[tuple[float, bool]]:
+            yield 0.0, True
+            raise ConnectionResetError("gone")
+
+    out = await Broken().send(Call(4, input_ids=[1]), t0=0.0)
+    assert not out.success and "ConnectionResetError: gone" in out.error
+
+
+# --- arrivals and datasets -----------------------------------------------------------------------
+
+
+def test_poisson_arrivals_mean_rate_and_seed() -> None:
+    from bench.serving_datasets import _arrivals
+
+    a = _arrivals(7, 20_000, 4.0, 1.0)
+    assert a == _arrivals(7, 20_000, 4.0, 1.0) and a != _arrivals(8, 20_000, 4.0, 1.0)
+    assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
+    gaps = np.diff(a)
+    assert gaps.mean() == pytest.approx(0.25, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)  # exponential: CV 1
+    bursty = np.diff(_arrivals(7, 20_000, 4.0, 0.25))
+    assert bursty.mean() == pytest.approx(0.25, rel=0.05)  # same mean rate ...
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)  # ... CV 1 / sqrt(shape)
+    assert _arrivals(7, 5, math.inf, 1.0) == [0.0] * 5
+
+
+def test_w3_rates_send_the_same_prompts() -> None:
+    slow = workload_dataset("W3-online", VOCAB, 0, 50, 2.0, 1.0)
+    fast = workload_dataset("W3-online", VOCAB, 0, 50, 8.0, 1.0)
+    assert [r.input_ids for r in slow.requests] == [r.input_ids for r in fast.requests]
+    assert np.allclose(np.array([r.arrival_s for r in slow.requests]) / 4, [r.arrival_s for r in fast.requests])
+    wl = make_workload("W3-online", VOCAB, 0, num_requests=50, rate=2.0)
+    assert [(r.input_ids, r.max_new_tokens, r.arrival_s) for r in wl.requests] == [(r.input_ids, r.output_len, r.arrival_s) for r in slow.requests]
+    burst = workload_dataset("W1-mixed", VOCAB, 0, 10, math.inf, 1.0)
+    assert all(r.arrival_s == 0.0 for r in burst.requests)
+
+
+def test_random_ids_lengths() -> None:
+    exact = random_ids_dataset(VOCAB, 20, 30, 7, 1.0, seed=3)
+    assert [(r.prompt_len, r.output_len) for r in exact.requests] == [(30, 7)] * 20
+    ids = [t for r in exact.requests for t in r.input_ids or []]
+    assert min(ids) >= 10 and max(ids) < VOCAB - 10
+    ranged = random_ids_dataset(VOCAB, 200, 40, 20, 0.5, seed=3)
+    assert {r.prompt_len for r in ranged.requests} == set(range(20, 41))
+    assert {r.output_len for r in ranged.requests} == set(range(10, 21))
+    assert ranged == random_ids_dataset(VOCAB, 200, 40, 20, 0.5, seed=3)
+
+
+def test_gsp_and_multi_turn_defaults_are_the_standard_workloads() -> None:
+    w2 = make_workload("W2-shared-prefix", VOCAB)
+    gsp = gsp_dataset(VOCAB, 16, 16, 512, 64, 64, seed=0)
+    assert [(r.input_ids, r.output_len, r.group) for r in gsp.requests] == [(r.input_ids, r.max_new_tokens, r.group) for r in w2.requests]
+    small = gsp_dataset(VOCAB, 3, 2, 20, 5, 4, seed=1)
+    assert len(small.requests) == 6 and {r.prompt_len for r in small.requests} == {25}
+    assert small.requests[0].input_ids[:20] == small.requests[3].input_ids[:20] != small.requests[1].input_ids[:20]
+    w4 = make_workload("W4-multi-turn", VOCAB)
+    mt = multi_turn_dataset(VOCAB, 32, 4, 256, 64, 64, seed=0)
+    assert [c.turns for c in mt.conversations] == [c.user_turns for c in w4.conversations]
+    assert mt.num_requests == 128
+
+
+def test_sharegpt(tiny_llama: Path, tmp_path: Path) -> None:
+    from gpu.loader import load_tokenizer
+
+    tok = load_tokenizer(tiny_llama)
+    data = [
+        {"conversations": [{"from": "human", "value": f"question number {i} about lighthouses"}, {"from": "gpt", "value": "an answer " * (i + 1)}]}
+        for i in range(6)
+    ] + [{"conversations": [{"from": "human", "value": "alone"}]}, {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "y"}]}]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    ds = sharegpt_dataset(path, tok, 10, seed=0)
+    assert len(ds.requests) == 6  # single-turn and one-token pairs are skipped
+    texts = {r.text for r in ds.requests}
+    assert texts == {f"question number {i} about lighthouses" for i in range(6)}
+    for r in ds.requests:
+        i = int((r.text or "").split()[2])
+        assert r.output_len == len(tok.encode("an answer " * (i + 1), add_special_tokens=False))
+    assert [r.text for r in sharegpt_dataset(path, tok, 10, seed=0).requests] == [r.text for r in ds.requests]
+    assert all(r.output_len == 5 for r in sharegpt_dataset(path, tok, 3, seed=0, fixed_output_len=5).requests)
+
+
+# --- end to end ----------------------------------------------------------------------------------
+
+RECORD_KEYS = {
+    "timestamp", "backend", "model", "dataset", "num_prompts", "request_rate", "burstiness", "max_concurrency", "seed",
+    "completed", "failed", "duration_s", "request_throughput", "input_throughput", "output_throughput",
+    "total_token_throughput", "total_input_tokens", "total_output_tokens", "requested_output_tokens", "concurrency",
+    "cache_hit_rate", "cached_tokens", "errors", "engine_config", "server_stats",
+    *(f"{s}_{n}_ms" for n in ("ttft", "tpot", "itl", "e2e") for s in ("mean", "median", "std", "p90", "p95", "p99")),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama: Path) -> Iterator[ServerThread]:
+    engine = {"model_path": str(tiny_llama), "max_running_requests": 16}
+    with ServerThread(engine, ServerSettings(api_key=API_KEY, served_model_name="tiny")) as s:
+        yield s
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        chunks[kind] = body
+        pos += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(height, 1 + 3 * width)
+    assert (raw[:, 0] == 0).all()
+    assert (raw[:, 1:] < 128).sum() > 1000  # axes, text and lines were drawn
+
+
+@pytest.mark.parametrize("backend", ["native", "openai-completions", "openai-chat"])
+def test_http_backends_end_to_end(server: ServerThread, backend: str, tmp_path: Path) -> None:
+    out_file = tmp_path / "runs.jsonl"
+    argv = ["--base-url", server.url, "--api-key", API_KEY, "--backend", backend, "--dataset", "random-ids",
+            "--num-prompts", "5", "--random-input-len", "24", "--random-output-len", "6", "--random-range-ratio", "1",
+            "--max-concurrency", "3", "--output-file", str(out_file), "--disable-tqdm", "--slo-ttft-ms", "60000",
+            "--slo-tpot-ms", "60000"]
+    if backend == "native":
+        argv += ["--plot", str(tmp_path / "run.png")]
+    [result] = serving.main(argv)
+    [record] = _records(out_file)
+    assert RECORD_KEYS <= record.keys() and {"goodput", "slo_attained"} <= record.keys()
+    assert record["completed"] == 5 and record["failed"] == 0 and record["errors"] == []
+    assert record["total_output_tokens"] == record["requested_output_tokens"] == 30
+    assert record["backend"] == backend and record["dataset"] == "random-ids" and record["request_rate"] == "inf"
+    assert record["goodput"] == pytest.approx(5 / record["duration_s"])
+    assert record["engine_config"]["max_running_requests"] == 16 and "kv_pool_size" in record["server_stats"]
+    if backend != "openai-chat":  # chat renders a template around decoded text: its own count
+        assert record["total_input_tokens"] == 5 * 24
+    assert all(o.ttft > 0 and len(o.itl) >= 1 and o.e2e >= o.ttft for o in result.outputs)
+    assert 0 < record["concurrency"] <= 3.0 + 1e-6
+    if backend == "native":
+        _check_png(tmp_path / "run.png")
+
+
+def test_http_multi_turn_carries_history(server: ServerThread, tmp_path: Path) -> None:
+    out_file = tmp_path / "runs.jsonl"
+    [result] = serving.main(["--base-url", server.url, "--api-key", API_KEY, "--dataset", "multi-turn", "--num-prompts", "2",
+                             "--mt-turns", "2", "--mt-first-turn-len", "30", "--mt-turn-len", "5", "--mt-output-len", "4",
+                             "--output-file", str(out_file), "--disable-tqdm"])
+    [record] = _records(out_file)
+    assert record["completed"] == 4 and record["failed"] == 0
+    # Turn 2's prompt is turn 1's prompt, its answer, and the new turn; turn 1 was cached.
+    assert [o.prompt_len for o in result.outputs] == [30, 30 + 4 + 5] * 2
+    assert record["cache_hit_rate"] > 0.4
+
+
+def test_http_failures_are_counted(server: ServerThread, tmp_path: Path) -> None:
+    out_file = tmp_path / "runs.jsonl"
+    serving.main(["--base-url", server.url, "--api-key", "wrong", "--num-prompts", "3", "--random-input-len", "8",
+                  "--random-output-len", "2", "--vocab-size", str(VOCAB), "--warmup-requests", "0", "--no-flush-cache", "--output-file", str(out_file),
+                  "--disable-tqdm"])
+    [record] = _records(out_file)
+    assert record["completed"] == 0 and record["failed"] == 3
+    assert record["errors"] and record["errors"][0].startswith("HTTP 401")
+
+
+def test_engine_mode_and_rate_sweep(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "runs.jsonl"
+    results = serving.main(["--engine", "--model-path", str(tiny_llama), "--rate-sweep", "40,inf", "--num-prompts", "3",
+                            "--output-file", str(out_file), "--disable-tqdm", "--plot", str(tmp_path / "sweep.png"),
+                            "--max-running-requests", "8", "--slo-ttft-ms", "60000"])
+    records = _records(out_file)
+    assert [r["request_rate"] for r in records] == ["40", "inf"] and len(results) == 2
+    expected = sum(r.max_new_tokens for r in make_workload("W3-online", VOCAB, num_requests=3).requests)
+    for record in records:
+        assert RECORD_KEYS <= record.keys()
+        assert record["backend"] == "engine" and record["dataset"] == "W3-online" and record["base_url"] is None
+        assert record["completed"] == 3 and record["failed"] == 0
+        assert record["total_output_tokens"] == record["requested_output_tokens"] == expected
+        assert record["engine_config"]["max_running_requests"] == 8
+    stdout = capsys.readouterr().out
+    assert "| 40 | 3 | 0 |" in stdout and "| inf | 3 | 0 |" in stdout and "DistServe goodput" in stdout
+    _check_png(tmp_path / "sweep.png")
+
+
+def test_engine_mode_shared_prefix_hits_the_cache(tiny_llama: Path, tmp_path: Path) -> None:
+    out_file = tmp_path / "runs.jsonl"
+    argv = ["--engine", "--model-path", str(tiny_llama), "--dataset", "generated-shared-prefix", "--gsp-num-groups", "2",
+            "--gsp-prompts-per-group", "4", "--gsp-system-prompt-len", "64", "--gsp-question-len", "8",
+            "--gsp-output-len", "3", "--max-concurrency", "2", "--output-file", str(out_file), "--disable-tqdm"]
+    serving.main(argv)
+    serving.main([*argv, "--disable-radix-cache"])
+    cached, uncached = _records(out_file)
+    assert cached["completed"] == uncached["completed"] == 8
+    assert cached["total_output_tokens"] == 24
+    assert cached["cache_hit_rate"] > 0.5 and uncached["cache_hit_rate"] == 0.0
+    assert uncached["engine_config"]["disable_radix_cache"] is True
+
+
+def test_plot_draws_a_valid_png(tmp_path: Path) -> None:
+    outs = [RequestOutput(success=True, output_len=3, ttft=0.01 * i, e2e=0.05 * i + 0.1, itl=[0.01, 0.02], start=0.1 * i,
+                          chunk_times=[0.1 * i + 0.01, 0.1 * i + 0.02]) for i in range(1, 20)]
+    _check_png(plot_runs(tmp_path / "p.png", [("a", outs), ("b", outs[:5]), ("empty", [])]))
