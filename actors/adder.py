@@ -218,10 +218,15 @@ class Adder(Actor[AdderMsg]):
 
     def _cache_chunked_prefix(self) -> None:
         """Reference step 1: the computed part of the chunked request goes into the prefix cache."""
-        req = self.chunked
-        if req is None or req.computed_len == 0:
-            return
-        result = self.cache.cache_unfinished_req(req.fill_ids[: req.computed_len], self.req_to_token, req.req_row, req.last_node, req.extra_key)
+        if self.chunked is not None and self.chunked.computed_len:
+            self._cache_prefix(self.chunked, self.chunked.computed_len)
+
+    def _cache_prefix(self, req: Req, length: int) -> None:
+        """Put the first `length` tokens of a request into the tree while it runs (its row then
+        borrows the tree's slots for them), so later requests match them before it finishes.
+        Safe before the step that computes them has run: steps run in launch order, so any step
+        that reads these slots through another request runs after this one wrote them."""
+        result = self.cache.cache_unfinished_req(req.fill_ids[:length], self.req_to_token, req.req_row, req.last_node, req.extra_key)
         req.last_node = result.last_node
         req.prefix_len = result.length
         req.kv_slots[: result.length] = result.slots
@@ -259,6 +264,11 @@ class Adder(Actor[AdderMsg]):
                 slots.append(self._grow(req, 1))
                 produces.append(True)
             mode = ForwardMode.MIXED
+        # As SGLang does after a prefill: prompts are cached now, not when they finish. Last, so
+        # that duplicate slots it frees are not handed to another row of this same step.
+        for adm in adder.admitted:
+            if not adm.truncated:
+                self._cache_prefix(adm.req, adm.prefix_len + adm.extend_len)
         return self._batch(mode, reqs, lens, ids, slots, produces)
 
     def _allocate_admission(self, adm: Admission) -> torch.Tensor:

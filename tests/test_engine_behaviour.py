@@ -290,3 +290,15 @@ async def test_the_documented_api(model_path):
         for key in ("kv_pool_size", "kv_free", "kv_cached", "num_running", "num_waiting", "new_token_ratio", "steps", "retractions", "preemptions", "aborted"):
             assert key in stats
         assert stats["steps"] > 0
+
+
+async def test_a_running_requests_prompt_is_already_cached(model_path):
+    """Prompts enter the radix cache after their prefill, not when the request finishes."""
+    async with Engine(model_path=model_path) as engine:
+        prefix = list(range(20, 84))
+        running, _ = await _first_delta(engine, prefix + [7], sampling_params={**GREEDY, "max_new_tokens": 200})
+        out = await engine.generate(input_ids=prefix + [8, 9], sampling_params={**GREEDY, "max_new_tokens": 2})
+        assert out.cached_tokens == len(prefix) and not running.done()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await assert_idle_invariants(engine)
