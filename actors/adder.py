@@ -228,8 +228,7 @@ class Adder(Actor[AdderMsg]):
         that reads these slots through another request runs after this one wrote them."""
         result = self.cache.cache_unfinished_req(req.fill_ids[:length], self.req_to_token, req.req_row, req.last_node, req.extra_key)
         req.last_node = result.last_node
-        req.prefix_len = result.length
-        req.kv_slots[: result.length] = result.slots
+        req.prefix_len = result.length  # the call rewrote the row with the tree's slots
 
     def _mixed_decode_reqs(self) -> list[Req]:
         """Mixed chunk: running requests decode inside the prefill batch (not when logprobs are wanted)."""
@@ -278,9 +277,8 @@ class Adder(Actor[AdderMsg]):
         if adm.match is not None:
             req.req_row = self.req_to_token.alloc()
             assert req.req_row is not None, "rows were counted before admission"
-            req.kv_slots = adm.match.slots
             if adm.prefix_len:
-                self.req_to_token.write(req.req_row, 0, req.kv_slots)
+                self.req_to_token.write(req.req_row, 0, adm.match.slots)
             if req.admitted_time is None:
                 req.cached_tokens = adm.prefix_len
                 req.admitted_time = time.monotonic()
@@ -299,7 +297,7 @@ class Adder(Actor[AdderMsg]):
         reqs = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
         if not reqs:
             return None
-        slots = [self._grow(r, 1) for r in reqs]
+        slots = self._grow_decode(reqs)
         assert all(s is not None for s in slots), "decode memory was checked"
         self.ratio.decay()
         return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [None] * len(reqs), slots, [True] * len(reqs))
@@ -332,7 +330,7 @@ class Adder(Actor[AdderMsg]):
         return sum(self.page_size for r in reqs if r.computed_len % self.page_size == 0)
 
     def _available_after_release(self, victims) -> int:
-        owned = sum(r.kv_slots.numel() - r.last_node.depth for r in victims)
+        owned = sum(r.computed_len - r.last_node.depth for r in victims)
         return self.allocator.available_size() + self.cache.evictable_size() + owned
 
     def _free_after_evict(self, need: int) -> int:
@@ -344,15 +342,27 @@ class Adder(Actor[AdderMsg]):
 
     # --- batches and KV -------------------------------------------------------------------------
     def _grow(self, req: Req, num_tokens: int) -> torch.Tensor | None:
-        """Allocate KV slots for the next `num_tokens` positions of `req` and record them."""
-        held = 0 if req.kv_slots is None else req.kv_slots.numel()
-        last = int(req.kv_slots[-1]) if held else None
+        """Allocate KV slots for positions computed_len .. computed_len + num_tokens - 1 of `req`
+        and record them in its row (the row is the one record of the slots a request holds)."""
+        held = req.computed_len
+        last = int(self.req_to_token.table[req.req_row, held - 1]) if held and self.page_size > 1 else None
         slots = self.allocator.alloc_extend(held, last, num_tokens)
         if slots is None:
             return None
         self.req_to_token.write(req.req_row, held, slots)
-        req.kv_slots = slots if req.kv_slots is None else torch.cat([req.kv_slots, slots])
         return slots
+
+    def _grow_decode(self, reqs: list[Req]) -> list[torch.Tensor]:
+        """One slot per request for a decode step; with one-token pages, one allocation and one
+        indexed write for the whole batch instead of one per request."""
+        if self.page_size > 1:
+            return [self._grow(r, 1) for r in reqs]
+        slots = self.allocator.alloc(len(reqs))
+        assert slots is not None, "decode memory was checked"
+        rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
+        positions = torch.tensor([r.computed_len for r in reqs], dtype=torch.int64)
+        self.req_to_token.table[rows, positions] = slots.to(self.req_to_token.table.dtype)
+        return [slots]
 
     def _batch(
         self,
@@ -421,14 +431,14 @@ class Adder(Actor[AdderMsg]):
     def _release(self, req: Req, cache_it: bool) -> None:
         if req.req_row is None:
             return
-        slots = req.kv_slots if req.kv_slots is not None else torch.empty(0, dtype=torch.int64)
+        slots = self.req_to_token.slots(req.req_row, req.computed_len).to(torch.int64)
         if cache_it:
             # Slots past the computed tokens (none today) are freed by the cache as well.
             self.cache.cache_finished_req(req.fill_ids[: req.computed_len], slots, req.last_node, req.extra_key)
         else:
             self.cache.release_req(slots, req.last_node)
         self.req_to_token.free(req.req_row)
-        req.req_row, req.kv_slots, req.last_node = None, None, None
+        req.req_row, req.last_node = None, None
 
     def _reset_for_requeue(self, req: Req) -> None:
         req.prefix_len = 0

@@ -28,7 +28,7 @@ Fields of `Req` written here (all owned by the Adder):
 | computed_len | = prefix_len: the KV of positions before it is in the pool (borrowed from the cache) | unchanged |
 | chunk_end | computed_len + extend when the prompt was cut, else None | the same rule |
 
-Nothing else (req_row, kv_slots, launched_outputs, cached_tokens) is touched: the caller allocates
+Nothing else (req_row, launched_outputs, cached_tokens) is touched: the caller allocates
 and advances `computed_len` by the extend when it launches the batch.
 
 Where we differ from SGLang, on purpose:

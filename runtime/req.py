@@ -8,7 +8,7 @@ it, and only after a message handed the request over:
 | rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
-| req_row, kv_slots, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
+| req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
 | output_ids, output_logprobs, output_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 `fill_ids` (prompt + generated tokens) is derived, never stored.
@@ -19,7 +19,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta, RequestStream
@@ -49,8 +48,7 @@ class Req:
     abort_requested: bool = False
 
     # Adder
-    req_row: int | None = None
-    kv_slots: torch.Tensor | None = None  # slots of positions 0 .. len - 1 that this request holds
+    req_row: int | None = None  # its row of the request-to-token table holds its KV slots
     prefix_len: int = 0  # tokens matched in the prefix cache at (re)admission
     cached_tokens: int = 0  # prefix hits reported to the user (first admission)
     admitted_time: float | None = None  # first admission (monotonic); queue time = this - arrival_time
