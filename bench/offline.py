@@ -38,7 +38,7 @@ import msgspec
 import torch
 import uvloop
 
-from api.engine import Engine
+from api.engine import Engine, GenerateOutput
 from api.serve_cli import _add_field  # the one definition of how EngineConfig fields become flags
 from bench.workloads import Request, make_workload
 from runtime.config import EngineConfig
@@ -108,7 +108,7 @@ def engine_vocab_size(config: dict[str, Any]) -> int:
     return ModelConfig.from_dir(resolve_model_dir(config.get("model_path"))).vocab_size
 
 
-async def _generate(engine: Engine, r: Request):  # -> GenerateOutput
+async def _generate(engine: Engine, r: Request) -> GenerateOutput:
     params = {"max_new_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True}
     out = await engine.generate(input_ids=r.input_ids, sampling_params=params)
     assert out.finish_reason == "length" and out.completion_tokens == r.max_new_tokens, (out.finish_reason, out.completion_tokens)

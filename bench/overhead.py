@@ -436,8 +436,9 @@ async def run_prefill(
         max_running_requests=num_requests + groups, max_total_tokens=(num_requests + groups) * 600 + 4096,
     )
     engine = rig.engine
-    reqs = shared_prefix_requests(engine.runner.vocab_size, seed=0, num_groups=groups, num_requests=num_requests + groups, output_len=4)
-    warm, queued = reqs[:groups], reqs[groups:]
+    # One draw: the same system prompts for all; `fresh` (new questions) is ordered directly at the end.
+    reqs = shared_prefix_requests(engine.runner.vocab_size, seed=0, num_groups=groups, num_requests=groups + 2 * num_requests, output_len=4)
+    warm, queued, fresh = reqs[:groups], reqs[groups : groups + num_requests], reqs[groups + num_requests :]
     time_ordering(engine, probe)
     if profile:
         # The rounds only: the orderings and the Adder's handling of their candidates.
@@ -452,7 +453,7 @@ async def run_prefill(
         outs = await asyncio.gather(*tasks)
         probe.active = False
         cached = engine.stats()
-        cold, warm_s = order_directly(engine, queued, order_repeats)
+        cold, warm_s = order_directly(engine, fresh, order_repeats)
     finally:
         await stop_engine(rig, probe)
     return PrefillResult(
@@ -468,8 +469,9 @@ async def run_prefill(
 
 
 def order_directly(engine: Engine, queued: list[Request], repeats: int) -> tuple[float, float]:
-    """Order a queue of fresh requests with the Policy's orderer: the first call (keys encoded)
-    and the median of `repeats` later ones. Runs on the loop thread with the engine idle."""
+    """Order a queue of requests never seen before (their system prompts are cached, their
+    questions are not) with the Policy's orderer: the first call (keys encoded) and the median
+    of `repeats` later ones. Runs on the loop thread with the engine idle."""
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     now = time.monotonic()
     waiting = [
