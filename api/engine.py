@@ -119,11 +119,8 @@ class Engine:
         """Abort what is in flight, stop every actor and its tasks."""
         if not self._started:
             return
-        self._started = False
         self.receiver.fail_all("the engine is shutting down")
-        for actor in self._actors:
-            await actor.stop(drain=False)
-        self.executor.shutdown()
+        await self._stop_actors()
 
     # --- requests -----------------------------------------------------------------------------
     async def generate(
@@ -235,13 +232,13 @@ class Engine:
             return
         self._failure = f"{actor.name} actor crashed: {error!r}"
         self.receiver.fail_all(self._failure)
-        asyncio.get_running_loop().create_task(self._stop_after_failure())
+        asyncio.get_running_loop().create_task(self._stop_actors())
 
-    async def _stop_after_failure(self) -> None:
+    async def _stop_actors(self) -> None:
+        self._started = False
         for actor in self._actors:
             await actor.stop(drain=False)
         self.executor.shutdown()
-        self._started = False
 
 
 def _raise_for_refusal(delta: Delta) -> None:

@@ -221,7 +221,7 @@ class PrefixCache(ABC):
         last_node: RadixNode,
         extra_key: str | None = None,
     ) -> MatchResult:
-        """Cache a chunked request's computed pages and move its lock; returns its new cached prefix."""
+        """Cache a running request's computed pages (after a chunk or a prefill) and move its lock; returns its new cached prefix."""
 
     @abstractmethod
     def release_req(self, slots: torch.Tensor, last_node: RadixNode) -> None:
