@@ -33,6 +33,7 @@ from runtime.req import FinishReason, Req
 # to see that the first output token continues a word (or starts a new one).
 PROMPT_TAIL_TOKENS = 5
 _REPLACEMENT = "\ufffd"
+_KEEP_IDS = 64  # ids a native decoder keeps before it trims them to the last PROMPT_TAIL_TOKENS
 
 
 @dataclass(slots=True)
@@ -56,6 +57,8 @@ class _StopScanner:
 
     def feed(self, text: str, armed: bool, final: bool) -> str:
         """Take new text; return what can be emitted now."""
+        if not self.stops:
+            return text
         if self.matched is not None:
             return ""
         self._pending += text
@@ -94,16 +97,125 @@ class _StopScanner:
         return 0
 
 
-class IncrementalDetokenizer:
-    """Turns one request's output token ids into text deltas that are safe to stream.
+class _WindowDecoder:
+    """Incremental decoding through any tokenizer's `decode`, with a sliding window (prefix offset
+    / read offset): each step decodes only the tokens since the last emitted boundary plus the few
+    before it that give spacing context, so the cost per token does not grow with the output."""
 
-    Decoding uses a sliding window (prefix offset / read offset): each push decodes only the
-    tokens since the last emitted boundary plus the few before it that give spacing context, so
-    the cost per token does not grow with the output. Only that window is kept in memory.
+    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text", "_sent")
+
+    def __init__(self, tokenizer: Any, context_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids = list(context_ids)
+        # _ids[_prefix:_read] is context already emitted; _ids[_read:] is not (except the first
+        # _sent chars of its text, emitted ahead of an incomplete character).
+        self._prefix = 0
+        self._read = len(self._ids)
+        self._prefix_text = self._decode(self._ids)
+        self._sent = 0
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the new text that ends on a whole character (possibly "")."""
+        self._ids.extend(token_ids)
+        new_text = self._decode(self._ids[self._prefix :])
+        start = len(self._prefix_text) + self._sent
+        if new_text.endswith(_REPLACEMENT):
+            # A character is still incomplete: the offsets stay, but the whole characters before
+            # it are final (UTF-8 resynchronises), so they need not wait for it.
+            delta = new_text.rstrip(_REPLACEMENT)[start:]
+            self._sent += len(delta)
+            return delta
+        # Nothing new: the tokens produced no text yet (a skipped special token, say).
+        if len(new_text) <= start:
+            return ""
+        delta = new_text[start:]
+        # The emitted tokens become the next window's context; older ones are no longer needed.
+        del self._ids[: self._read]
+        self._prefix, self._read, self._sent = 0, len(self._ids), 0
+        self._prefix_text = self._decode(self._ids)
+        return delta
+
+    def rest(self) -> str:
+        """The text held back so far, an incomplete trailing character as U+FFFD."""
+        return self._decode(self._ids[self._prefix :])[len(self._prefix_text) + self._sent :]
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
+
+
+class _StreamDecoder:
+    """The same contract as `_WindowDecoder`, through the Rust `tokenizers.decoders.DecodeStream`
+    (one native call per step instead of two Python-wrapped decodes: ~1 us instead of ~8 us).
+
+    DecodeStream keeps its window to itself, so this class remembers the ids it is holding back
+    (and a few emitted ones before them for spacing) to render them at finish, and to restart the
+    stream if it ever refuses a step (it raises when a longer decode does not extend the shorter
+    one, which some decoders can produce).
     """
 
-    __slots__ = ("_tok", "_skip", "_ids", "_prefix", "_read", "_prefix_text", "_sent", "_scan",
-                 "_min_new", "_n_out", "_closed")
+    __slots__ = ("_tok", "_skip", "_stream", "_ids", "_held_from")
+
+    def __init__(self, backend: Any, context_ids: list[int], skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = backend
+        self._skip = skip_special_tokens
+        self._stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        self._ids = list(context_ids)  # every id seen; _ids[_held_from:] produced no text yet
+        self._held_from = len(self._ids)
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        self._ids += token_ids
+        try:
+            text = self._stream.step(self._tok, list(token_ids))
+        except Exception:  # DecodeStream's InvalidPrefix: restart it after these ids
+            return self._restart()
+        if text is None:
+            return ""
+        if len(self._ids) > _KEEP_IDS:  # only the last few emitted ids are ever needed again
+            del self._ids[:-PROMPT_TAIL_TOKENS]
+        self._held_from = len(self._ids)
+        return text
+
+    def rest(self) -> str:
+        held = self._held_from
+        if held == len(self._ids):
+            return ""
+        context = self._ids[max(0, held - PROMPT_TAIL_TOKENS) : held]
+        return self._decode(context + self._ids[held:])[len(self._decode(context)) :]
+
+    def _restart(self) -> str:
+        from tokenizers.decoders import DecodeStream
+
+        text = self.rest()
+        del self._ids[: -PROMPT_TAIL_TOKENS]
+        self._held_from = len(self._ids)
+        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=self._skip)
+        return text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+
+def _rust_backend(tokenizer: Any) -> Any | None:
+    """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the tokenizer itself)."""
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text deltas that are safe to stream: whole
+    characters only, with stop strings found and trimmed. Decoding goes through tokenizers'
+    native DecodeStream when the tokenizer has a Rust backend, otherwise through `decode`."""
+
+    __slots__ = ("_decoder", "_scan", "_min_new", "_n_out", "_closed")
 
     def __init__(
         self,
@@ -114,15 +226,13 @@ class IncrementalDetokenizer:
         no_stop_trim: bool,
         min_new_tokens: int = 0,
     ) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids_tail or ())
-        # _ids[_prefix:_read] is context already emitted; _ids[_read:] is not (except the first
-        # _sent chars of its text, emitted ahead of an incomplete character).
-        self._prefix = 0
-        self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        self._sent = 0
+        context = list(prompt_ids_tail or ())
+        backend = _rust_backend(tokenizer)
+        self._decoder: _WindowDecoder | _StreamDecoder = (
+            _WindowDecoder(tokenizer, context, skip_special_tokens)
+            if backend is None
+            else _StreamDecoder(backend, context, skip_special_tokens)
+        )
         self._scan = _StopScanner(tuple(stop), keep_stop=no_stop_trim)
         self._min_new = min_new_tokens
         self._n_out = 0
@@ -147,14 +257,14 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add output tokens; return the new text that is safe to emit (possibly "")."""
-        if self._closed or self.matched_stop is not None:
+        if self._closed or self._scan.matched is not None:
             return ""
         # Stop strings count only from the min_new_tokens-th token on (the same rule as
         # check_finish), so split the push where that threshold falls.
-        quiet = max(0, min(len(token_ids), self._min_new - 1 - self._n_out))
-        out = ""
-        if quiet:
-            out += self._step(token_ids[:quiet], armed=False)
+        quiet = min(len(token_ids), self._min_new - 1 - self._n_out)
+        if quiet <= 0:  # the usual case: one step, armed
+            return self._step(token_ids, armed=True)
+        out = self._step(token_ids[:quiet], armed=False)
         if quiet < len(token_ids):
             out += self._step(token_ids[quiet:], armed=True)
         return out
@@ -165,40 +275,11 @@ class IncrementalDetokenizer:
         if self._closed or self.matched_stop is not None:
             return ""
         self._closed = True
-        text = self._decode(self._ids[self._prefix :])[len(self._prefix_text) + self._sent :]
-        return self._scan.feed(text, armed=self._n_out >= self._min_new, final=True)
+        return self._scan.feed(self._decoder.rest(), armed=self._n_out >= self._min_new, final=True)
 
     def _step(self, token_ids: Sequence[int], armed: bool) -> str:
-        self._ids.extend(token_ids)
         self._n_out += len(token_ids)
-        return self._scan.feed(self._advance(), armed, final=False)
-
-    def _advance(self) -> str:
-        """Decode the window; move the offsets past text that ends on a whole character."""
-        new_text = self._decode(self._ids[self._prefix :])
-        start = len(self._prefix_text) + self._sent
-        if new_text.endswith(_REPLACEMENT):
-            # A character is still incomplete: the offsets stay, but the whole characters before
-            # it are final (UTF-8 resynchronises), so they need not wait for it.
-            delta = new_text.rstrip(_REPLACEMENT)[start:]
-            self._sent += len(delta)
-            return delta
-        # Nothing new: the tokens produced no text yet (a skipped special token, say).
-        if len(new_text) <= start:
-            return ""
-        delta = new_text[start:]
-        # The emitted tokens become the next window's context; older ones are no longer needed.
-        del self._ids[: self._read]
-        self._prefix, self._read, self._sent = 0, len(self._ids), 0
-        self._prefix_text = self._decode(self._ids)
-        return delta
-
-    def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self._tok.decode(
-            ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False
-        )
+        return self._scan.feed(self._decoder.step(token_ids), armed, final=False)
 
 
 def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:

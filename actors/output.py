@@ -55,21 +55,26 @@ class OutputProcessor(Actor[StepOut]):
         if req.detokenizer is None:
             req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
         text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
-        delta.text += text
-        delta.completion_tokens = len(req.output_ids)
-        # Every delta says what the request is (SGLang's meta_info shows it in every chunk).
-        delta.prompt_tokens = len(req.origin_input_ids)
-        delta.cached_tokens = req.cached_tokens
-        if req.admitted_time is not None:
-            delta.queue_time = req.admitted_time - req.arrival_time
+        if text:
+            delta.text += text
         if reason is not None:
             req.finish_reason = reason
             delta.finish_reason = reason.kind
             delta.matched_stop = reason.matched
-        if reason is not None or len(req.output_ids) % self.stream_interval == 0:
-            req.unsent = None
-            if req.stream is not None:
-                req.stream.push(delta)
-        if reason is not None:
             req.detokenizer = None
+        elif len(req.output_ids) % self.stream_interval:
+            return False
+        req.unsent = None
+        if req.stream is not None:
+            self._describe(req, delta)
+            req.stream.push(delta)
         return reason is not None
+
+    @staticmethod
+    def _describe(req: Req, delta: Delta) -> None:
+        """Every delta says what the request is (SGLang's meta_info shows it in every chunk)."""
+        delta.completion_tokens = len(req.output_ids)
+        delta.prompt_tokens = len(req.origin_input_ids)
+        delta.cached_tokens = req.cached_tokens
+        if req.admitted_time is not None:
+            delta.queue_time = req.admitted_time - req.arrival_time

@@ -50,9 +50,24 @@ def decode(tokenizer: Any, ids: Sequence[int], skip: bool = True) -> str:
     return tokenizer.decode(list(ids), skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
+class _DecodeOnly:
+    """Hides the Rust backend, so the detokenizer takes its pure-Python `decode` window path."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return self.inner.decode(ids, **kwargs)
+
+
 def make(tokenizer: Any, stop: Sequence[str] = (), *, no_stop_trim: bool = False, skip: bool = True,
-         tail: list[int] | None = None, min_new_tokens: int = 0) -> IncrementalDetokenizer:
+         tail: list[int] | None = None, min_new_tokens: int = 0, native: bool = True) -> IncrementalDetokenizer:
+    tokenizer = tokenizer if native else _DecodeOnly(tokenizer)
     return IncrementalDetokenizer(tokenizer, tail, skip, list(stop), no_stop_trim, min_new_tokens)
+
+
+# Both decoders: tokenizers' native DecodeStream and the Python window over `decode`.
+both_decoders = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 
 
 def stream(
@@ -88,6 +103,7 @@ def reference_cut(text: str, stops: Sequence[str], keep: bool) -> tuple[str, str
 # --- text equals a full decode ---------------------------------------------------------------
 
 
+@both_decoders
 @settings(max_examples=200, deadline=None)
 @given(
     ids=st.lists(st.integers(0, VOCAB - 1), max_size=40),
@@ -95,58 +111,72 @@ def reference_cut(text: str, stops: Sequence[str], keep: bool) -> tuple[str, str
     skip=st.booleans(),
 )
 def test_random_ids_stream_equals_full_decode(
-    tok: Any, ids: list[int], sizes: list[int], skip: bool
+    tok: Any, ids: list[int], sizes: list[int], skip: bool, native: bool
 ) -> None:
-    chunks = stream(make(tok, skip=skip), ids, sizes)
+    chunks = stream(make(tok, skip=skip, native=native), ids, sizes)
     assert "".join(chunks) == decode(tok, ids, skip)
 
 
+@both_decoders
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(st.sampled_from("aé世🙂 \n.ab"), max_size=30))
-def test_streamed_valid_text_never_shows_half_a_character(tok: Any, text: str) -> None:
+def test_streamed_valid_text_never_shows_half_a_character(tok: Any, text: str, native: bool) -> None:
     ids = tok.encode(text)
-    chunks = stream(make(tok), ids)
+    chunks = stream(make(tok, native=native), ids)
     assert "".join(chunks) == text
     assert not any("\ufffd" in c for c in chunks)
 
 
-def test_non_ascii_one_token_at_a_time(tok: Any) -> None:
+@both_decoders
+def test_non_ascii_one_token_at_a_time(tok: Any, native: bool) -> None:
     text = "héllo 世界 🙂"
     ids = tok.encode(text)
     assert len(ids) > len(text)  # some characters really are split over several tokens
-    chunks = stream(make(tok), ids)
+    chunks = stream(make(tok, native=native), ids)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == text
     assert "" in chunks[:-1]  # something was held back while a character was incomplete
 
 
-def test_incomplete_character_at_finish_is_flushed_as_replacement(tok: Any) -> None:
+@both_decoders
+def test_incomplete_character_at_finish_is_flushed_as_replacement(tok: Any, native: bool) -> None:
     ids = tok.encode("a世")
     partial = ids[:-1]  # "a" plus the first byte(s) of 世
-    detok = make(tok)
-    assert detok.push(partial) == "a"
-    assert detok.flush() == "\ufffd" == decode(tok, partial)[1:]
+    detok = make(tok, native=native)
+    # The Python window emits the whole characters ahead of an incomplete one; DecodeStream holds
+    # the whole step back. Either way nothing is lost or shown twice.
+    ahead = detok.push(partial)
+    assert ahead == ("" if native else "a")
+    assert ahead + detok.flush() == "a\ufffd" == decode(tok, partial)
     assert detok.push(ids[-1:]) == ""  # closed after flush
 
 
-def test_special_tokens_kept_or_skipped(tok: Any) -> None:
+def test_native_decoder_used_for_fast_tokenizers(tok: Any) -> None:
+    assert type(make(tok)._decoder).__name__ == "_StreamDecoder"
+    assert type(make(tok, native=False)._decoder).__name__ == "_WindowDecoder"
+
+
+@both_decoders
+def test_special_tokens_kept_or_skipped(tok: Any, native: bool) -> None:
     ids = tok.encode("hi") + [EOS] + tok.encode(" there")
-    assert "".join(stream(make(tok, skip=False), ids)) == "hi<|im_end|> there"
-    assert "".join(stream(make(tok, skip=True), ids)) == "hi there"
+    assert "".join(stream(make(tok, skip=False, native=native), ids)) == "hi<|im_end|> there"
+    assert "".join(stream(make(tok, skip=True, native=native), ids)) == "hi there"
 
 
-def test_sentencepiece_spacing_across_tokens(sp_tok: Any) -> None:
+@both_decoders
+def test_sentencepiece_spacing_across_tokens(sp_tok: Any, native: bool) -> None:
     ids = sp_tok.encode("hello world again the dog")
     assert "".join(decode(sp_tok, [i]) for i in ids) != decode(sp_tok, ids)  # naive joining fails
-    chunks = stream(make(sp_tok), ids)
+    chunks = stream(make(sp_tok, native=native), ids)
     assert "".join(chunks) == decode(sp_tok, ids) == "hello world again the dog"
     assert chunks[1] == " world"
 
 
-def test_prompt_tail_keeps_first_word_space(sp_tok: Any) -> None:
+@both_decoders
+def test_prompt_tail_keeps_first_word_space(sp_tok: Any, native: bool) -> None:
     prompt = sp_tok.encode("the quick brown fox")
     out = sp_tok.encode("jumps over")
-    chunks = stream(make(sp_tok, tail=prompt[-5:]), out)
+    chunks = stream(make(sp_tok, tail=prompt[-5:], native=native), out)
     assert "".join(chunks) == " jumps over"
     full = decode(sp_tok, prompt + out)
     assert full.endswith("".join(chunks))
@@ -174,6 +204,35 @@ def test_decode_window_does_not_grow_with_output(tok: Any) -> None:
     assert len(counting.sizes) <= 2 * len(ids) + 2
 
 
+def test_native_decoder_keeps_a_bounded_window(tok: Any) -> None:
+    ids = tok.encode("hello world again, héllo 世界 🙂 " * 40)
+    detok = make(tok, tail=ids[:5])
+    sizes = []
+    chunks = []
+    for i in ids:
+        chunks.append(detok.push([i]))
+        sizes.append(len(detok._decoder._ids))
+    chunks.append(detok.flush())
+    assert "".join(chunks) == decode(tok, ids)
+    assert max(sizes) <= 65
+
+
+class _RefusingStream:
+    """A DecodeStream that raises as tokenizers does on InvalidPrefix."""
+
+    def step(self, tokenizer: Any, ids: Any) -> str | None:
+        raise Exception("Invalid prefix encountered")
+
+
+def test_native_decoder_restarts_when_decode_stream_refuses(tok: Any) -> None:
+    ids = tok.encode("hello 世界 again")
+    detok = make(tok)
+    chunks = [detok.push(ids[:3])]
+    detok._decoder._stream = _RefusingStream()  # the next step fails; the decoder starts afresh
+    chunks += [detok.push(ids[3:5])] + [detok.push([i]) for i in ids[5:]] + [detok.flush()]
+    assert "".join(chunks) == "hello 世界 again"
+
+
 # --- stop strings ---------------------------------------------------------------------------
 
 
@@ -195,11 +254,12 @@ def test_no_stop_trim_keeps_stop_string(tok: Any) -> None:
     assert detok.matched_stop == "world"
 
 
-def test_stop_string_spanning_tokens(tok: Any) -> None:
+@both_decoders
+def test_stop_string_spanning_tokens(tok: Any, native: bool) -> None:
     ids = tok.encode("hello world again")
     stop = "lo wor"
     assert not any(stop in decode(tok, [t]) for t in ids)  # no single token holds it
-    detok = make(tok, [stop])
+    detok = make(tok, [stop], native=native)
     assert "".join(stream(detok, ids)) == "hel"
     assert detok.matched_stop == stop
 
@@ -233,6 +293,7 @@ def test_multiple_stop_strings_first_wins(tok: Any, stops: list[str], text: str,
     assert detok.matched_stop == stop
 
 
+@both_decoders
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(st.sampled_from("ab é世"), max_size=24),
@@ -241,9 +302,9 @@ def test_multiple_stop_strings_first_wins(tok: Any, stops: list[str], text: str,
     sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
 )
 def test_stop_strings_match_reference(tok: Any, text: str, stops: list[str], keep: bool,
-                                      sizes: list[int]) -> None:
+                                      sizes: list[int], native: bool) -> None:
     ids = tok.encode(text)
-    detok = make(tok, stops, no_stop_trim=keep)
+    detok = make(tok, stops, no_stop_trim=keep, native=native)
     chunks = stream(detok, ids, sizes)
     expected, stop = reference_cut(text, stops, keep)
     assert "".join(chunks) == expected
