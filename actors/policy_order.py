@@ -24,7 +24,8 @@ from array import array
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
-from gpu.prefix_cache import MatchResult, PrefixCache, RadixCache, RadixNode, token_array
+from actors.prefill_adder import match_key
+from gpu.prefix_cache import MatchResult, PrefixCache, RadixCache, RadixNode
 from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
 from runtime.req import Req
 
@@ -61,8 +62,6 @@ class QueueOrderer:
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
         self._scratch = RadixCache.scratch(self.cache.page_size) if self.cache is not None else None
-        # id(req) -> (req, seq_len, match key): encoding a long prompt costs more than matching it.
-        self._match_keys: dict[int, tuple[Req, int, array]] = {}
 
     def active_policy(self, queue_len: int) -> str:
         """The policy this round runs: lpm over a long queue is fcfs (matching it all costs too much)."""
@@ -175,33 +174,10 @@ class QueueOrderer:
         # times, never changes what is cached or locked, and both actors run on the loop thread.
         return (cache.match_prefix(key, req.extra_key) for req, key in zip(waiting, keys))
 
-    def _keys_for(self, waiting: Sequence[Req]) -> list[array]:
-        """Each request's match key: all but its last token (at least one token must be computed).
-
-        Kept across rounds while the request waits, keyed by identity and checked against its
-        length (a retracted request returns with output tokens); requests that left are dropped.
-        """
-        old = self._match_keys
-        new: dict[int, tuple[Req, int, array]] = {}
-        out: list[array] = []
-        for req in waiting:
-            entry = old.get(id(req))
-            if entry is None or entry[0] is not req or entry[1] != req.seq_len:
-                entry = (req, req.seq_len, _match_key(req))
-            new[id(req)] = entry
-            out.append(entry[2])
-        self._match_keys = new
-        return out
-
-
-def _match_key(req: Req) -> array:
-    """All but the last token of the request, encoded for the cache's memcmp walk."""
-    # Encoding the prompt itself and popping the last token skips two list copies (the concat
-    # in `fill_ids` and the slice); they cost as much as the encoding on a long prompt.
-    key = token_array(req.fill_ids if req.output_ids else req.origin_input_ids)
-    if key:
-        key.pop()
-    return key
+    @staticmethod
+    def _keys_for(waiting: Sequence[Req]) -> list[array]:
+        """Each request's match key (cheap: the Receiver encoded every prompt on arrival)."""
+        return [match_key(req) for req in waiting]
 
 
 def _dfs_order(root: RadixNode, groups: dict[RadixNode, list[Req]]) -> list[Req]:

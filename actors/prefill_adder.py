@@ -48,10 +48,11 @@ Where we differ from SGLang, on purpose:
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpu.prefix_cache import ChunkCache, MatchResult, PrefixCache
+from gpu.prefix_cache import ChunkCache, MatchResult, PrefixCache, token_array
 from runtime.req import Req
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on max_new_tokens in admission estimates only
@@ -80,8 +81,17 @@ def remaining_new_tokens(req: Req) -> int:
 
 def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:
     """The cached prefix of `req`, leaving at least one token to compute (its logits sample the next token)."""
-    fill = req.fill_ids
-    return cache.match_prefix(fill[: len(fill) - 1], req.extra_key)
+    return cache.match_prefix(match_key(req), req.extra_key)
+
+
+def match_key(req: Req) -> array:
+    """All but the last token of the request, encoded for the cache's memcmp walk."""
+    if req.output_ids or req.prompt_key is None:
+        key = token_array(req.fill_ids)
+        if key:
+            key.pop()
+        return key
+    return req.prompt_key[:-1]  # a memcpy; the Receiver encoded the prompt on arrival
 
 
 # --- new_token_ratio ------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgspec
 
+from gpu.prefix_cache import token_array
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, PolicyMsg, Submit, Wake
@@ -90,6 +91,7 @@ class Receiver(Actor[Submit | AbortRequest]):
         return Req(
             rid=spec.rid,
             origin_input_ids=input_ids,
+            prompt_key=token_array(input_ids),
             sampling=sampling,
             priority=self._priority(spec.priority),
             routing_key=spec.routing_key,

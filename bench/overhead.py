@@ -27,7 +27,7 @@ Scenarios:
 - prefill: 1,024 requests in 16 groups sharing 512-token system prompts (+64-token questions)
   are queued at once behind a hot cache (one request per group ran before); per prefill round
   under each policy: the ordering, the Policy's and the Adder's CPU. `order@1024` orders a queue
-  of 1,024 such requests directly (`QueueOrderer.order`), first with cold keys then warm.
+  of 1,024 such requests directly (`QueueOrderer.order`): the first call, then later ones.
 - real: bench.forward's tiny Qwen3 with the real model runner: decode steps per second and the
   actors' CPU per step (time outside the forward), at 16 / 64 / 256 running.
 Every number is the median over --repeats runs, each with a fresh Engine.
@@ -57,6 +57,7 @@ import uvloop
 from api.engine import Engine
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests
+from gpu.prefix_cache import token_array
 from runtime.actor import Actor
 from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, StepOut
@@ -470,12 +471,13 @@ async def run_prefill(
 
 def order_directly(engine: Engine, queued: list[Request], repeats: int) -> tuple[float, float]:
     """Order a queue of requests never seen before (their system prompts are cached, their
-    questions are not) with the Policy's orderer: the first call (keys encoded) and the median
-    of `repeats` later ones. Runs on the loop thread with the engine idle."""
+    questions are not) with the Policy's orderer: the first call and the median of `repeats`
+    later ones. Prompts come encoded, as the Receiver leaves them. Runs on the loop thread with
+    the engine idle."""
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     now = time.monotonic()
     waiting = [
-        Req(rid=f"order-{r.index}", origin_input_ids=list(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6, enqueue_time=now + r.index * 1e-6)
+        Req(rid=f"order-{r.index}", origin_input_ids=list(r.input_ids), prompt_key=token_array(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6, enqueue_time=now + r.index * 1e-6)
         for r in queued
     ]
     orderer = engine.policy.orderer

@@ -5,7 +5,7 @@ it, and only after a message handed the request over:
 
 | fields | written by |
 | --- | --- |
-| rid, origin_input_ids, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
+| rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
@@ -46,6 +46,9 @@ class Req:
     enqueue_time: float = 0.0
     stream: RequestStream | None = None
     abort_requested: bool = False
+    # origin_input_ids as the prefix cache's array('i'), encoded once on arrival: ordering a
+    # burst of long prompts would otherwise spend most of its round encoding them.
+    prompt_key: Any = None
 
     # Adder
     req_row: int | None = None  # its row of the request-to-token table holds its KV slots
