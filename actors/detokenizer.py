@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.req import FinishReason, Req
+from runtime.req import FinishReason, Req, token_finish
 
 # Prompt tokens decoded in front of the output, as SGLang and vLLM do: enough for the tokenizer
 # to see that the first output token continues a word (or starts a new one).
@@ -283,19 +283,8 @@ class IncrementalDetokenizer:
 
 
 def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
-    """Token-based finish for `new_token`, already appended to req.output_ids. SGLang's order:
-    length first, then (from the min_new_tokens-th token on) stop token ids, then EOS."""
-    p = req.sampling
-    n = len(req.output_ids)
-    if n >= p.max_new_tokens:
-        return FinishReason("length")
-    if n < p.min_new_tokens:
-        return None
-    if new_token in p.stop_token_ids:
-        return FinishReason("stop", matched=new_token)
-    if not p.ignore_eos and new_token in eos_token_ids:
-        return FinishReason("stop", matched=new_token)
-    return None
+    """Token-based finish for `new_token`, already appended to req.output_ids."""
+    return token_finish(req.sampling, len(req.output_ids), new_token, eos_token_ids)
 
 
 def process_token(

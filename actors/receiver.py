@@ -64,11 +64,12 @@ class Receiver(Actor[Submit | AbortRequest]):
         msg.stream.on_final = lambda rid=req.rid: self.live.pop(rid, None)
         await self.policy.send(Enqueue(req))
 
-    def fail_all(self, message: str) -> None:
-        """The engine failed: end every live request with an error (called by the supervisor)."""
+    def fail_all(self, message: str, status: int = 500, code: str | None = None) -> None:
+        """The engine failed (500) or is shutting down (503): end every live request with an
+        error (called by the supervisor)."""
         for req in list(self.live.values()):
             if req.stream is not None:
-                req.stream.finish("abort", error=message, status=500)
+                req.stream.finish("abort", error=message, status=status, code=code)
         self.live.clear()
 
     async def _abort(self, rid: str) -> None:

@@ -46,12 +46,15 @@ class InvalidRequest(ValueError):
 
 
 class Rejected(RuntimeError):
-    """The engine refused the request for now: full queue, queue timeout, or priority eviction.
-    `code` says which: "queue_full", "queue_timeout" or "evicted"."""
+    """The engine refused the request for now: full queue, queue timeout, priority eviction, or
+    shutdown. `code` says which: "queue_full", "queue_timeout", "evicted" or "shutting_down"."""
 
     def __init__(self, message: str, code: str | None = None):
         super().__init__(message)
         self.code = code
+
+
+SHUTTING_DOWN = "shutting_down"  # Rejected.code while and after the engine closes
 
 
 class EngineError(RuntimeError):
@@ -77,6 +80,7 @@ class Engine:
         self._actors: list[Actor] = []
         self._failure: str | None = None
         self._started = False
+        self._closed = False
         self._rid_counter = itertools.count()
         self.runner: ModelRunner | None = None
         self.tokenizer: Any = None
@@ -113,13 +117,14 @@ class Engine:
         self._actors = [self.receiver, policy, adder, executor, output]
         for actor in self._actors:
             actor.start(self._actor_exited)
-        self._started = True
+        self._started, self._closed = True, False
 
     async def close(self) -> None:
         """Abort what is in flight, stop every actor and its tasks."""
         if not self._started:
             return
-        self.receiver.fail_all("the engine is shutting down")
+        self._closed = True
+        self.receiver.fail_all("the engine is shutting down", status=503, code=SHUTTING_DOWN)
         await self._stop_actors()
 
     # --- requests -----------------------------------------------------------------------------
@@ -223,6 +228,8 @@ class Engine:
     async def _submit(self, msg: Submit) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine has failed: {self._failure}")
+        if self._closed:
+            raise Rejected("the engine has shut down", SHUTTING_DOWN)
         if not self._started:
             raise EngineError("the engine is not running: use `async with Engine(...)` or `await engine.start()`")
         await self.receiver.send(msg)

@@ -15,6 +15,7 @@ import torch
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo
+from runtime.req import token_finish
 from runtime.sampling_params import SamplingParams
 
 
@@ -110,20 +111,10 @@ def _run(runner: ModelRunner, running: list[_Running]) -> None:
             r.output.append(tokens[j])
             if result.logprobs is not None:
                 r.logprobs.append(float(result.logprobs[j]))
-            r.finish_reason = _finish_reason(r, tokens[j], runner.model_config.eos_token_ids)
+            reason = token_finish(r.params, len(r.output), tokens[j], runner.model_config.eos_token_ids)
+            r.finish_reason = None if reason is None else reason.kind
         prefix = [p + n for p, n in zip(prefix, lens)]
         keep = [j for j, r in enumerate(active) if r.finish_reason is None]
         active = [active[j] for j in keep]
         prefix = [prefix[j] for j in keep]
         inputs = [[r.output[-1]] for r in active]
-
-
-def _finish_reason(r: _Running, token: int, eos_ids: Sequence[int]) -> str | None:
-    p = r.params
-    if len(r.output) >= p.max_new_tokens:
-        return "length"
-    if len(r.output) < p.min_new_tokens:
-        return None
-    if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
-        return "stop"
-    return None

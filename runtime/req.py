@@ -16,6 +16,7 @@ it, and only after a message handed the request over:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,22 @@ class FinishReason:
     matched: int | str | None = None  # the stop token id or stop string that ended the request
     message: str | None = None  # why an abort happened
     status: int | None = None  # for aborts the client did not ask for: 503 (queue), 500 (engine error)
+
+
+def token_finish(
+    params: SamplingParams, num_output: int, new_token: int, eos_token_ids: Sequence[int]
+) -> FinishReason | None:
+    """Token-based finish after `new_token`, the `num_output`-th output token. SGLang's order:
+    length first, then (from the min_new_tokens-th token on) stop token ids, then EOS."""
+    if num_output >= params.max_new_tokens:
+        return FinishReason("length")
+    if num_output < params.min_new_tokens:
+        return None
+    if new_token in params.stop_token_ids:
+        return FinishReason("stop", matched=new_token)
+    if not params.ignore_eos and new_token in eos_token_ids:
+        return FinishReason("stop", matched=new_token)
+    return None
 
 
 @dataclass(slots=True, eq=False, repr=False)

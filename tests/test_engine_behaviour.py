@@ -164,6 +164,22 @@ async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monk
             await engine.generate(input_ids=[1, 2, 3])
 
 
+async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model_path):
+    engine = Engine(model_path=model_path)
+    await engine.start()
+    long = asyncio.create_task(engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 10_000, "ignore_eos": True}))
+    while engine.stats()["num_running"] == 0:
+        await asyncio.sleep(0.01)
+    await engine.close()
+    with pytest.raises(Rejected) as in_flight:
+        await asyncio.wait_for(long, timeout=10)
+    assert in_flight.value.code == "shutting_down"
+    with pytest.raises(Rejected) as later:
+        await engine.generate(input_ids=[1, 2, 3])
+    assert later.value.code == "shutting_down"
+    assert not any(a.alive for a in engine._actors)
+
+
 async def test_stream_text_logprobs_and_stop_strings(model_path):
     engine = Engine(model_path=model_path)
     async with engine:

@@ -445,6 +445,7 @@ async def test_shutdown_ends_streams_with_error_and_done(tiny_llama: Path) -> No
         events = await asyncio.wait_for(_sse(r), 10)
         await asyncio.wait_for(stopping, 30)
     assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert events[-2]["error"]["code"] == "shutting_down"
 
 
 async def test_priority_eviction_and_queue_timeout_are_503(tiny_llama: Path) -> None:
