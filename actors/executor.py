@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu.cuda_streams import HostResult, StepStreams
+from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo
 from runtime.actor import Actor
-from runtime.messages import Batch, StepOut
+from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
 
 
@@ -107,7 +107,13 @@ class Executor(Actor[Batch]):
         # Tokens each request has generated before this step (the token pool is complete, the
         # requests' output_ids may lag one step behind under overlap).
         generated = [p + e - len(r.origin_input_ids) for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        scores = _prompt_scores(batch)
+        if scores:  # logits of the scored prompt positions follow each request's last token's
+            fb.logit_index = torch.cat([fb.last_token_index(), _on(_packed_indices(scores), fb.input_ids.device)])
         logits = runner.forward(fb)
+        prompt_results: tuple[torch.Tensor | None, ...] = (None, None, None)
+        if scores:
+            logits, prompt_results = logits[: len(batch.reqs)], _score_prompt_tokens(batch, scores, logits[len(batch.reqs) :])
         self._mask_early_stop_tokens(logits, batch.reqs, generated)
         info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
         result = runner.sample(
@@ -119,13 +125,15 @@ class Executor(Actor[Batch]):
         )
         self._store_tokens(batch, result.token_ids)
         top = result.top_logprobs or (None, None)
-        return fb, logits, (result.token_ids, result.logprobs, *top)
+        return fb, logits, (result.token_ids, result.logprobs, *top, *prompt_results)
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         device = self.runner.device
-        rows = torch.tensor(batch.rows, dtype=torch.int64, device=device)
+        # Host values reach the device through host_to_device: `torch.tensor(..., device=cuda)`
+        # is a blocking copy, which synchronizes the forward stream (waits for the step in flight).
+        rows = _on(batch.rows, device)
         if all(ids is None for ids in batch.extend_ids):
-            positions = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
+            positions = _on(batch.prefix_lens, device)
             return ForwardBatch(
                 mode=batch.mode,
                 input_ids=self.token_pool[rows, positions],  # one gather: the pure-decode fast path
@@ -140,12 +148,12 @@ class Executor(Actor[Batch]):
             if ids is None:
                 pieces.append(self.token_pool[row, prefix : prefix + 1])
                 continue
-            t = torch.tensor(ids, dtype=torch.int64, device=device)
+            t = _on(ids, device)
             self.token_pool[row, prefix : prefix + len(ids)] = t
             if prefix:
                 # A prefix served from the cache was never written to this row; penalties read it.
                 # (A request being prefilled has no step in flight, so its fill_ids are stable.)
-                self.token_pool[row, :prefix] = torch.tensor(req.fill_ids[:prefix], dtype=torch.int64, device=device)
+                self.token_pool[row, :prefix] = _on(req.fill_ids[:prefix], device)
             pieces.append(t)
         positions = [torch.arange(p, p + e, device=device) for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         return ForwardBatch(
@@ -161,11 +169,15 @@ class Executor(Actor[Batch]):
     def _mask_early_stop_tokens(self, logits: torch.Tensor, reqs: list[Req], generated: list[int]) -> None:
         """Before min_new_tokens, EOS and stop token ids cannot be sampled (as in SGLang)."""
         eos = self.runner.model_config.eos_token_ids
+        rows: list[int] = []
+        banned: list[int] = []
         for i, r in enumerate(reqs):
             if 0 <= generated[i] < r.sampling.min_new_tokens:
-                banned = list(r.sampling.stop_token_ids) + ([] if r.sampling.ignore_eos else list(eos))
-                if banned:
-                    logits[i, banned] = float("-inf")
+                ids = list(r.sampling.stop_token_ids) + ([] if r.sampling.ignore_eos else list(eos))
+                rows += [i] * len(ids)
+                banned += ids
+        if rows:  # one indexed write; list indices would be copied to the device blocking
+            logits[_on(rows, logits.device), _on(banned, logits.device)] = float("-inf")
 
     def _history(self, batch: Batch, rows: tuple[int, ...], outputs: bool) -> list[list[int]] | None:
         """Prompt or output tokens of `rows` for penalties, read from the token pool (complete
@@ -182,12 +194,19 @@ class Executor(Actor[Batch]):
     def _store_tokens(self, batch: Batch, token_ids: torch.Tensor) -> None:
         """Each sampled token goes where the next step's decode reads it: (row, seq_len)."""
         keep = [i for i, makes in enumerate(batch.produces_token) if makes]
+        device = self.token_pool.device
         if len(keep) < len(batch.produces_token):
-            token_ids = token_ids[keep]
+            token_ids = token_ids[_on(keep, device)]
         rows = [batch.rows[i] for i in keep]
         ends = [batch.prefix_lens[i] + batch.extend_lens[i] for i in keep]
         # The context length bounds positions; a token past it is never read (the request ends).
-        self.token_pool[rows, [min(e, self.token_pool.shape[1] - 1) for e in ends]] = token_ids
+        ends = [min(e, self.token_pool.shape[1] - 1) for e in ends]
+        self.token_pool[_on(rows, device), _on(ends, device)] = token_ids
+
+
+def _on(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 `values` on `device` without a stream synchronization (see host_to_device)."""
+    return host_to_device(torch.tensor(values, dtype=torch.int64), device)
 
 
 async def _collect(launched: _Launched) -> StepOut:
@@ -198,7 +217,7 @@ async def _collect(launched: _Launched) -> StepOut:
 
 
 def _step_out(batch: Batch, tensors: tuple[torch.Tensor | None, ...], forward_s: float) -> StepOut:
-    token_ids, logprobs, top_values, top_ids = tensors
+    token_ids, logprobs, top_values, top_ids, *prompt_results = tensors
     assert token_ids is not None
     return StepOut(
         batch=batch,
@@ -206,7 +225,73 @@ def _step_out(batch: Batch, tensors: tuple[torch.Tensor | None, ...], forward_s:
         logprobs=logprobs.tolist() if logprobs is not None else None,
         top_logprobs=_top_logprobs(top_values, top_ids, batch.reqs),
         forward_s=forward_s,
+        input_logprobs=_input_logprobs(batch, *prompt_results),
     )
+
+
+# --- prompt logprobs ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _PromptScore:
+    """Prompt tokens `first .. first + count - 1` of batch row `row`, scored by the logits of the
+    packed tokens `offset .. offset + count - 1` of this step."""
+
+    row: int
+    offset: int
+    first: int
+    count: int
+
+
+def _prompt_scores(batch: Batch) -> list[_PromptScore]:
+    """What this step can score for the requests that asked for prompt logprobs (a pure function
+    of the batch, so the worker and the reporter derive the same plan)."""
+    scores = []
+    offset = 0
+    for i, (req, prefix, extend) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
+        if req.logprob_start_len >= 0:
+            # Token t is scored by the logits at position t - 1; the logits at the last prompt
+            # position sample the first output token instead.
+            lo = max(prefix, req.logprob_start_len - 1, 0)
+            hi = min(prefix + extend, len(req.origin_input_ids) - 1)
+            if lo < hi:
+                scores.append(_PromptScore(i, offset + lo - prefix, lo + 1, hi - lo))
+        offset += extend
+    return scores
+
+
+def _packed_indices(scores: list[_PromptScore]) -> list[int]:
+    return [j for s in scores for j in range(s.offset, s.offset + s.count)]
+
+
+def _score_prompt_tokens(batch: Batch, scores: list[_PromptScore], logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Logprobs (raw, before any sampling transform) of the scored prompt tokens, and the top
+    logprobs at their positions when any request wants them: (chosen, top values, top ids)."""
+    targets = [t for s in scores for t in batch.reqs[s.row].origin_input_ids[s.first : s.first + s.count]]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, _on(targets, logits.device)[:, None])[:, 0]
+    k = max(batch.reqs[s.row].top_logprobs_num for s in scores)
+    if k == 0:
+        return chosen, None, None
+    top = logprobs.topk(k, dim=-1)
+    return chosen, top.values, top.indices
+
+
+def _input_logprobs(
+    batch: Batch, chosen: torch.Tensor | None = None, top_values: torch.Tensor | None = None, top_ids: torch.Tensor | None = None
+) -> list[InputLogprobs | None] | None:
+    scores = _prompt_scores(batch)
+    if not scores or chosen is None:
+        return None
+    out: list[InputLogprobs | None] = [None] * len(batch.reqs)
+    values = chosen.tolist()
+    start = 0
+    for s in scores:
+        k = batch.reqs[s.row].top_logprobs_num
+        top = None
+        if k and top_values is not None and top_ids is not None:
+            top = _top_logprobs(top_values[start : start + s.count], top_ids[start : start + s.count], [batch.reqs[s.row]] * s.count)
+        out[s.row] = InputLogprobs(start=s.first, logprobs=values[start : start + s.count], top_logprobs=top)
+        start += s.count
+    return out
 
 
 def _top_logprobs(values: torch.Tensor | None, ids: torch.Tensor | None, reqs: list[Req]) -> list[list[tuple[int, float]]] | None:

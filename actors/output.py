@@ -13,7 +13,7 @@ from typing import Any
 
 from actors.detokenizer import IncrementalDetokenizer, process_token
 from runtime.actor import Actor
-from runtime.messages import AdderMsg, StepDone, StepOut
+from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
 from runtime.req import Req
 from runtime.stream import Delta
 
@@ -31,9 +31,11 @@ class OutputProcessor(Actor[StepOut]):
         batch = msg.batch
         finished: list[Req] = []
         for i, req in enumerate(batch.reqs):
-            if not batch.produces_token[i] or req.finished or req.abort_requested:
+            if req.finished or req.abort_requested:
                 continue
-            if self._append(req, i, msg):
+            if msg.input_logprobs is not None and msg.input_logprobs[i] is not None:
+                self._add_input_logprobs(req, msg.input_logprobs[i])
+            if batch.produces_token[i] and self._append(req, i, msg):
                 finished.append(req)
         assert self.adder is not None
         await self.adder.send(StepDone(step=batch.step, finished=finished))
@@ -71,6 +73,20 @@ class OutputProcessor(Actor[StepOut]):
         return reason is not None
 
     @staticmethod
+    def _add_input_logprobs(req: Req, computed: InputLogprobs) -> None:
+        """Record the prompt logprobs a step computed; they go out with the next delta. A prompt
+        computed again (a preempted request) adds only the positions not yet recorded."""
+        if req.unsent is None:
+            req.unsent = Delta(rid=req.rid)
+        if req.logprob_start_len == 0 and not req.input_logprobs:
+            # The first prompt token has no context to score it.
+            _record_input(req, [None], [[]] if req.top_logprobs_num else None)
+        skip = req.logprob_start_len + len(req.input_logprobs) - computed.start
+        if 0 <= skip < len(computed.logprobs):
+            top = computed.top_logprobs[skip:] if computed.top_logprobs is not None else None
+            _record_input(req, computed.logprobs[skip:], top)
+
+    @staticmethod
     def _describe(req: Req, delta: Delta) -> None:
         """Every delta says what the request is (SGLang's meta_info shows it in every chunk)."""
         delta.completion_tokens = len(req.output_ids)
@@ -78,3 +94,16 @@ class OutputProcessor(Actor[StepOut]):
         delta.cached_tokens = req.cached_tokens
         if req.admitted_time is not None:
             delta.queue_time = req.admitted_time - req.arrival_time
+
+
+def _record_input(req: Req, logprobs: list[float | None], top: list[list[tuple[int, float]]] | None) -> None:
+    """Append prompt logprobs (for the next prompt positions) to the request and its unsent delta."""
+    delta = req.unsent
+    assert delta is not None
+    first = req.logprob_start_len + len(req.input_logprobs)
+    req.input_logprobs.extend(logprobs)
+    delta.input_logprobs.extend(logprobs)
+    delta.input_token_ids.extend(req.origin_input_ids[first : first + len(logprobs)])
+    if top is not None:
+        req.input_top_logprobs.extend(top)
+        delta.input_top_logprobs.extend(top)

@@ -85,7 +85,10 @@ def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:
 
 
 def match_key(req: Req) -> array:
-    """All but the last token of the request, encoded for the cache's memcmp walk."""
+    """All but the last token of the request, encoded for the cache's memcmp walk; only up to
+    the first position whose logits give a wanted prompt logprob."""
+    if req.input_logprobs_pending:
+        return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
     if req.output_ids or req.prompt_key is None:
         key = token_array(req.fill_ids)
         if key:

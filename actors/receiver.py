@@ -99,10 +99,22 @@ class Receiver(Actor[Submit | AbortRequest]):
             extra_key=spec.extra_key,
             return_logprob=spec.return_logprob,
             top_logprobs_num=spec.top_logprobs_num,
+            logprob_start_len=self._logprob_start(spec, len(input_ids)),
             arrival_time=now,
             enqueue_time=now,
             stream=msg.stream,
         )
+
+    @staticmethod
+    def _logprob_start(spec: GenerateSpec, prompt_len: int) -> int:
+        start = spec.logprob_start_len
+        if not -1 <= start < prompt_len:
+            raise InvalidInput(
+                f"logprob_start_len must be -1 (no prompt logprobs) or a position in the {prompt_len}-token "
+                f"prompt (0 .. {prompt_len - 1}), got {start}",
+                "logprob_start_len",
+            )
+        return start if spec.return_logprob else -1
 
     def _sampling(self, spec: GenerateSpec) -> SamplingParams:
         try:

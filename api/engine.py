@@ -72,6 +72,11 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
+    # With return_logprob and logprob_start_len >= 0: the prompt tokens from there on, their
+    # logprobs (None for the very first prompt token) and top logprobs.
+    input_token_ids: list[int] = []
+    input_logprobs: list[float | None] = []
+    input_top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class Engine:
@@ -137,7 +142,7 @@ class Engine:
         **options: Any,
     ) -> GenerateOutput:
         """Run one request to the end. Options: rid, priority, routing_key, extra_key,
-        return_logprob, top_logprobs_num."""
+        return_logprob, top_logprobs_num, logprob_start_len."""
         parts: list[Delta] = []
         async for delta in self.stream(prompt, input_ids=input_ids, sampling_params=sampling_params, **options):
             parts.append(delta)
@@ -272,4 +277,7 @@ def _join(parts: list[Delta]) -> GenerateOutput:
         cached_tokens=last.cached_tokens,
         logprobs=[x for p in parts for x in p.logprobs],
         top_logprobs=[x for p in parts for x in p.top_logprobs],
+        input_token_ids=[x for p in parts for x in p.input_token_ids],
+        input_logprobs=[x for p in parts for x in p.input_logprobs],
+        input_top_logprobs=[x for p in parts for x in p.input_top_logprobs],
     )

@@ -25,6 +25,9 @@ class Choice:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    input_token_ids: list[int] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     final: Delta | None = None
 
     def add(self, delta: Delta) -> None:
@@ -33,6 +36,9 @@ class Choice:
         self.output_ids.extend(delta.output_ids)
         self.logprobs.extend(delta.logprobs)
         self.top_logprobs.extend(delta.top_logprobs)
+        self.input_token_ids.extend(delta.input_token_ids)
+        self.input_logprobs.extend(delta.input_logprobs)
+        self.input_top_logprobs.extend(delta.input_top_logprobs)
         if delta.finish_reason is not None:
             self.final = delta
 
@@ -189,18 +195,25 @@ def generate_body(choice: Choice, e2e_latency: float, *, logprobs: bool, token_t
         "e2e_latency": e2e_latency,
     }
     if logprobs:
-        meta["output_token_logprobs"] = [
-            [lp, t, token_text(t) if token_text else None] for lp, t in zip(choice.logprobs, choice.output_ids)
-        ]
-        meta["output_top_logprobs"] = [
-            [[v, t, token_text(t) if token_text else None] for t, v in row] for row in choice.top_logprobs
-        ]
+        meta["input_token_logprobs"] = _token_logprobs(choice.input_logprobs, choice.input_token_ids, token_text)
+        meta["output_token_logprobs"] = _token_logprobs(choice.logprobs, choice.output_ids, token_text)
+        meta["input_top_logprobs"] = _top_logprobs(choice.input_top_logprobs, token_text)
+        meta["output_top_logprobs"] = _top_logprobs(choice.top_logprobs, token_text)
     if choice.final is not None and choice.final.error:
         meta["error"] = choice.final.error
     body: dict[str, Any] = {"text": choice.text, "output_ids": choice.output_ids, "meta_info": meta}
     if index is not None:
         body["index"] = index
     return body
+
+
+def _token_logprobs(logprobs: Sequence[float | None], ids: Sequence[int], token_text: TokenText | None) -> list[list[Any]]:
+    """SGLang's [logprob, token_id, text or None] per token."""
+    return [[lp, t, token_text(t) if token_text else None] for lp, t in zip(logprobs, ids)]
+
+
+def _top_logprobs(rows: Sequence[Sequence[tuple[int, float]]], token_text: TokenText | None) -> list[list[list[Any]]]:
+    return [[[v, t, token_text(t) if token_text else None] for t, v in row] for row in rows]
 
 
 def _native_finish_reason(choice: Choice) -> dict[str, Any] | None:

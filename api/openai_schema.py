@@ -141,7 +141,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     priority: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # accepted for compatibility: only output logprobs are returned
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from this position on (-1: none)
     return_text_in_logprobs: bool = False
     routing_key: str | None = None
     extra_key: str | None = None
@@ -249,7 +249,7 @@ def generate_calls(req: GenerateRequest) -> tuple[list[EngineCall], bool]:
     for i, (text, ids) in enumerate(prompts):
         sampling = dict(params[i] if isinstance(params, list) else params or {})
         options = _options(rids[i], req.priority, req.routing_key, req.extra_key)
-        options.update(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num)
+        options.update(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
         calls.append(EngineCall(i, i, text, ids, sampling, options))
     return calls, batch
 

@@ -11,7 +11,13 @@ Two streams:
 so a step sees the table rows and slots its batch was given, without a host synchronisation.
 `copy_out()` copies the step's results (sampled ids, logprobs) into pinned host memory without
 blocking and records an event; `HostResult.wait()` awaits that event without blocking the event
-loop (a helper thread sleeps in `event.synchronize()`, which releases the GIL).
+loop (a helper thread sleeps in `event.synchronize()`, which releases the GIL; the event is made
+with `blocking=True`, without which CUDA spins a core while it waits).
+
+Host values the forward needs (request rows, positions, page-table counts) go to the device with
+`host_to_device()`: a blocking host-to-device copy synchronizes the current stream (PyTorch's
+`memcpy_and_sync`), which on the forward stream means waiting for the step in flight and losing
+the overlap; a non-blocking copy from pinned memory does not.
 
 The tensors a step reads (inputs built on the scheduling stream, the batch's slot tensors) are
 handed to `copy_out(keep_alive=...)` and referenced until the event has fired: freeing them
@@ -86,7 +92,7 @@ class StepStreams:
     def copy_out(self, tensors: Sequence[torch.Tensor | None], keep_alive: Sequence[object] = ()) -> HostResult:
         """Non-blocking copies into pinned host memory on the current (forward) stream, then an event."""
         host = tuple(None if t is None else _pinned_copy(t) for t in tensors)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the waiting helper thread sleeps instead of spinning
         event.record()
         return HostResult(host, event, (*tensors, *keep_alive), self._waiter)
 
@@ -98,3 +104,14 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without synchronizing the current stream.
+
+    On CUDA it is copied non-blocking from pinned memory; the caching host allocator keeps the
+    pinned block until the copy has run, so the caller may drop `t` at once.
+    """
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

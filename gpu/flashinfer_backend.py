@@ -17,9 +17,11 @@ All wrappers share one float workspace buffer: they run one after another on one
 
 Plan arguments (see `paged_kv_plan_args`): `indptr` and `last_page_len` come from the sequence
 lengths the scheduler already holds on the host (FlashInfer's plan() reads them on the host in any
-case, so passing device tensors would add a device-to-host sync); `indices`, one entry per KV page
-of every request, are gathered from the request-to-token table on its device. Planning happens once
-per forward pass, never per layer.
+case, so passing device tensors would add a device-to-host sync), in pinned memory so that plan()'s
+non-blocking copies of them to the device never wait on the stream; `indices`, one entry per KV
+page of every request, are gathered from the request-to-token table on its device. Planning happens
+once per forward pass, never per layer. Nothing here synchronizes the stream (the plan of step
+N+1 is made while step N still runs on it); only `PlanFence` waits, for an earlier point on it.
 
 A plan writes its schedule into a pinned host buffer owned by the wrapper and copies it to the
 device asynchronously. `PlanFence` makes the next plan of the same wrapper wait until that copy has
@@ -41,6 +43,7 @@ from typing import Any, Literal
 import torch
 
 from gpu.attention import AttentionBackend
+from gpu.cuda_streams import host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import GraphDecodeAttention
 from gpu.kv_pool import KVBuffers
@@ -98,23 +101,26 @@ def paged_kv_plan_args(
     """FlashInfer's CSR page table of requests `req_rows` holding `seq_lens` tokens each.
 
     Returns int32 (indptr [bs + 1] host, indices [total_pages] on the table's device,
-    last_page_len [bs] host). A request's tokens fill its pages from their first slot, so page j
-    of a request is the page of its token at position j * page_size.
+    last_page_len [bs] host; the host ones pinned when the table is on CUDA, so that FlashInfer's
+    non-blocking copies of them into its device buffers never wait on the stream). A request's
+    tokens fill its pages from their first slot, so page j of a request is the page of its token
+    at position j * page_size.
     """
+    device = req_to_token.device
     pages = [-(-n // page_size) for n in seq_lens]
     counts = torch.tensor(pages, dtype=torch.int64)
     indptr = torch.zeros(len(pages) + 1, dtype=torch.int32)
     indptr[1:] = counts.cumsum(0)
     last_page_len = torch.tensor([n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32)
     total = int(indptr[-1])
-    device = req_to_token.device
-    # Only O(batch) values cross to the device; the O(pages) index arithmetic runs there.
-    # output_size spares repeat_interleave a device-to-host sync to learn the length.
-    starts = indptr[:-1].to(device=device, dtype=torch.int64)
-    req_of_page = torch.repeat_interleave(torch.arange(len(pages), device=device), counts.to(device), output_size=total)
-    page_in_req = torch.arange(total, device=device) - starts[req_of_page]
+    # Only O(batch) values cross to the device, in one non-blocking copy (a blocking one would
+    # synchronize the forward stream, i.e. wait for the step in flight); the O(pages) index
+    # arithmetic runs there. output_size spares repeat_interleave a device-to-host sync.
+    counts_starts = host_to_device(torch.stack([counts, indptr[:-1].to(torch.int64)]), device)
+    req_of_page = torch.repeat_interleave(torch.arange(len(pages), device=device), counts_starts[0], output_size=total)
+    page_in_req = torch.arange(total, device=device) - counts_starts[1][req_of_page]
     slots = req_to_token[req_rows.to(device)[req_of_page], page_in_req * page_size]
-    return indptr, (slots // page_size).to(torch.int32), last_page_len
+    return _host(indptr, device), (slots // page_size).to(torch.int32), _host(last_page_len, device)
 
 
 class PlanFence:
@@ -209,7 +215,7 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
 
     def _plan_ragged(self, batch: ForwardBatch) -> None:
         s = self.shape
-        qo_indptr = _indptr(batch.extend_lens)
+        qo_indptr = _indptr(batch.extend_lens, self.device)
         with self.fence.guard(self.ragged_prefill):
             self.ragged_prefill.plan(
                 qo_indptr, qo_indptr, s.num_heads, s.num_kv_heads, s.head_dim,
@@ -222,7 +228,7 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
         indptr, indices, last_page_len = paged_kv_plan_args(self.req_to_token, batch.req_rows, batch.seq_lens, s.page_size)
         with self.fence.guard(self.paged_prefill):
             self.paged_prefill.plan(
-                _indptr(batch.extend_lens), indptr, indices, last_page_len,
+                _indptr(batch.extend_lens, self.device), indptr, indices, last_page_len,
                 s.num_heads, s.num_kv_heads, s.head_dim, s.page_size,
                 causal=True, sm_scale=s.scale, q_data_type=self.dtype, kv_data_type=self.dtype,
             )
@@ -257,7 +263,16 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
         self._plan_decode(wrapper, batch)
 
 
-def _indptr(lengths: Sequence[int]) -> torch.Tensor:
+def _indptr(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """int32 CSR offsets of `lengths`, on the host (pinned for a CUDA `device`, see `_host`)."""
     out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     out[1:] = torch.tensor(list(lengths), dtype=torch.int64).cumsum(0)
-    return out
+    return _host(out, device)
+
+
+def _host(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` as plan() wants its host arguments: plan() copies them to the device with
+    non_blocking=True, which from pageable memory may still synchronize the stream (CUDA's
+    staging rule); from pinned memory it does not, and the caching host allocator keeps the block
+    until the copy has run."""
+    return t.pin_memory() if device.type == "cuda" else t

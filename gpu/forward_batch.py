@@ -28,6 +28,8 @@ class ForwardBatch:
     prefix_lens: list[int]
     extend_lens: list[int]
     return_all_logits: bool = False  # logits for every new token, not only each request's last
+    # Packed token indices to compute logits for, in this order (overrides the two above).
+    logit_index: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -156,12 +156,15 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """Logits for each request's last new token ([batch, vocab]), or for every new token."""
+        """Logits for each request's last new token ([batch, vocab]), for every new token, or for
+        the tokens `batch.logit_index` picks."""
         assert self.rotary is not None, "call init_rotary() before forward()"
         attn.init_forward_metadata(batch)
         hidden = self.model.embed_tokens(batch.input_ids)
         for layer in self.model.layers:
             hidden = layer(hidden, batch.positions, self.rotary, attn)
-        if not batch.return_all_logits:
+        if batch.logit_index is not None:
+            hidden = hidden[batch.logit_index]
+        elif not batch.return_all_logits:
             hidden = hidden[batch.last_token_index()]
         return F.linear(self.model.norm(hidden), self.output_weight())

@@ -35,6 +35,8 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     extra_key: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: logprobs of the prompt tokens from this position on (-1: none).
+    logprob_start_len: int = -1
 
 
 # --- Receiver ---------------------------------------------------------------------------------
@@ -101,12 +103,22 @@ class Batch(msgspec.Struct, frozen=True, tag=True):
     produces_token: list[bool]  # False for a chunk that does not end its prompt
 
 
+class InputLogprobs(msgspec.Struct, frozen=True):
+    """Logprobs of prompt tokens start .. start + len(logprobs) - 1, computed by one step."""
+
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
 class StepOut(msgspec.Struct, frozen=True, tag=True):
     batch: Batch
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     forward_s: float  # seconds the worker spent on this step
+    # Per batch row, for requests that asked for prompt logprobs; None when no row did.
+    input_logprobs: list[InputLogprobs | None] | None = None
 
 
 ReceiverMsg = Submit | AbortRequest

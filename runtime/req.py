@@ -5,11 +5,11 @@ it, and only after a message handed the request over:
 
 | fields | written by |
 | --- | --- |
-| rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, arrival_time, stream | Receiver (before the first message; never changed after) |
+| rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, logprob_start_len, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
-| output_ids, output_logprobs, output_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+| output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 `fill_ids` (prompt + generated tokens) is derived, never stored.
 """
@@ -59,6 +59,7 @@ class Req:
     extra_key: str | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: logprobs of the prompt tokens from there on are wanted
     arrival_time: float = 0.0
     enqueue_time: float = 0.0
     stream: RequestStream | None = None
@@ -83,6 +84,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # Prompt tokens logprob_start_len, logprob_start_len + 1, ...; None for token 0 (no context).
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # Per-request output state lives on the request, so it ends with it whoever ends it.
     detokenizer: Any = None
@@ -94,6 +98,12 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def input_logprobs_pending(self) -> bool:
+        """Prompt logprobs are wanted and not all computed yet: the prompt from
+        logprob_start_len - 1 on must be computed, not served from the prefix cache."""
+        return self.logprob_start_len >= 0 and len(self.input_logprobs) < len(self.origin_input_ids) - self.logprob_start_len
 
     @property
     def seq_len(self) -> int:

@@ -19,6 +19,10 @@ class Delta(msgspec.Struct, kw_only=True):
     output_ids: list[int] = []  # new token ids since the previous delta
     logprobs: list[float] = []
     top_logprobs: list[list[tuple[int, float]]] = []
+    # Prompt tokens with their logprobs (None for the first prompt token), when asked for.
+    input_token_ids: list[int] = []
+    input_logprobs: list[float | None] = []
+    input_top_logprobs: list[list[tuple[int, float]]] = []
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     matched_stop: int | str | None = None
     prompt_tokens: int = 0
@@ -36,6 +40,9 @@ class Delta(msgspec.Struct, kw_only=True):
         self.output_ids = self.output_ids + later.output_ids
         self.logprobs = self.logprobs + later.logprobs
         self.top_logprobs = self.top_logprobs + later.top_logprobs
+        self.input_token_ids = self.input_token_ids + later.input_token_ids
+        self.input_logprobs = self.input_logprobs + later.input_logprobs
+        self.input_top_logprobs = self.input_top_logprobs + later.input_top_logprobs
         for name in ("finish_reason", "matched_stop", "queue_time", "error", "param", "code", "status"):
             if getattr(later, name) is not None:
                 setattr(self, name, getattr(later, name))

@@ -321,6 +321,25 @@ def test_flashinfer_graph_decode_plans_into_static_buffers(tiny_path, fake_fi, p
         _advance(seqs, ref)
 
 
+def test_fake_flashinfer_refuses_what_flashinfer_0_7_refuses():
+    """The fake mirrors the real signatures (flashinfer 0.7.2.post1 decode.py / prefill.py), so a
+    misnamed or misplaced argument in our glue fails on a CPU instead of on the first GPU run."""
+    ws = torch.zeros(16, dtype=torch.uint8)
+    indptr, indices, last = (torch.tensor(v, dtype=torch.int32) for v in ([0, 1], [3], [1]))
+    decode = fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    with pytest.raises(TypeError):  # decode has no `causal` (its mask follows q_len_per_req)
+        decode.plan(indptr, indices, last, 4, 2, 8, 1, causal=True)
+    with pytest.raises(TypeError):  # the decode wrapper's graph buffers are `paged_kv_*_buffer`
+        fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buf=indptr)
+    with pytest.raises(ValueError):
+        fake_flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True)
+    decode.plan(indptr, indices, last, 4, 2, 8, 4)
+    assert decode.planned["q_dtype"] == torch.float16  # q_data_type defaults to float16, not the cache's dtype
+    ragged = fake_flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    with pytest.raises(TypeError):  # ragged plan has no page_size; a sixth positional is head_dim_vo
+        ragged.plan(indptr, indptr, 4, 2, 8, 1)
+
+
 # --- backend selection ----------------------------------------------------------------------------
 def test_backend_resolution(monkeypatch):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")

@@ -236,6 +236,22 @@ async def test_generate_native(server: ServerThread) -> None:
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
 
 
+async def test_generate_native_prompt_logprobs(server: ServerThread) -> None:
+    body = {
+        "input_ids": [5, 6, 7, 8, 9], "sampling_params": {"max_new_tokens": 2, "temperature": 0},
+        "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2, "return_text_in_logprobs": True,
+    }
+    status, out = await _post(f"{server.url}/generate", body)
+    assert status == 200
+    meta = out["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == [6, 7, 8, 9]
+    assert all(lp < 0 and isinstance(text, str) for lp, _, text in meta["input_token_logprobs"])
+    assert [len(row) for row in meta["input_top_logprobs"]] == [2, 2, 2, 2]
+    status, out = await _post(f"{server.url}/generate", {**body, "logprob_start_len": 5})
+    error = _assert_error(status, out, 400)
+    assert error["param"] == "logprob_start_len" and "5-token prompt" in error["message"]
+
+
 async def test_generate_batch(server: ServerThread) -> None:
     body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
     status, out = await _post(f"{server.url}/generate", body)
