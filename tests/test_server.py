@@ -467,7 +467,7 @@ async def test_shutdown_ends_streams_with_error_and_done(tiny_llama: Path) -> No
 async def test_priority_eviction_and_queue_timeout_are_503(tiny_llama: Path) -> None:
     engine = {
         "model_path": str(tiny_llama), "enable_priority_scheduling": True, "max_running_requests": 1,
-        "max_queued_requests": 1, "queue_timeout_s": 1.0,
+        "max_queued_requests": 1, "queue_timeout_s": 3.0,  # long enough for the eviction under load
     }
     with ServerThread(engine, ServerSettings()) as s:
         long = {"text": "x", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}, "stream": True, "rid": "long", "priority": 5}
