@@ -106,16 +106,24 @@ class Adder(Actor[AdderMsg]):
             return
         assert self.policy is not None
         self._pull_outstanding = True
-        await self.policy.send(Pull(max_reqs=self._max_candidates(), running_routing_keys=self._routing_keys(), block=self._idle()))
+        rows = self.req_to_token.available()
+        preempt_priority = self._least_important_running() if rows == 0 else None
+        if preempt_priority is not None:
+            rows = 1  # the best waiting request, if it may preempt a running one
+        await self.policy.send(Pull(
+            max_reqs=rows, running_routing_keys=self._routing_keys(), block=self._idle(), preempt_priority=preempt_priority
+        ))
 
     def _idle(self) -> bool:
         return not self.running and self.chunked is None and self.in_flight == 0 and not self.ending
 
-    def _max_candidates(self) -> int:
-        rows = self.req_to_token.available()
-        if rows == 0 and self.config.enable_priority_scheduling:
-            return 1  # the best waiting request may still preempt a running one
-        return rows
+    def _least_important_running(self) -> int | None:
+        """With every row taken, the priority a waiting request must beat to preempt (None: no
+        preemption possible)."""
+        if not self.config.enable_priority_scheduling or not self.running:
+            return None
+        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        return max((r.priority for r in self.running), key=lambda p: p * sign)
 
     def _routing_keys(self) -> dict[str, int]:
         if self.config.effective_schedule_policy != "routing-key":

@@ -14,6 +14,7 @@ import time
 from collections import Counter
 
 from actors.policy_order import QueueOrderer
+from actors.prefill_adder import may_preempt
 from gpu.prefix_cache import PrefixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
@@ -63,7 +64,14 @@ class Policy(Actor[PolicyMsg]):
         if pull.max_reqs and self.waiting:
             ordered = self.orderer.order(self.waiting, Counter(pull.running_routing_keys))
             given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
+            if pull.preempt_priority is not None and not self._may_preempt(given[0], pull.preempt_priority):
+                given, self.waiting = [], ordered  # it stays here, where a better newcomer can evict it
         await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
+
+    def _may_preempt(self, req: Req, running_priority: int) -> bool:
+        cfg = self.config
+        sign = 1 if cfg.schedule_low_priority_values_first else -1
+        return may_preempt(req.priority, running_priority, sign, cfg.priority_scheduling_preemption_threshold)
 
     def _admit(self, req: Req) -> None:
         limit = self.config.max_queued_requests

@@ -383,6 +383,12 @@ class PrefillAdder:
 # --- priority preemption -------------------------------------------------------------------------
 
 
+def may_preempt(priority: int, victim_priority: int, sign: int, threshold: int) -> bool:
+    """A request of `priority` may preempt one of `victim_priority`: more important by strictly
+    more than `threshold` (`sign` as in `select_preemption_victims`)."""
+    return (priority - victim_priority) * -sign > threshold
+
+
 def select_preemption_victims(
     new_req: Req,
     running: Sequence[Req],
@@ -407,7 +413,7 @@ def select_preemption_victims(
     candidates = sorted(running, key=lambda r: (r.priority * -sign, -r.enqueue_time, -order[id(r)]))
     victims: list[Req] = []
     for cand in candidates:
-        if (new_req.priority - cand.priority) * -sign <= threshold:
+        if not may_preempt(new_req.priority, cand.priority, sign, threshold):
             break  # sorted: every later candidate is at least as important
         victims.append(cand)
         need_tokens -= reserved_tokens_of(cand)

@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from runtime.stream import Delta
 
 TokenText = Callable[[int], str]  # token id -> its text, for logprobs
@@ -29,8 +31,10 @@ class Choice:
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     final: Delta | None = None
+    deltas: int = 0  # how many were added
 
     def add(self, delta: Delta) -> None:
+        self.deltas += 1
         self.rid = delta.rid
         self.text += delta.text
         self.output_ids.extend(delta.output_ids)
@@ -70,6 +74,25 @@ def usage(choices: Sequence[Choice]) -> dict[str, Any]:
 
 
 # --- /v1/completions --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """`echo`: the prompt's text goes in front of the completion (its tokens and logprobs arrive
+    with the first delta, as prompt logprobs). `drop_output`: max_tokens was 0, so the one token
+    the engine sampled is left out of the answer."""
+
+    prompt_text: str
+    drop_output: bool
+
+    def apply(self, delta: Delta, first: bool) -> Delta:
+        """The delta as the client sees it: the prompt in front of the first one."""
+        changes: dict[str, Any] = {}
+        if self.drop_output:
+            changes.update(text="", output_ids=[], logprobs=[], top_logprobs=[], completion_tokens=0)
+        if first:
+            changes["text"] = self.prompt_text + changes.get("text", delta.text)
+        return msgspec.structs.replace(delta, **changes) if changes else delta
+
+
 def completion_response(rid: str, model: str, created: int, choices: Sequence[Choice], token_text: TokenText | None) -> dict[str, Any]:
     return {
         "id": rid,
@@ -80,7 +103,9 @@ def completion_response(rid: str, model: str, created: int, choices: Sequence[Ch
             {
                 "index": c.index,
                 "text": c.text,
-                "logprobs": _completion_logprobs(c.output_ids, c.logprobs, c.top_logprobs, 0, token_text),
+                "logprobs": _completion_logprobs(
+                    c.input_token_ids + c.output_ids, c.input_logprobs + c.logprobs, c.input_top_logprobs + c.top_logprobs, 0, token_text
+                ),
                 "finish_reason": c.finish_reason,
                 "matched_stop": c.matched_stop,
             }
@@ -96,7 +121,13 @@ def completion_chunk(
     choice = {
         "index": index,
         "text": delta.text,
-        "logprobs": _completion_logprobs(delta.output_ids, delta.logprobs, delta.top_logprobs, text_offset, token_text),
+        "logprobs": _completion_logprobs(
+            delta.input_token_ids + delta.output_ids,
+            delta.input_logprobs + delta.logprobs,
+            delta.input_top_logprobs + delta.top_logprobs,
+            text_offset,
+            token_text,
+        ),
         "finish_reason": delta.finish_reason,
     }
     if delta.finish_reason is not None:
@@ -105,8 +136,9 @@ def completion_chunk(
 
 
 def _completion_logprobs(
-    ids: list[int], logprobs: list[float], top: list[list[tuple[int, float]]], offset: int, token_text: TokenText | None
+    ids: list[int], logprobs: list[float | None], top: list[list[tuple[int, float]]], offset: int, token_text: TokenText | None
 ) -> dict[str, Any] | None:
+    """OpenAI's legacy logprobs; an echoed first prompt token has null logprob and top logprobs."""
     if token_text is None:
         return None
     tokens = [token_text(t) for t in ids[: len(logprobs)]]
@@ -117,7 +149,7 @@ def _completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": list(logprobs),
-        "top_logprobs": [{token_text(t): lp for t, lp in row} for row in top] if top else None,
+        "top_logprobs": [None if lp is None else {token_text(t): v for t, v in row} for row, lp in zip(top, logprobs)] if top else None,
         "text_offset": offsets,
     }
 

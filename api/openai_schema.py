@@ -4,7 +4,7 @@ into engine calls.
 Decoding is strict about types (a wrong type is a 400 naming the field) and lenient about unknown
 fields, as OpenAI-compatible servers are: clients send fields we have no use for (`user`,
 `parallel_tool_calls`, ...). Fields we cannot honour with a non-default value (`logit_bias`,
-`tools`, `echo`, ...) are refused with a clear 400 instead of being silently ignored.
+`tools`, `suffix`, ...) are refused with a clear 400 instead of being silently ignored.
 
 One HTTP request becomes one or more `EngineCall`s: a batch of prompts times `n` choices, in
 OpenAI's order (choice index = prompt index * n + j).
@@ -196,13 +196,16 @@ Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): exactly one i
 
 def completion_calls(req: CompletionRequest, context_len: int) -> tuple[str, list[EngineCall]]:
     """The response id and the engine calls."""
-    _check_common(req)
-    _refuse_unsupported(echo=req.echo, suffix=req.suffix is not None, best_of=(req.best_of or req.n) > req.n)
+    _check_common(req, scoring=req.echo)
+    _refuse_unsupported(suffix=req.suffix is not None, best_of=(req.best_of or req.n) > req.n)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    sampling = _sampling(req, max_tokens, context_len)
+    # max_tokens 0 scores the prompt: the engine samples one token, which the answer leaves out.
+    sampling = _sampling(req, max(max_tokens, 1), context_len)
     logprob = {"return_logprob": req.logprobs is not None, "top_logprobs_num": req.logprobs or 0}
+    if req.echo and req.logprobs is not None:
+        logprob["logprob_start_len"] = 0  # echoed prompt tokens come with their logprobs
     return _fan_out(completion_prompts(req.prompt), req, sampling, logprob)
 
 
@@ -301,11 +304,13 @@ def _content_text(content: str | list[ContentPart] | None, index: int) -> str:
     return "".join(texts)
 
 
-def _check_common(req: _Common) -> None:
+def _check_common(req: _Common, scoring: bool = False) -> None:
+    """`scoring`: an echo completion, which may ask for no new tokens (max_tokens 0)."""
     if not 1 <= req.n <= MAX_CHOICES:
         raise invalid(f"n must be in [1, {MAX_CHOICES}], got {req.n}", "n")
-    if req.max_tokens is not None and req.max_tokens <= 0:
-        raise invalid(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
+    if req.max_tokens is not None and req.max_tokens < (0 if scoring else 1):
+        at_least = "0 (with echo)" if scoring else "1 (0 only with echo)"
+        raise invalid(f"max_tokens must be at least {at_least}, got {req.max_tokens}", "max_tokens")
     limit = getattr(req, "max_completion_tokens", None)
     if limit is not None and limit <= 0:
         raise invalid(f"max_completion_tokens must be at least 1, got {limit}", "max_completion_tokens")

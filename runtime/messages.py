@@ -60,6 +60,9 @@ class Pull(msgspec.Struct, frozen=True, tag=True):
     max_reqs: int
     running_routing_keys: dict[str, int]
     block: bool
+    # Every request row is taken: only a request that may preempt a running one of this
+    # priority (the least important) is worth sending; the others stay queued (and evictable).
+    preempt_priority: int | None = None
 
 
 class Requeue(msgspec.Struct, frozen=True, tag=True):

@@ -164,6 +164,29 @@ async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monk
             await engine.generate(input_ids=[1, 2, 3])
 
 
+async def test_a_request_that_cannot_preempt_stays_queued(model_path):
+    """With every row taken, only a request that may preempt goes to the Adder; a less important
+    one stays in the queue (where a better newcomer can evict it) instead of going back and forth."""
+    engine = Engine(model_path=model_path, max_running_requests=1, enable_priority_scheduling=True)
+    async with engine:
+        handed: list[list[int]] = []  # the priorities of each round's candidates
+        form_prefill = engine.adder._form_prefill
+
+        def spy(candidates):
+            handed.append([r.priority for r in candidates])
+            return form_prefill(candidates)
+
+        engine.adder._form_prefill = spy
+        long_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 300}, priority=5)
+        low = asyncio.create_task(engine.generate(input_ids=[7, 8], sampling_params={**GREEDY, "max_new_tokens": 2}, priority=1))
+        await _wait_queued(engine, 1)
+        await asyncio.gather(long_task, low)
+        assert sum(1 in c for c in handed) == 1  # once, when the long request had finished
+        await assert_idle_invariants(engine)
+        assert engine.stats()["preemptions"] == 0
+    await close_and_check_tasks(engine)
+
+
 async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model_path):
     engine = Engine(model_path=model_path)
     await engine.start()

@@ -252,6 +252,30 @@ async def test_generate_native_prompt_logprobs(server: ServerThread) -> None:
     assert error["param"] == "logprob_start_len" and "5-token prompt" in error["message"]
 
 
+async def test_completion_echo_with_prompt_logprobs(server: ServerThread) -> None:
+    """lm-eval style scoring: echo, logprobs and max_tokens 0 give the prompt's own logprobs."""
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    status, out = await _post(f"{server.url}/v1/completions", body)
+    assert status == 200
+    [choice] = out["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == 4 and lp["token_logprobs"][0] is None and all(x < 0 for x in lp["token_logprobs"][1:])
+    assert lp["top_logprobs"][0] is None and all(len(row) == 1 for row in lp["top_logprobs"][1:])
+    assert choice["text"] == "".join(lp["tokens"]) and lp["text_offset"][0] == 0
+    assert out["usage"]["completion_tokens"] == 0 and out["usage"]["prompt_tokens"] == 4
+    generated = {**body, "max_tokens": 3, "ignore_eos": True}
+    status, whole = await _post(f"{server.url}/v1/completions", generated)
+    [choice] = whole["choices"]
+    assert choice["text"].startswith(out["choices"][0]["text"]) and len(choice["logprobs"]["tokens"]) == 7
+    assert choice["logprobs"]["token_logprobs"][:4] == pytest.approx(lp["token_logprobs"][:4])
+    async with aiohttp.ClientSession() as s, s.post(f"{server.url}/v1/completions", json={**generated, "stream": True}, headers=AUTH) as r:
+        chunks = [e for e in await _sse(r) if e != "[DONE]"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+    assert [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]] == choice["logprobs"]["tokens"]
+    status, out = await _post(f"{server.url}/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0})
+    assert _assert_error(status, out, 400)["param"] == "max_tokens"  # 0 needs echo
+
+
 async def test_generate_batch(server: ServerThread) -> None:
     body = {"input_ids": [[5, 6, 7], [8, 9]], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
     status, out = await _post(f"{server.url}/generate", body)
@@ -467,7 +491,7 @@ async def test_shutdown_ends_streams_with_error_and_done(tiny_llama: Path) -> No
 async def test_priority_eviction_and_queue_timeout_are_503(tiny_llama: Path) -> None:
     engine = {
         "model_path": str(tiny_llama), "enable_priority_scheduling": True, "max_running_requests": 1,
-        "max_queued_requests": 1, "queue_timeout_s": 3.0,  # long enough for the eviction under load
+        "max_queued_requests": 1, "queue_timeout_s": 1.0,
     }
     with ServerThread(engine, ServerSettings()) as s:
         long = {"text": "x", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}, "stream": True, "rid": "long", "priority": 5}

@@ -126,7 +126,7 @@ def test_batch_times_n_fans_out_in_openai_order() -> None:
         ({"n": 0}, "n"),
         ({"n": 1000}, "n"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "max_tokens": -1}, "max_tokens"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
         ({"logprobs": 99}, "logprobs"),
@@ -135,6 +135,14 @@ def test_batch_times_n_fans_out_in_openai_order() -> None:
 )
 def test_completion_refusals(fields: dict, param: str) -> None:
     assert _error(completion_calls, _completion(**fields), CONTEXT).param == param
+
+
+def test_completion_echo_scores_the_prompt() -> None:
+    _, [call] = completion_calls(_completion(echo=True, max_tokens=0, logprobs=2), CONTEXT)
+    assert call.sampling["max_new_tokens"] == 1  # one token is sampled and left out of the answer
+    assert call.options["logprob_start_len"] == 0 and call.options["top_logprobs_num"] == 2
+    _, [call] = completion_calls(_completion(echo=True), CONTEXT)
+    assert "logprob_start_len" not in call.options  # echo without logprobs scores nothing
 
 
 def test_chat_messages_and_limits() -> None:
