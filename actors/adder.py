@@ -30,6 +30,7 @@ from actors.prefill_adder import (
     NewTokenRatio,
     PrefillAdder,
     match_for_admission,
+    prefix_tokens,
     select_preemption_victims,
     select_retraction_victims,
 )
@@ -234,7 +235,7 @@ class Adder(Actor[AdderMsg]):
         borrows the tree's slots for them), so later requests match them before it finishes.
         Safe before the step that computes them has run: steps run in launch order, so any step
         that reads these slots through another request runs after this one wrote them."""
-        result = self.cache.cache_unfinished_req(req.fill_ids[:length], self.req_to_token, req.req_row, req.last_node, req.extra_key)
+        result = self.cache.cache_unfinished_req(prefix_tokens(req, length), self.req_to_token, req.req_row, req.last_node, req.extra_key)
         req.last_node = result.last_node
         req.prefix_len = result.length  # the call rewrote the row with the tree's slots
 

@@ -84,6 +84,14 @@ def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:
     return cache.match_prefix(match_key(req), req.extra_key)
 
 
+def prefix_tokens(req: Req, length: int) -> Sequence[int]:
+    """The request's first `length` tokens; inside the prompt, as the array('i') the cache reads
+    without encoding."""
+    if req.prompt_key is not None and length <= len(req.origin_input_ids):
+        return req.prompt_key[:length]
+    return req.fill_ids[:length]
+
+
 def match_key(req: Req) -> array:
     """All but the last token of the request, encoded for the cache's memcmp walk; only up to
     the first position whose logits give a wanted prompt logprob."""

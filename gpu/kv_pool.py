@@ -80,7 +80,10 @@ class TokenSlotAllocator:
         self.device = device
         self._page_is_free = torch.ones(num_pages + 1, dtype=torch.bool)
         self._page_is_free[0] = False
-        self._free_pages: list[int] = list(range(num_pages, 0, -1))
+        # A stack of free pages: _free_stack[:_num_free], the next page to hand out last. A tensor
+        # (not a list) so that taking or returning n pages is one slice, not n Python operations.
+        self._free_stack = torch.arange(num_pages, 0, -1, dtype=torch.int64)
+        self._num_free = num_pages
 
     @property
     def total_slots(self) -> int:
@@ -89,7 +92,7 @@ class TokenSlotAllocator:
 
     def available_size(self) -> int:
         """Free token slots (whole free pages)."""
-        return len(self._free_pages) * self.page_size
+        return self._num_free * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` tokens starting on fresh pages, or None if not enough are free.
@@ -100,12 +103,14 @@ class TokenSlotAllocator:
         if num_tokens < 0:
             raise ValueError(f"cannot allocate {num_tokens} tokens")
         pages_needed = -(-num_tokens // self.page_size)
-        if pages_needed > len(self._free_pages):
+        if pages_needed > self._num_free:
             return None
-        pages = [self._free_pages.pop() for _ in range(pages_needed)]
-        page_ids = torch.tensor(pages, dtype=torch.int64)
+        top = self._num_free
+        page_ids = self._free_stack[top - pages_needed : top].flip(0)  # a copy: the stack moves on
+        self._num_free = top - pages_needed
         self._page_is_free[page_ids] = False
-        return self._page_slots(page_ids)[:num_tokens].to(self.device)
+        slots = page_ids if self.page_size == 1 else self._page_slots(page_ids)[:num_tokens]
+        return slots.to(self.device)
 
     def alloc_extend(self, cur_len: int, last_slot: int | None, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` more tokens of a request that already holds `cur_len` tokens.
@@ -136,11 +141,14 @@ class TokenSlotAllocator:
             already = page_ids[self._page_is_free[page_ids]].tolist()
             raise ValueError(f"double free of KV pages {already}")
         self._page_is_free[page_ids] = True
-        self._free_pages.extend(page_ids.tolist())
+        top = self._num_free
+        self._free_stack[top : top + page_ids.numel()] = page_ids
+        self._num_free = top + page_ids.numel()
 
     def reset(self) -> None:
         self._page_is_free[1:] = True
-        self._free_pages = list(range(self.num_pages, 0, -1))
+        self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
+        self._num_free = self.num_pages
 
     def _page_slots(self, page_ids: torch.Tensor) -> torch.Tensor:
         offsets = torch.arange(self.page_size, dtype=torch.int64)
