@@ -49,7 +49,10 @@ class Policy(Actor[PolicyMsg]):
             self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
         elif isinstance(msg, Pull):
             self._parked = msg
-        self._drop_aborted_and_expired()
+        if isinstance(msg, (Wake, Pull)):
+            # Aborts and the timeout ticker send a Wake; a Pull must not hand out what is gone.
+            # Not per Enqueue: a burst of n arrivals would rescan the queue n times.
+            self._drop_aborted_and_expired()
         if self._parked is not None and (self.waiting or not self._parked.block):
             pull, self._parked = self._parked, None
             await self._answer(pull)
