@@ -27,7 +27,7 @@ import torch
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
-from gpu.sampler import SamplingInfo
+from gpu.sampler import SamplingInfo, TokenSpans
 from runtime.actor import Actor
 from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
@@ -106,7 +106,9 @@ class Executor(Actor[Batch]):
         fb = self._forward_batch(batch)
         # Tokens each request has generated before this step (the token pool is complete, the
         # requests' output_ids may lag one step behind under overlap).
-        generated = [p + e - len(r.origin_input_ids) for r, p, e in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        prompt_lens = [len(r.origin_input_ids) for r in batch.reqs]
+        ends = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
+        generated = [end - n for end, n in zip(ends, prompt_lens)]
         scores = _prompt_scores(batch)
         if scores:  # logits of the scored prompt positions follow each request's last token's
             fb.logit_index = torch.cat([fb.last_token_index(), _on(_packed_indices(scores), fb.input_ids.device)])
@@ -116,11 +118,13 @@ class Executor(Actor[Batch]):
             logits, prompt_results = logits[: len(batch.reqs)], _score_prompt_tokens(batch, scores, logits[len(batch.reqs) :])
         self._mask_early_stop_tokens(logits, batch.reqs, generated)
         info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
+        # Penalties count prompt and output tokens in the token pool where it lies: on CUDA, reading
+        # them back to the host would wait for the step in flight.
         result = runner.sample(
             logits,
             info,
-            output_ids=self._history(batch, info.freq_presence_rows + info.repetition_rows, outputs=True),
-            prompt_ids=self._history(batch, info.repetition_rows, outputs=False),
+            output_ids=TokenSpans(self.token_pool, batch.rows, prompt_lens, ends),
+            prompt_ids=TokenSpans(self.token_pool, batch.rows, [0] * len(prompt_lens), prompt_lens),
             steps=generated,
         )
         self._store_tokens(batch, result.token_ids)
@@ -178,18 +182,6 @@ class Executor(Actor[Batch]):
                 banned += ids
         if rows:  # one indexed write; list indices would be copied to the device blocking
             logits[_on(rows, logits.device), _on(banned, logits.device)] = float("-inf")
-
-    def _history(self, batch: Batch, rows: tuple[int, ...], outputs: bool) -> list[list[int]] | None:
-        """Prompt or output tokens of `rows` for penalties, read from the token pool (complete
-        even under overlap, where a request's output_ids may lag one step behind)."""
-        if not rows:
-            return None
-        out: list[list[int]] = [[] for _ in batch.reqs]
-        for i in set(rows):
-            prompt_len = len(batch.reqs[i].origin_input_ids)
-            start, end = (prompt_len, batch.prefix_lens[i] + batch.extend_lens[i]) if outputs else (0, prompt_len)
-            out[i] = self.token_pool[batch.rows[i], start:end].tolist()
-        return out
 
     def _store_tokens(self, batch: Batch, token_ids: torch.Tensor) -> None:
         """Each sampled token goes where the next step's decode reads it: (row, seq_len)."""

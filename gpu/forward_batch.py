@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu.cuda_streams import host_to_device
 from runtime.forward_mode import ForwardMode
 
 
@@ -75,4 +76,5 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """Index into the packed tokens of each request's last new token."""
         ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        # Not .to(device): from pageable memory that copy synchronizes the (forward) stream.
+        return host_to_device(ends, self.input_ids.device)

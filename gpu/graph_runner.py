@@ -248,6 +248,10 @@ class DecodeGraphRunner:
                 self._forward(padded)
         stream.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        # thread_local: the runner is built in a worker thread (asyncio.to_thread); under the
+        # default "global" mode an unsafe CUDA call (a cudaMalloc, a sync) made meanwhile by any
+        # other thread, e.g. the event loop's, errors and breaks the capture. Only this thread's
+        # calls are recorded, so only they need checking.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             out = self._forward(padded)
         return graph, out

@@ -25,7 +25,7 @@ from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cud
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
-from gpu.sampler import Sampler, SampleResult, SamplingInfo
+from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV pool size on a CPU when max_total_tokens is not given
 
@@ -95,8 +95,8 @@ class ModelRunner:
         logits: torch.Tensor,
         info: SamplingInfo,
         *,
-        output_ids: Sequence[Sequence[int]] | None = None,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: TokenHistory | None = None,
+        prompt_ids: TokenHistory | None = None,
         steps: Sequence[int] | None = None,
     ) -> SampleResult:
         return self.sampler.sample(logits, info, output_ids=output_ids, prompt_ids=prompt_ids, steps=steps)

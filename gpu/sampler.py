@@ -24,6 +24,11 @@ would report -inf for tokens a filter removed and change with the sampling knobs
 `SamplingInfo` is built once per batch; its flags let the common cases skip work: an all-greedy
 batch is one argmax, a batch without top-k/top-p never sorts, and rows without penalties never
 count tokens.
+
+Nothing here reads a device tensor back to the host, and host values reach the device through
+`host_to_device`: on CUDA the sampler runs in the launch of a step on the forward stream, where
+either would wait for the step in flight (gpu/cuda_streams.py). Penalty token histories may be
+host lists or `TokenSpans` of a device token table, which are counted where they lie.
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch import Tensor
 
+from gpu.cuda_streams import host_to_device
 from runtime.sampling_params import SamplingParams
 
 # Stands for top_k = -1: a rank no vocabulary reaches, so the top-k mask keeps everything.
@@ -57,6 +64,10 @@ class SamplingInfo:
     presence_penalties: Tensor  # [bs] float32
     repetition_penalties: Tensor  # [bs] float32
     greedy: Tensor  # [bs] bool
+    # The row tuples below as int64 index tensors on the device, copied once per batch.
+    repetition_index: Tensor
+    freq_presence_index: Tensor
+    unseeded_index: Tensor
     seeds: tuple[int | None, ...]
     all_greedy: bool
     any_greedy: bool
@@ -77,9 +88,14 @@ class SamplingInfo:
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: str | torch.device) -> SamplingInfo:
+        device = torch.device(device)
         greedy = [p.is_greedy for p in params]
         sampled = [p for p, g in zip(params, greedy) if not g]
-        # One host-to-device copy for all float columns instead of one per column.
+        freq_presence = tuple(i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty)
+        repetition = tuple(i for i, p in enumerate(params) if p.repetition_penalty != 1.0)
+        seeded = tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None)
+        unseeded = tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is None)
+        # Two host-to-device copies (float and int64 columns) instead of one per column.
         floats = torch.tensor(
             [
                 [1.0 if g else p.temperature for p, g in zip(params, greedy)],
@@ -91,29 +107,35 @@ class SamplingInfo:
                 [float(g) for g in greedy],
             ],
             dtype=torch.float32,
-            device=device,
         ).reshape(7, len(params))
-        top_ks = torch.tensor([_NO_TOP_K if p.top_k < 0 else p.top_k for p in params], dtype=torch.int64, device=device)
+        floats = host_to_device(floats, device)
+        top_ks = [_NO_TOP_K if p.top_k < 0 else p.top_k for p in params]
+        ints = host_to_device(torch.tensor([*top_ks, *repetition, *freq_presence, *unseeded], dtype=torch.int64), device)
+        sizes = [len(params), len(repetition), len(freq_presence), len(unseeded)]
+        top_ks_t, repetition_t, freq_presence_t, unseeded_t = ints.split(sizes)
         max_top = max((p.top_logprobs_num for p in params), default=0)
         return cls(
             temperatures=floats[0].unsqueeze(1),
             top_ps=floats[1],
-            top_ks=top_ks,
+            top_ks=top_ks_t,
             min_ps=floats[2],
             frequency_penalties=floats[3],
             presence_penalties=floats[4],
             repetition_penalties=floats[5],
             greedy=floats[6] > 0.5,
+            repetition_index=repetition_t,
+            freq_presence_index=freq_presence_t,
+            unseeded_index=unseeded_t,
             seeds=tuple(p.seed for p in params),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             need_top_k=any(p.top_k >= 0 for p in sampled),
             need_top_p=any(p.top_p < 1.0 for p in sampled),
             need_min_p=any(p.min_p > 0.0 for p in sampled),
-            freq_presence_rows=tuple(i for i, p in enumerate(params) if p.frequency_penalty or p.presence_penalty),
-            repetition_rows=tuple(i for i, p in enumerate(params) if p.repetition_penalty != 1.0),
-            seeded_rows=tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is not None),
-            unseeded_rows=tuple(i for i, (p, g) in enumerate(zip(params, greedy)) if not g and p.seed is None),
+            freq_presence_rows=freq_presence,
+            repetition_rows=repetition,
+            seeded_rows=seeded,
+            unseeded_rows=unseeded,
             return_logprobs=any(p.logprobs or p.top_logprobs_num > 0 for p in params),
             max_top_logprobs_num=max_top,
         )
@@ -128,11 +150,41 @@ class SampleResult:
     top_logprobs: tuple[Tensor, Tensor] | None
 
 
+@dataclass(frozen=True, slots=True)
+class TokenSpans:
+    """Each batch row's tokens as a span of a device token table: `table[rows[i], starts[i]:ends[i]]`.
+
+    The token history of a running request lives on the device (the Executor's token pool);
+    counting it there spares the step a device-to-host read of it, which on CUDA would wait for
+    the step in flight. Spans past the table's width are cut to it.
+    """
+
+    table: Tensor  # [table rows, positions] int64
+    rows: Sequence[int]
+    starts: Sequence[int]
+    ends: Sequence[int]
+
+    def padded(self, batch_rows: Sequence[int]) -> Tensor:
+        """[len(batch_rows), width] int64 on the table's device: each span's tokens at their
+        table positions, -1 elsewhere."""
+        spans = [[self.rows[r] for r in batch_rows], [self.starts[r] for r in batch_rows], [self.ends[r] for r in batch_rows]]
+        rows, starts, ends = host_to_device(torch.tensor(spans, dtype=torch.int64), self.table.device)
+        width = min(max(spans[2], default=0), self.table.shape[1])
+        tokens = self.table[:, :width].index_select(0, rows)
+        positions = torch.arange(width, device=self.table.device)
+        inside = (positions >= starts.unsqueeze(1)) & (positions < ends.unsqueeze(1))
+        return tokens.masked_fill(~inside, -1)
+
+
+# Per batch row, the token ids of a penalty's history: host lists, or spans of a device table.
+TokenHistory: TypeAlias = Sequence[Sequence[int]] | TokenSpans
+
+
 def apply_penalties(
     logits: Tensor,
     info: SamplingInfo,
-    output_ids: Sequence[Sequence[int]] | None,
-    prompt_ids: Sequence[Sequence[int]] | None,
+    output_ids: TokenHistory | None,
+    prompt_ids: TokenHistory | None,
 ) -> Tensor:
     """Float32 logits with repetition, then frequency and presence penalties; the input is not changed.
 
@@ -145,45 +197,57 @@ def apply_penalties(
     if not info.repetition_rows and not info.freq_presence_rows:
         return logits
     logits = logits.clone()  # .float() returns the caller's tensor when it is float32 already
+    vocab, device = logits.shape[-1], logits.device
     if info.repetition_rows:
         outputs = _require(output_ids, "output_ids", "repetition_penalty")
         prompts = _require(prompt_ids, "prompt_ids", "repetition_penalty")
-        _apply_repetition(logits, info, [[*prompts[r], *outputs[r]] for r in info.repetition_rows])
+        rows = info.repetition_rows
+        tokens = torch.cat([_padded(prompts, rows, device), _padded(outputs, rows, device)], dim=1)
+        _apply_repetition(logits, info, _token_counts(tokens, vocab) > 0)
     if info.freq_presence_rows:
         outputs = _require(output_ids, "output_ids", "frequency_penalty/presence_penalty")
-        _apply_frequency_presence(logits, info, [outputs[r] for r in info.freq_presence_rows])
+        _apply_frequency_presence(logits, info, _token_counts(_padded(outputs, info.freq_presence_rows, device), vocab))
     return logits
 
 
-def _require(seqs: Sequence[Sequence[int]] | None, name: str, why: str) -> Sequence[Sequence[int]]:
+def _require(seqs: TokenHistory | None, name: str, why: str) -> TokenHistory:
     # Skipping a requested penalty silently would be a wrong answer, not a fast one.
     if seqs is None:
         raise ValueError(f"{name} is required when a request sets {why}")
     return seqs
 
 
-def _token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> Tensor:
-    """[len(seqs), vocab] float32 occurrence counts, built with one scatter."""
+def _padded(history: TokenHistory, batch_rows: Sequence[int], device: torch.device) -> Tensor:
+    """[len(batch_rows), width] int64 token ids of those rows on `device`, -1 for no token."""
+    if isinstance(history, TokenSpans):
+        return history.padded(batch_rows)
+    seqs = [history[r] for r in batch_rows]
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
+    padded = torch.full((len(seqs), max(len(s) for s in seqs)), -1, dtype=torch.int64)
+    # Boolean-mask assignment fills row by row, in order: each row's ids, then its padding.
     ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs], dtype=torch.int64))
-    counts = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
-    ones = torch.ones(ids.numel(), dtype=torch.float32, device=device)
-    counts.index_put_((rows.to(device), ids.to(device)), ones, accumulate=True)
-    return counts
+    padded[torch.arange(padded.shape[1]) < lengths.unsqueeze(1)] = ids
+    return host_to_device(padded, device)
 
 
-def _apply_repetition(logits: Tensor, info: SamplingInfo, seqs: Sequence[Sequence[int]]) -> None:
-    rows = torch.tensor(info.repetition_rows, dtype=torch.int64, device=logits.device)
-    seen = _token_counts(seqs, logits.shape[-1], logits.device) > 0
+def _token_counts(padded: Tensor, vocab: int) -> Tensor:
+    """[rows, vocab] float32 occurrence counts of the ids in `padded` (-1: none), with one scatter
+    on its device (exact: counts are small integers, whatever order the adds run in)."""
+    present = padded >= 0
+    counts = torch.zeros(padded.shape[0], vocab, dtype=torch.float32, device=padded.device)
+    return counts.scatter_add_(1, padded.clamp_min(0), present.float())
+
+
+def _apply_repetition(logits: Tensor, info: SamplingInfo, seen: Tensor) -> None:
+    rows = info.repetition_index
     sub = logits.index_select(0, rows)
     penalty = info.repetition_penalties.index_select(0, rows).unsqueeze(1)
     penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
     logits.index_copy_(0, rows, torch.where(seen, penalised, sub))
 
 
-def _apply_frequency_presence(logits: Tensor, info: SamplingInfo, seqs: Sequence[Sequence[int]]) -> None:
-    rows = torch.tensor(info.freq_presence_rows, dtype=torch.int64, device=logits.device)
-    counts = _token_counts(seqs, logits.shape[-1], logits.device)
+def _apply_frequency_presence(logits: Tensor, info: SamplingInfo, counts: Tensor) -> None:
+    rows = info.freq_presence_index
     freq = info.frequency_penalties.index_select(0, rows).unsqueeze(1)
     pres = info.presence_penalties.index_select(0, rows).unsqueeze(1)
     sub = logits.index_select(0, rows) - freq * counts - pres * (counts > 0).float()
@@ -254,15 +318,15 @@ class Sampler:
         logits: Tensor,
         info: SamplingInfo,
         *,
-        output_ids: Sequence[Sequence[int]] | None = None,
-        prompt_ids: Sequence[Sequence[int]] | None = None,
+        output_ids: TokenHistory | None = None,
+        prompt_ids: TokenHistory | None = None,
         steps: Sequence[int] | None = None,
     ) -> SampleResult:
         """Sample one token per row of `logits` [bs, vocab] (any float dtype; math in float32).
 
-        `output_ids` / `prompt_ids` are each request's generated / prompt tokens, needed only when
-        a row sets a penalty; `steps[i]` is how many tokens request i has generated, needed only
-        when a sampled row has a seed.
+        `output_ids` / `prompt_ids` are each request's generated / prompt tokens (host lists or
+        spans of a device token table), needed only when a row sets a penalty; `steps[i]` is how
+        many tokens request i has generated, needed only when a sampled row has a seed.
         """
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
             raise ValueError(f"logits must be [{info.batch_size}, vocab], got {list(logits.shape)}")
@@ -283,8 +347,8 @@ class Sampler:
                 raise ValueError("steps is required when a sampled request sets a seed")
             noise = torch.ones_like(probs)  # greedy rows: any finite noise, their argmax replaces the draw
             if info.unseeded_rows:
-                rows = torch.tensor(info.unseeded_rows, dtype=torch.int64, device=probs.device)
-                noise[rows] = torch.empty(len(rows), probs.shape[-1], device=probs.device).exponential_()
+                drawn = torch.empty(len(info.unseeded_rows), probs.shape[-1], device=probs.device).exponential_()
+                noise.index_copy_(0, info.unseeded_index, drawn)
             generator = self._generator(probs.device)
             for row in info.seeded_rows:  # one generator state per row: a loop is unavoidable
                 generator.manual_seed(mix_seed(info.seeds[row], steps[row]))  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import capture_batch_sizes
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
+from gpu.sampler import Sampler, SamplingInfo, TokenSpans
 from runtime.sampling_params import SamplingParams
 from tests.test_graph_runner import Seq, _advance, _decode_batch
 
@@ -165,6 +166,34 @@ def test_streams_copy_out_after_the_forward_stream():
     assert result.done() and result.keep_alive == ()
     streams.close()
 
+
+
+def test_sampling_and_last_token_index_do_not_synchronize():
+    """The launch path of a step: a blocking copy or a read back would wait for the step in flight."""
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(top_k=3, top_p=0.5, min_p=0.1, frequency_penalty=0.5, seed=4, top_logprobs_num=2),
+        SamplingParams(logprobs=True),
+    ]
+    table = torch.randint(0, 30, (5, 20), device="cuda")
+    logits = torch.randn(3, 30, device="cuda")
+    batch = ForwardBatch.build([[1, 2], [3], [4, 5, 6]], [1, 2, 3], [0, 4, 0], torch.arange(6), "cuda")
+    sampler = Sampler()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        info = SamplingInfo.from_params(params, "cuda")
+        out = sampler.sample(
+            logits,
+            info,
+            output_ids=TokenSpans(table, [1, 2, 3], [4, 5, 6], [8, 9, 10]),
+            prompt_ids=TokenSpans(table, [1, 2, 3], [0, 0, 0], [4, 5, 6]),
+            steps=[0, 1, 2],
+        )
+        index = batch.last_token_index()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.token_ids.shape == (3,) and index.tolist() == [1, 2, 5]
 
 @needs_flashinfer
 async def test_engine_greedy_parity_with_transformers(gpu_model):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
+import random
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.sampler import Sampler, SamplingInfo, apply_penalties, filtered_probs, mix_seed
+from gpu.sampler import Sampler, SamplingInfo, TokenSpans, apply_penalties, filtered_probs, mix_seed
 from runtime.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -218,6 +220,89 @@ def test_penalties_need_their_token_ids() -> None:
     with pytest.raises(ValueError, match="prompt_ids"):
         Sampler().sample(logits, info_for([SamplingParams(repetition_penalty=1.5)]), output_ids=[[]])
 
+
+
+def _counts(seqs: list[list[int]], vocab: int) -> torch.Tensor:
+    counts = torch.zeros(len(seqs), vocab)
+    for row, seq in enumerate(seqs):
+        for token, n in Counter(seq).items():
+            counts[row, token] = n
+    return counts
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_penalties_from_device_spans_equal_host_lists_and_a_reference(trial: int) -> None:
+    """Spans of a token table (counted on the device) give bit-identical logits to host lists,
+    and both to the penalty formulas over counts made with a Counter."""
+    rng = random.Random(trial)
+    bs, vocab = rng.randint(1, 6), rng.randint(2, 40)
+    params = [
+        SamplingParams(
+            repetition_penalty=rng.choice([1.0, rng.uniform(0.5, 2.0)]),
+            frequency_penalty=rng.choice([0.0, rng.uniform(-1.0, 1.0)]),
+            presence_penalty=rng.choice([0.0, rng.uniform(-1.0, 1.0)]),
+        )
+        for _ in range(bs)
+    ]
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(0, 12))] for _ in range(bs)]
+    outputs = [[rng.randrange(vocab) for _ in range(rng.randint(0, 12))] for _ in range(bs)]
+    # A table whose other positions hold stale ids, as a reused token pool row does.
+    table = torch.randint(0, vocab, (bs + 2, 30), generator=torch.Generator().manual_seed(trial))
+    rows = rng.sample(range(bs + 2), bs)
+    for seq_row, (prompt, output) in zip(rows, zip(prompts, outputs)):
+        table[seq_row, : len(prompt) + len(output)] = torch.tensor(prompt + output, dtype=torch.int64)
+    prompt_lens = [len(p) for p in prompts]
+    ends = [len(p) + len(o) for p, o in zip(prompts, outputs)]
+    logits = torch.randn(bs, vocab, generator=torch.Generator().manual_seed(100 + trial))
+    info = info_for(params)
+
+    from_lists = apply_penalties(logits, info, output_ids=outputs, prompt_ids=prompts)
+    spans = apply_penalties(
+        logits, info, output_ids=TokenSpans(table, rows, prompt_lens, ends), prompt_ids=TokenSpans(table, rows, [0] * bs, prompt_lens)
+    )
+    expected = logits.clone()
+    rep = torch.tensor(info.repetition_rows, dtype=torch.int64)
+    if len(rep):
+        seen = _counts([prompts[r] + outputs[r] for r in info.repetition_rows], vocab) > 0
+        sub, penalty = logits[rep], info.repetition_penalties[rep].unsqueeze(1)
+        expected[rep] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+    fp = torch.tensor(info.freq_presence_rows, dtype=torch.int64)
+    if len(fp):
+        counts = _counts([outputs[r] for r in info.freq_presence_rows], vocab)
+        freq, pres = info.frequency_penalties[fp].unsqueeze(1), info.presence_penalties[fp].unsqueeze(1)
+        expected[fp] = expected[fp] - freq * counts - pres * (counts > 0).float()
+    assert torch.equal(from_lists, expected)
+    assert torch.equal(spans, expected)
+
+
+def test_sampling_reads_nothing_back_from_the_device() -> None:
+    """On `meta` every device-to-host read raises: building the batch's tensors, penalties over
+    device spans, filters, the draw and logprobs must all stay on the device (on CUDA such a read
+    would wait for the step in flight)."""
+    meta = torch.device("meta")
+    params = [
+        SamplingParams(temperature=0.0, repetition_penalty=1.3),
+        SamplingParams(top_k=3, top_p=0.5, min_p=0.1, frequency_penalty=0.5, presence_penalty=0.2, top_logprobs_num=2),
+        SamplingParams(logprobs=True),
+    ]
+    info = info_for(params, meta)
+    table = torch.empty(5, 20, dtype=torch.int64, device=meta)
+    out = Sampler().sample(
+        torch.empty(3, 30, device=meta),
+        info,
+        output_ids=TokenSpans(table, [1, 2, 3], [4, 5, 6], [8, 9, 10]),
+        prompt_ids=TokenSpans(table, [1, 2, 3], [0, 0, 0], [4, 5, 6]),
+    )
+    assert out.token_ids.shape == (3,) and out.top_logprobs is not None and out.top_logprobs[1].shape == (3, 2)
+
+
+def test_row_index_tensors_match_the_row_tuples() -> None:
+    params = [SamplingParams(repetition_penalty=1.2), SamplingParams(seed=1), SamplingParams(presence_penalty=0.1), SamplingParams()]
+    info = info_for(params)
+    assert info.repetition_index.tolist() == list(info.repetition_rows) == [0]
+    assert info.freq_presence_index.tolist() == list(info.freq_presence_rows) == [2]
+    assert info.unseeded_index.tolist() == list(info.unseeded_rows) == [0, 2, 3]
+    assert info.top_ks.shape == (4,) and info.top_ks.dtype == torch.int64
 
 # --- seeds -------------------------------------------------------------------------------------
 
