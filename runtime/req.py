@@ -16,6 +16,7 @@ it, and only after a message handed the request over:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,7 +67,7 @@ class Req:
     abort_requested: bool = False
     # origin_input_ids as the prefix cache's array('i'), encoded once on arrival: ordering a
     # burst of long prompts would otherwise spend most of its round encoding them.
-    prompt_key: Any = None
+    prompt_key: array | None = None
 
     # Adder
     req_row: int | None = None  # its row of the request-to-token table holds its KV slots
