@@ -2,8 +2,11 @@
 
     python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5]
 
-Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request. The KV content does
-not change the cost, so both sides start from random KV instead of a slow real prefill.
+Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request, then at batch 64 / 128
+with contexts drawn uniformly from 33..768 (W1-mixed's spread, which uniform batches hide: padding
+to the longest request is what such a batch costs). transformers gets the mixed batch the way
+static batching does, left-padded to the longest context with an attention mask. The KV content
+does not change the cost, so both sides start from random KV instead of a slow real prefill.
 Prefill: one 512-token prompt; both sides compute logits for the last token only.
 Times are medians over --repeats runs of --steps decode steps each.
 """
@@ -23,6 +26,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
 
 CONTEXT = 256
+MIXED_CONTEXT = (33, 768)
 PREFILL = 512
 
 
@@ -30,16 +34,19 @@ def main() -> None:
     args = _args()
     torch.manual_seed(0)
     model_path = _model_path(args.model)
-    runner = ModelRunner(
-        RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max(args.batches), max_total_tokens=max(args.batches) * (CONTEXT + args.steps + 1) + PREFILL)
-    )
+    max_bs = max(args.batches + args.mixed_batches)
+    pool = max_bs * (max(CONTEXT, MIXED_CONTEXT[1]) + args.steps + 1) + PREFILL
+    runner = ModelRunner(RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool))
     hf = _hf_model(runner.model_dir, runner.dtype)
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} repeats={args.repeats}")
-    print(f"{'case':<26}{'engine ms':>12}{'transformers ms':>18}{'engine speedup':>16}")
-    for bs in args.batches:
-        engine = _median(lambda: _engine_decode(runner, bs, args.steps), args.repeats) / args.steps
-        baseline = _median(lambda: _hf_decode(hf, bs, args.steps), args.repeats) / args.steps
-        _row(f"decode bs={bs} ctx={CONTEXT}", engine, baseline)
+    print(f"{'case':<30}{'engine ms':>12}{'transformers ms':>18}{'engine speedup':>16}")
+    cases = [(f"decode bs={bs} ctx={CONTEXT}", [CONTEXT] * bs) for bs in args.batches]
+    lo, hi = MIXED_CONTEXT
+    cases += [(f"decode bs={bs} ctx={lo}..{hi}", torch.randint(lo, hi + 1, (bs,)).tolist()) for bs in args.mixed_batches]
+    for case, contexts in cases:
+        engine = _median(lambda: _engine_decode(runner, contexts, args.steps), args.repeats) / args.steps
+        baseline = _median(lambda: _hf_decode(hf, contexts, args.steps), args.repeats) / args.steps
+        _row(case, engine, baseline)
     engine = _median(lambda: _engine_prefill(runner), args.repeats)
     baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
     _row(f"prefill {PREFILL} tokens", engine, baseline)
@@ -49,7 +56,9 @@ def _args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-qwen3", help="tiny-qwen3, smollm2, or a checkpoint path")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    sizes = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--batches", type=sizes, default=[1, 16, 64], help="decode batch sizes, every context 256")
+    p.add_argument("--mixed-batches", type=sizes, default=[64, 128], help="decode batch sizes, contexts 33..768 ('' for none)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     return p.parse_args()
@@ -80,20 +89,22 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
 
 
 def _row(case: str, engine_s: float, baseline_s: float) -> None:
-    print(f"{case:<26}{engine_s * 1e3:>12.2f}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
+    print(f"{case:<30}{engine_s * 1e3:>12.2f}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
 
 
-def _engine_decode(runner: ModelRunner, bs: int, steps: int) -> float:
+def _engine_decode(runner: ModelRunner, contexts: list[int], steps: int) -> float:
+    bs = len(contexts)
     rows = [runner.req_to_token.alloc() for _ in range(bs)]
-    slots = [runner.allocator.alloc(CONTEXT + steps) for _ in range(bs)]
+    slots = [runner.allocator.alloc(ctx + steps) for ctx in contexts]
     try:
         for row, s in zip(rows, slots):
             runner.req_to_token.write(row, 0, s)
         tokens = torch.randint(0, runner.vocab_size, (bs,)).tolist()
         start = time.perf_counter()
         for step in range(steps):
-            out_loc = torch.stack([s[CONTEXT + step] for s in slots])
-            batch = ForwardBatch.build([[t] for t in tokens], rows, [CONTEXT + step] * bs, out_loc, runner.device)
+            out_loc = torch.stack([s[ctx + step] for s, ctx in zip(slots, contexts)])
+            prefix_lens = [ctx + step for ctx in contexts]
+            batch = ForwardBatch.build([[t] for t in tokens], rows, prefix_lens, out_loc, runner.device)
             tokens = runner.forward(batch).argmax(-1).tolist()
         return time.perf_counter() - start
     finally:
@@ -102,20 +113,25 @@ def _engine_decode(runner: ModelRunner, bs: int, steps: int) -> float:
             runner.req_to_token.free(row)
 
 
-def _hf_decode(hf, bs: int, steps: int) -> float:
+def _hf_decode(hf, contexts: list[int], steps: int) -> float:
     from transformers import DynamicCache
 
     cfg = hf.config
+    bs, longest = len(contexts), max(contexts)
     cache = DynamicCache(config=cfg)
-    kv_shape = (bs, cfg.num_key_value_heads, CONTEXT, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    kv_shape = (bs, cfg.num_key_value_heads, longest, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     for layer in range(cfg.num_hidden_layers):
         cache.update(torch.randn(kv_shape, dtype=hf.dtype), torch.randn(kv_shape, dtype=hf.dtype), layer)
+    # Left padding, as in static-batch generate; no mask at all when every context is equal.
+    pad = torch.tensor([longest - ctx for ctx in contexts])
+    mask = torch.arange(longest + steps)[None, :] >= pad[:, None] if int(pad.max()) else None
     tokens = torch.randint(0, cfg.vocab_size, (bs, 1))
     start = time.perf_counter()
     with torch.inference_mode():
         for step in range(steps):
-            positions = torch.full((bs, 1), CONTEXT + step)
-            out = hf(input_ids=tokens, position_ids=positions, past_key_values=cache, use_cache=True)
+            positions = torch.tensor(contexts)[:, None] + step
+            attention_mask = None if mask is None else mask[:, : longest + step + 1].long()
+            out = hf(input_ids=tokens, position_ids=positions, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
             tokens = out.logits[:, -1].argmax(-1, keepdim=True)
     return time.perf_counter() - start
 

@@ -2,13 +2,24 @@
 
 `TorchAttention` is the reference backend (CPU and CUDA): it writes the new tokens' K/V into the
 pool, gathers each request's whole sequence back through the request-to-token table, and runs
-PyTorch SDPA over a padded `[batch, heads, new_tokens, seq_len]` problem. EXTEND, DECODE and MIXED
-batches all take the same path; a decode batch is simply one with a single new token per request.
+PyTorch SDPA over padded `[requests, heads, new_tokens, seq_len]` problems. EXTEND, DECODE and
+MIXED batches all take the same path; a decode batch is simply one with a single new token per
+request.
+
+Requests are grouped into length buckets (`plan_buckets`), each padded only to its own longest
+sequence: one padding for a whole batch whose contexts range from 33 to 768 tokens makes about half
+of the gathered K/V and of the SDPA work padding. The bucket plan, slot indices and masks are
+built once per forward in `init_forward_metadata`; every layer reuses them.
+
+On a CPU, decode attention is memory-bound: the gather (one copy of the batch's K/V per layer)
+costs about 1.5x the SDPA call that reads it back, so the keys that buckets do not pad are what
+counts. The gathers go into reused buffers (see `TorchAttention.__init__`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +27,15 @@ import torch.nn.functional as F
 
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
-from runtime.forward_mode import ForwardMode
+
+# A bucket closes when adding the next request would leave less than FILL of its padded
+# query-key work useful, unless the waste is under MIN_WASTE pairs: below that an extra bucket
+# (one more gather and SDPA call per layer, ~0.1 ms on a CPU) costs more than the padding.
+FILL = 0.9
+MIN_WASTE = 1024
+# Gathered K/V rows per bucket (one request may exceed it alone). Bounds the reused gather
+# buffers; splitting there measured no slower than one big bucket.
+MAX_KV_ROWS = 32768
 
 
 class AttentionBackend(ABC):
@@ -31,15 +50,58 @@ class AttentionBackend(ABC):
         """q: [tokens, heads, dim], k/v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
 
 
+def plan_buckets(
+    extend_lens: Sequence[int], seq_lens: Sequence[int], fill: float = FILL, min_waste: int = MIN_WASTE, max_rows: int = MAX_KV_ROWS
+) -> list[list[int]]:
+    """Group request indices into buckets of similar (new tokens, sequence length).
+
+    Greedy over the requests sorted longest first: a bucket's padded work is
+    `size * max_new * max_seq` query-key pairs, its useful work the sum of `new * seq`; it also
+    closes before it gathers more than `max_rows` K/V rows.
+    """
+    order = sorted(range(len(seq_lens)), key=lambda i: (-extend_lens[i], -seq_lens[i], i))
+    buckets: list[list[int]] = []
+    max_new = max_seq = useful = 0
+    for i in order:
+        new, seq = extend_lens[i], seq_lens[i]
+        if buckets:
+            grown_new, grown_seq = max(max_new, new), max(max_seq, seq)
+            padded = (len(buckets[-1]) + 1) * grown_new * grown_seq
+            grown_useful = useful + new * seq
+            fits = (len(buckets[-1]) + 1) * grown_seq <= max_rows
+            if fits and (padded - grown_useful <= min_waste or grown_useful >= fill * padded):
+                buckets[-1].append(i)
+                max_new, max_seq, useful = grown_new, grown_seq, grown_useful
+                continue
+        buckets.append([i])
+        max_new, max_seq, useful = new, seq, new * seq
+    return buckets
+
+
+@dataclass(slots=True)
+class _Bucket:
+    """Requests attended by one SDPA call, padded to the bucket's own longest sequence."""
+
+    token_index: torch.Tensor  # [rows] packed positions of the bucket's new tokens, request by request
+    # Row of each of those in the padded [size * max_new] query layout; None when no request of
+    # the bucket is shorter than max_new (always so for decode).
+    pad_index: torch.Tensor | None
+    kv_slots: torch.Tensor  # [size * max_seq] int64 pool slots; padding reads slot 0 (masked out)
+    # Additive float mask [size, 1, max_new, max_seq] (0 or -inf), built once instead of SDPA
+    # converting a boolean one in every layer; None when no key needs masking.
+    mask: torch.Tensor | None
+    causal: bool  # no cached prefix: SDPA's own causal mask is exact (see `_bucket`)
+    size: int
+    max_new: int
+    max_seq: int
+
+
 @dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
-    kv_slots: torch.Tensor | None  # [batch, max_seq] slots of each request's sequence (padded with 0)
-    mask: torch.Tensor | None  # [batch, 1, max_new, max_seq] True where a query may attend
-    # Where packed token t sits in the padded [batch * max_new] layout; None for pure decode.
-    pad_index: torch.Tensor | None
-    batch_size: int
-    max_new: int
+    buckets: list[_Bucket]
+    # One bucket holding every request in batch order: its output is the result, no scatter.
+    in_order: bool
     # One request with nothing cached: attend to the new k/v directly with SDPA's causal kernel.
     plain_causal: bool
 
@@ -50,36 +112,56 @@ class TorchAttention(AttentionBackend):
         self.req_to_token = req_to_token
         self.scale = scale
         self._meta: _TorchMetadata | None = None
+        # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
+        # layer is served by mmap and page-faulted on first touch, which costs more than the copy.
+        self._k_buf = kv.k[0].new_empty((0, *kv.k[0].shape[1:]))
+        self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        device = batch.input_ids.device
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
-            self._meta = _TorchMetadata(batch.out_cache_loc, None, None, None, 1, batch.extend_lens[0], True)
+            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True)
             return
-        seq_lens = torch.tensor(batch.seq_lens, dtype=torch.int64, device=device)
-        prefix_lens = torch.tensor(batch.prefix_lens, dtype=torch.int64, device=device)
-        max_seq = int(max(batch.seq_lens))
-        max_new = int(max(batch.extend_lens))
-        kv_slots = self.req_to_token[batch.req_rows, :max_seq].to(torch.int64)
-        key_pos = torch.arange(max_seq, device=device)
-        query_pos = prefix_lens[:, None] + torch.arange(max_new, device=device)[None, :]  # [b, new]
-        # Causal within the request and never past its own length. Padded query rows still see
-        # key 0, so no row is fully masked (which would make SDPA return NaN).
-        mask = (key_pos[None, None, :] <= query_pos[:, :, None]) & (key_pos[None, None, :] < seq_lens[:, None, None])
-        kv_slots = torch.where(key_pos[None, :] < seq_lens[:, None], kv_slots, torch.zeros_like(kv_slots))
+        seq_lens = batch.seq_lens
+        groups = plan_buckets(batch.extend_lens, seq_lens)
+        starts = [0]
+        for n in batch.extend_lens[:-1]:
+            starts.append(starts[-1] + n)
+        buckets = [self._bucket(batch, group, starts, seq_lens) for group in groups]
+        in_order = len(groups) == 1 and groups[0] == list(range(batch.batch_size))
+        max_kv_rows = max(b.size * b.max_seq for b in buckets)
+        if self._k_buf.shape[0] < max_kv_rows:
+            self._k_buf = self._k_buf.new_empty((max_kv_rows, *self._k_buf.shape[1:]))
+            self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
+        self._meta = _TorchMetadata(batch.out_cache_loc, buckets, in_order, plain_causal=False)
+
+    def _bucket(self, batch: ForwardBatch, group: list[int], starts: list[int], seq_lens: list[int]) -> _Bucket:
+        device = batch.input_ids.device
+        new = [batch.extend_lens[i] for i in group]
+        prefix = [batch.prefix_lens[i] for i in group]
+        seqs = [seq_lens[i] for i in group]
+        size, max_new, max_seq = len(group), max(new), max(seqs)
+        token_index = torch.tensor([starts[i] + j for i, n in zip(group, new) for j in range(n)], dtype=torch.int64, device=device)
         pad_index = None
-        if batch.mode != ForwardMode.DECODE:
-            starts = torch.arange(batch.batch_size, device=device) * max_new
-            pad_index = torch.cat([starts[i] + torch.arange(n, device=device) for i, n in enumerate(batch.extend_lens)])
-        self._meta = _TorchMetadata(
-            out_cache_loc=batch.out_cache_loc,
-            kv_slots=kv_slots,
-            mask=mask[:, None, :, :],
-            pad_index=pad_index,
-            batch_size=batch.batch_size,
-            max_new=max_new,
-            plain_causal=False,
-        )
+        if min(new) != max_new:
+            pad_index = torch.tensor([r * max_new + j for r, n in enumerate(new) for j in range(n)], dtype=torch.int64, device=device)
+        rows = batch.req_rows[torch.tensor(group, device=device)]
+        seq_t = torch.tensor(seqs, dtype=torch.int64, device=device)
+        key_pos = torch.arange(max_seq, device=device)
+        in_seq = key_pos[None, :] < seq_t[:, None]  # [size, max_seq]
+        kv_slots = torch.where(in_seq, self.req_to_token[rows, :max_seq].to(torch.int64), 0).reshape(-1)
+        # Nothing cached: query j of every request attends to keys 0..j, which is SDPA's own
+        # (top-left) causal mask; the padded keys lie past every real query of their request.
+        causal = max_new > 1 and max(prefix) == 0
+        mask = None
+        if max_new > 1 and not causal:
+            # Causal within the request and never past its own length. Padded query rows still
+            # see key 0, so no row is fully masked (which would make SDPA return NaN).
+            query_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(max_new, device=device)[None, :]
+            allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
+            mask = _additive(allowed[:, None], self._k_buf.dtype)
+        elif max_new == 1 and min(seqs) != max_seq:
+            mask = _additive(in_seq[:, None, None, :], self._k_buf.dtype)
+        return _Bucket(token_index, pad_index, kv_slots, mask, causal, size, max_new, max_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self._meta
@@ -90,20 +172,35 @@ class TorchAttention(AttentionBackend):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True
             )
             return out[0].transpose(0, 1)
-        keys = self.kv.k[layer_id][meta.kv_slots].transpose(1, 2)  # [b, kv_heads, seq, dim]
-        values = self.kv.v[layer_id][meta.kv_slots].transpose(1, 2)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        queries = self._pad(q, meta).view(meta.batch_size, meta.max_new, num_heads, head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.mask, scale=self.scale, enable_gqa=True
-        )  # [b, heads, new, dim]
-        out = out.transpose(1, 2).reshape(meta.batch_size * meta.max_new, num_heads, head_dim)
-        return out if meta.pad_index is None else out[meta.pad_index]
+        if meta.in_order:
+            return self._attend(q, meta.buckets[0], layer_id)
+        out = torch.empty_like(q)
+        for bucket in meta.buckets:
+            out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
+        return out
 
-    @staticmethod
-    def _pad(q: torch.Tensor, meta: _TorchMetadata) -> torch.Tensor:
-        if meta.pad_index is None:
-            return q
-        padded = q.new_zeros((meta.batch_size * meta.max_new, q.shape[1], q.shape[2]))
-        padded[meta.pad_index] = q
-        return padded
+    def _attend(self, q: torch.Tensor, b: _Bucket, layer_id: int) -> torch.Tensor:
+        """q: the bucket's packed queries [rows, heads, dim] -> their outputs, same shape."""
+        rows = b.kv_slots.numel()
+        keys = torch.index_select(self.kv.k[layer_id], 0, b.kv_slots, out=self._k_buf[:rows])
+        values = torch.index_select(self.kv.v[layer_id], 0, b.kv_slots, out=self._v_buf[:rows])
+        kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        keys = keys.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)  # [size, kv_heads, seq, dim]
+        values = values.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        num_heads = q.shape[1]
+        if b.max_new == 1:
+            # Decode: fold each K/V head's query group into the query-length axis, so SDPA reads
+            # every K/V head once rather than once per query head (enable_gqa is ~1.4x slower).
+            queries = q.reshape(b.size, kv_heads, num_heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, scale=self.scale)
+            return out.reshape(b.size, num_heads, head_dim)
+        if b.pad_index is not None:
+            q = q.new_zeros((b.size * b.max_new, num_heads, head_dim)).index_copy_(0, b.pad_index, q)
+        queries = q.reshape(b.size, b.max_new, num_heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, is_causal=b.causal, scale=self.scale, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b.size * b.max_new, num_heads, head_dim)
+        return out if b.pad_index is None else out.index_select(0, b.pad_index)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))

@@ -1,0 +1,156 @@
+"""TorchAttention's length buckets against a plain per-request attention, on a CPU.
+
+Each case stores random prefix K/V in a paged pool (slots scattered, as a long-running pool leaves
+them), runs the backend over a batch of new tokens, and compares with float64 attention over each
+request's own sequence, computed without the pool, padding or buckets. The same batch through a
+single bucket (the old one-padding-per-batch path) must agree too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import gpu.attention as attention
+from gpu.attention import TorchAttention, plan_buckets
+from gpu.forward_batch import ForwardBatch
+from gpu.kv_pool import KVBuffers
+from runtime.forward_mode import ForwardMode
+
+LAYERS = 2
+TOLERANCE = 1e-5
+
+
+def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int, dim: int = 16, seed: int = 0,
+         dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
+    """(backend outputs per layer, float64 reference outputs per layer, the batch)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    num_slots = sum(seq_lens) + 8
+    # Slot 0 is the reserved padding target; requests get the other slots in random order.
+    slots = (torch.randperm(num_slots - 1, generator=gen) + 1)[: sum(seq_lens)].split(seq_lens)
+    table = torch.zeros((len(seq_lens) + 1, max(seq_lens) + 3), dtype=torch.int32)
+    for i, s in enumerate(slots):
+        table[i + 1, : s.numel()] = s.to(torch.int32)
+    kv = KVBuffers.allocate(LAYERS, num_slots, kv_heads, dim, dtype, "cpu")
+    for buf in kv.k + kv.v:
+        buf.copy_(torch.randn(buf.shape, generator=gen))
+    out_loc = torch.cat([s[p:] for s, p in zip(slots, prefix_lens)])
+    new_ids = [[1] * e for e in extend_lens]
+    batch = ForwardBatch.build(new_ids, list(range(1, len(seq_lens) + 1)), prefix_lens, out_loc)
+    scale = dim**-0.5
+    backend = TorchAttention(kv, table, scale)
+    backend.init_forward_metadata(batch)
+    outs, refs = [], []
+    for layer in range(LAYERS):
+        q = torch.randn((batch.num_tokens, heads, dim), generator=gen).to(dtype)
+        k = torch.randn((batch.num_tokens, kv_heads, dim), generator=gen).to(dtype)
+        v = torch.randn((batch.num_tokens, kv_heads, dim), generator=gen).to(dtype)
+        keys = [kv.k[layer][s].double() for s in slots]  # prefix from the pool ...
+        values = [kv.v[layer][s].double() for s in slots]
+        outs.append(backend.forward(q, k, v, layer))
+        start = 0
+        for i, (p, e) in enumerate(zip(prefix_lens, extend_lens)):  # ... new tokens from k/v
+            keys[i][p:] = k[start : start + e].double()
+            values[i][p:] = v[start : start + e].double()
+            start += e
+        refs.append(_reference(q.double(), keys, values, prefix_lens, extend_lens, scale))
+    return outs, refs, batch
+
+
+def _reference(q, keys, values, prefix_lens, extend_lens, scale) -> torch.Tensor:
+    out, start = [], 0
+    for key, value, p, e in zip(keys, values, prefix_lens, extend_lens):
+        group = q.shape[1] // key.shape[1]
+        qi = q[start : start + e].transpose(0, 1)  # [heads, e, dim]
+        ki = key.repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, seq, dim]
+        vi = value.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = qi @ ki.transpose(1, 2) * scale
+        causal = torch.arange(p + e)[None, :] <= (p + torch.arange(e))[:, None]
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        start += e
+    return torch.cat(out)
+
+
+def _random_batch(rng: random.Random, size: int, kind: str) -> tuple[list[int], list[int]]:
+    prefix, extend = [], []
+    for _ in range(size):
+        decode = kind == "decode" or (kind == "mixed" and rng.random() < 0.7)
+        prefix.append(rng.randint(1, 90) if decode else rng.choice([0, rng.randint(1, 60)]))
+        extend.append(1 if decode else rng.randint(2, 40))
+    return prefix, extend
+
+
+CASES = {
+    "decode batch 1": ([37], [1]),
+    "decode equal lengths": ([20] * 6, [1] * 6),
+    "decode spread lengths": ([1, 5, 60, 61, 200, 7, 33, 120], [1] * 8),
+    "extend batch 1 with prefix": ([13], [9]),
+    "extend equal, no prefix": ([0] * 3, [17] * 3),
+    "extend ragged": ([0, 4, 0, 30], [5, 12, 40, 3]),
+    "mixed": ([0, 50, 3, 100, 1], [24, 1, 6, 1, 1]),
+    # What the graph runner's padding adds: dummy rows with no prefix and one new token.
+    "decode with dummy rows": ([40, 90, 0, 0], [1, 1, 1, 1]),
+}
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4)])
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_per_request_attention(case, heads, kv_heads):
+    prefix, extend = CASES[case]
+    outs, refs, _ = _run(prefix, extend, heads, kv_heads)
+    for out, ref in zip(outs, refs):
+        assert out.shape == ref.shape
+        torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
+def test_random_batches_match_reference_and_single_bucket(kind, monkeypatch):
+    rng = random.Random(kind)
+    for trial in range(8):
+        prefix, extend = _random_batch(rng, rng.choice([1, 2, 5, 17, 40]), kind)
+        outs, refs, batch = _run(prefix, extend, 6, 2, seed=trial)
+        assert kind != "decode" or batch.mode == ForwardMode.DECODE
+        with monkeypatch.context() as m:  # everything in one bucket: the old single-padding path
+            m.setattr(attention, "plan_buckets", lambda extend_lens, seq_lens: [list(range(len(seq_lens)))])
+            single, _, _ = _run(prefix, extend, 6, 2, seed=trial)
+        for out, ref, one in zip(outs, refs, single):
+            torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+            torch.testing.assert_close(out, one, atol=TOLERANCE, rtol=0)
+
+
+def test_bfloat16_runs_every_bucket_kind():
+    prefix, extend = CASES["mixed"]
+    outs, refs, _ = _run(prefix, extend, 8, 4, dtype=torch.bfloat16)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.double(), ref, atol=0.05, rtol=0.05)
+
+
+def test_plan_buckets_covers_every_request_once_and_bounds_padding():
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 200)
+        extend = [1 if rng.random() < 0.8 else rng.randint(2, 300) for _ in range(n)]
+        seq = [e + rng.randint(0, 800) for e in extend]
+        buckets = plan_buckets(extend, seq)
+        assert sorted(i for b in buckets for i in b) == list(range(n))
+        for b in buckets:
+            padded = len(b) * max(extend[i] for i in b) * max(seq[i] for i in b)
+            useful = sum(extend[i] * seq[i] for i in b)
+            assert padded - useful <= attention.MIN_WASTE or useful >= attention.FILL * padded
+            assert len(b) == 1 or len(b) * max(seq[i] for i in b) <= attention.MAX_KV_ROWS
+
+
+def test_plan_buckets_shapes():
+    assert plan_buckets([1], [5]) == [[0]]
+    assert plan_buckets([1] * 4, [9] * 4) == [[0, 1, 2, 3]]  # equal lengths: one bucket, batch order
+    # Decode rows never share a bucket with a long extend (their padding would be the extend's length).
+    assert plan_buckets([1, 500, 1], [3000, 600, 2900], min_waste=0) == [[1], [0, 2]]
+    # Far-apart lengths split; close ones stay together.
+    assert plan_buckets([1] * 4, [1000, 100, 990, 95], min_waste=0) == [[0, 2], [1, 3]]
+    assert plan_buckets([1] * 4, [1000] * 4, max_rows=2500) == [[0, 1], [2, 3]]
+    assert plan_buckets([1] * 2, [3000, 3000], max_rows=2500) == [[0], [1]]  # a longer request goes alone
