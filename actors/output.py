@@ -14,7 +14,7 @@ from typing import Any
 from actors.detokenizer import IncrementalDetokenizer, process_token
 from runtime.actor import Actor
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
-from runtime.req import Req
+from runtime.req import FinishReason, Req
 from runtime.stream import Delta
 
 
@@ -41,12 +41,16 @@ class OutputProcessor(Actor[StepOut]):
         await self.adder.send(StepDone(step=batch.step, finished=finished))
 
     def _append(self, req: Req, i: int, msg: StepOut) -> bool:
-        token = msg.token_ids[i]
-        req.output_ids.append(token)
-        self.generated_tokens += 1
         if req.unsent is None:
             req.unsent = Delta(rid=req.rid)
         delta = req.unsent
+        if req.sampling.max_new_tokens == 0:
+            # Prefill only (prompt logprobs, cache warm-up): the token the step sampled is not
+            # part of the answer, as in SGLang.
+            return self._push(req, delta, FinishReason("length"))
+        token = msg.token_ids[i]
+        req.output_ids.append(token)
+        self.generated_tokens += 1
         delta.output_ids.append(token)
         if msg.logprobs is not None and req.return_logprob:
             req.output_logprobs.append(msg.logprobs[i])
@@ -59,13 +63,17 @@ class OutputProcessor(Actor[StepOut]):
         text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
         if text:
             delta.text += text
+        if reason is None and len(req.output_ids) % self.stream_interval:
+            return False
+        return self._push(req, delta, reason)
+
+    def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
+        """Send the request's unsent delta, the final one when `reason` is set; True if it is."""
         if reason is not None:
             req.finish_reason = reason
             delta.finish_reason = reason.kind
             delta.matched_stop = reason.matched
             req.detokenizer = None
-        elif len(req.output_ids) % self.stream_interval:
-            return False
         req.unsent = None
         if req.stream is not None:
             self._describe(req, delta)

@@ -118,7 +118,7 @@ class Receiver(Actor[Submit | AbortRequest]):
 
     def _sampling(self, spec: GenerateSpec) -> SamplingParams:
         try:
-            params = msgspec.convert(spec.sampling, SamplingParams)
+            params = msgspec.convert(_logit_bias_ids(spec.sampling), SamplingParams)
         except msgspec.ValidationError as exc:
             raise InvalidInput(f"invalid sampling_params: {exc}", _param_of(str(exc))) from None
         params = msgspec.structs.replace(params, logprobs=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num)
@@ -173,6 +173,17 @@ class Receiver(Actor[Submit | AbortRequest]):
         if priority is None:
             return WORST_PRIORITY if cfg.schedule_low_priority_values_first else -WORST_PRIORITY
         return priority
+
+
+def _logit_bias_ids(sampling: dict[str, Any]) -> dict[str, Any]:
+    """logit_bias keyed by token ids: JSON gives them as strings ("50256": -100)."""
+    bias = sampling.get("logit_bias")
+    if not isinstance(bias, dict) or all(isinstance(k, int) for k in bias):
+        return sampling
+    try:
+        return {**sampling, "logit_bias": {int(k): v for k, v in bias.items()}}
+    except (TypeError, ValueError):
+        raise InvalidInput(f"logit_bias keys must be token ids, got {list(bias)[:5]}", "logit_bias") from None
 
 
 def _param_of(message: str) -> str | None:

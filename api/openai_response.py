@@ -74,23 +74,10 @@ def usage(choices: Sequence[Choice]) -> dict[str, Any]:
 
 
 # --- /v1/completions --------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Echo:
-    """`echo`: the prompt's text goes in front of the completion (its tokens and logprobs arrive
-    with the first delta, as prompt logprobs). `drop_output`: max_tokens was 0, so the one token
-    the engine sampled is left out of the answer."""
-
-    prompt_text: str
-    drop_output: bool
-
-    def apply(self, delta: Delta, first: bool) -> Delta:
-        """The delta as the client sees it: the prompt in front of the first one."""
-        changes: dict[str, Any] = {}
-        if self.drop_output:
-            changes.update(text="", output_ids=[], logprobs=[], top_logprobs=[], completion_tokens=0)
-        if first:
-            changes["text"] = self.prompt_text + changes.get("text", delta.text)
-        return msgspec.structs.replace(delta, **changes) if changes else delta
+def echoed(delta: Delta, prompt_text: str) -> Delta:
+    """`echo`: the prompt's text in front of a choice's first delta (the prompt's tokens and
+    logprobs arrive with that delta, as prompt logprobs)."""
+    return msgspec.structs.replace(delta, text=prompt_text + delta.text)
 
 
 def completion_response(rid: str, model: str, created: int, choices: Sequence[Choice], token_text: TokenText | None) -> dict[str, Any]:

@@ -3,8 +3,8 @@ into engine calls.
 
 Decoding is strict about types (a wrong type is a 400 naming the field) and lenient about unknown
 fields, as OpenAI-compatible servers are: clients send fields we have no use for (`user`,
-`parallel_tool_calls`, ...). Fields we cannot honour with a non-default value (`logit_bias`,
-`tools`, `suffix`, ...) are refused with a clear 400 instead of being silently ignored.
+`parallel_tool_calls`, ...). Fields we cannot honour with a non-default value (`tools`,
+`suffix`, ...) are refused with a clear 400 instead of being silently ignored.
 
 One HTTP request becomes one or more `EngineCall`s: a batch of prompts times `n` choices, in
 OpenAI's order (choice index = prompt index * n + j).
@@ -201,8 +201,7 @@ def completion_calls(req: CompletionRequest, context_len: int) -> tuple[str, lis
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    # max_tokens 0 scores the prompt: the engine samples one token, which the answer leaves out.
-    sampling = _sampling(req, max(max_tokens, 1), context_len)
+    sampling = _sampling(req, max_tokens, context_len)  # with echo, 0 only scores the prompt
     logprob = {"return_logprob": req.logprobs is not None, "top_logprobs_num": req.logprobs or 0}
     if req.echo and req.logprobs is not None:
         logprob["logprob_start_len"] = 0  # echoed prompt tokens come with their logprobs
@@ -314,7 +313,6 @@ def _check_common(req: _Common, scoring: bool = False) -> None:
     limit = getattr(req, "max_completion_tokens", None)
     if limit is not None and limit <= 0:
         raise invalid(f"max_completion_tokens must be at least 1, got {limit}", "max_completion_tokens")
-    _refuse_unsupported(logit_bias=bool(req.logit_bias))
 
 
 def _refuse_unsupported(**given: bool) -> None:
@@ -343,6 +341,7 @@ def _sampling(req: _Common, max_tokens: int | None, context_len: int) -> dict[st
         "ignore_eos": req.ignore_eos,
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
+        "logit_bias": dict(req.logit_bias or {}),  # token id strings; the engine checks them
     }
 
 

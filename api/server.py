@@ -37,12 +37,12 @@ from api.engine import Engine, EngineError, InvalidRequest, Rejected
 from api.metrics import ServerMetrics
 from api.openai_response import (
     Choice,
-    Echo,
     chat_chunk,
     chat_response,
     chat_role_chunk,
     completion_chunk,
     completion_response,
+    echoed,
     generate_body,
     usage_chunk,
 )
@@ -155,7 +155,7 @@ class Server:
         rid, calls = completion_calls(req, self.context_len)
         token_text = self._token_text if req.logprobs is not None else None
         created = int(time.time())
-        echoes = [self._echo(c, req.max_tokens == 0) for c in calls] if req.echo else None
+        echoes = [self._prompt_text(c) for c in calls] if req.echo else None
         if not req.stream:
             choices = await self._collect(calls, echoes)
             return _json(completion_response(rid, self.model_name, created, choices, token_text))
@@ -164,8 +164,8 @@ class Server:
         offsets = [0] * len(calls)  # text offsets of each choice, for streamed logprobs
 
         def chunk(call: EngineCall, delta: Delta) -> dict[str, Any]:
-            if echoes is not None:
-                delta = echoes[call.index].apply(delta, first=choices[call.index].deltas == 0)
+            if echoes is not None and choices[call.index].deltas == 0:
+                delta = echoed(delta, echoes[call.index])
             choices[call.index].add(delta)
             body = completion_chunk(rid, self.model_name, created, call.index, delta, offsets[call.index], token_text)
             offsets[call.index] += len(delta.text)
@@ -328,19 +328,19 @@ class Server:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # --- engine calls -------------------------------------------------------------------------
-    async def _collect(self, calls: list[EngineCall], echoes: list[Echo] | None = None) -> list[Choice]:
+    async def _collect(self, calls: list[EngineCall], echoes: list[str] | None = None) -> list[Choice]:
+        """Whole answers; `echoes`: each choice's prompt text, put in front of it (`echo`)."""
         choices = [Choice(c.index, c.prompt_index) for c in calls]
         async with contextlib.aclosing(self._deltas(calls)) as deltas:
             async for call, delta in deltas:
                 choice = choices[call.index]
-                choice.add(delta if echoes is None else echoes[call.index].apply(delta, first=choice.deltas == 0))
+                choice.add(delta if echoes is None or choice.deltas else echoed(delta, echoes[call.index]))
         return choices
 
-    def _echo(self, call: EngineCall, drop_output: bool) -> Echo:
-        prompt = call.prompt
-        if prompt is None:
-            prompt = self.engine.tokenizer.decode(call.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        return Echo(prompt, drop_output)
+    def _prompt_text(self, call: EngineCall) -> str:
+        if call.prompt is not None:
+            return call.prompt
+        return self.engine.tokenizer.decode(call.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _deltas(self, calls: Sequence[EngineCall]) -> AsyncIterator[tuple[EngineCall, Delta]]:
         if len(calls) == 1:

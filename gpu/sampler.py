@@ -81,6 +81,8 @@ class SamplingInfo:
     unseeded_rows: tuple[int, ...]  # sampled rows without one (greedy rows are in neither)
     return_logprobs: bool  # some row asked for logprobs or top logprobs
     max_top_logprobs_num: int
+    # logit_bias of every row as (rows, token ids, values) on the device; None when no row has one.
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -138,7 +140,17 @@ class SamplingInfo:
             unseeded_rows=unseeded,
             return_logprobs=any(p.logprobs or p.top_logprobs_num > 0 for p in params),
             max_top_logprobs_num=max_top,
+            logit_bias=_logit_bias(params, device),
         )
+
+
+def _logit_bias(params: Sequence[SamplingParams], device: torch.device) -> tuple[Tensor, Tensor, Tensor] | None:
+    entries = [(row, token, value) for row, p in enumerate(params) for token, value in p.logit_bias.items()]
+    if not entries:
+        return None
+    rows, tokens, values = zip(*entries)
+    index = host_to_device(torch.tensor([rows, tokens], dtype=torch.int64), device)
+    return index[0], index[1], host_to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 @dataclass(slots=True, frozen=True)
@@ -331,6 +343,10 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
             raise ValueError(f"logits must be [{info.batch_size}, vocab], got {list(logits.shape)}")
         penalised = apply_penalties(logits, info, output_ids, prompt_ids)
+        if info.logit_bias is not None:
+            rows, tokens, values = info.logit_bias
+            # Out of place: `penalised` may be the caller's logits, which the logprobs read raw.
+            penalised = penalised.float().index_put((rows, tokens), values, accumulate=True)
         if info.all_greedy:
             token_ids = penalised.argmax(dim=-1)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 GREEDY_TEMPERATURE = 1e-6  # below this, sampling is argmax
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -25,6 +26,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs_num: int = 0
+    # Token id -> value added to its logit before sampling (OpenAI's logit_bias; JSON object keys
+    # are strings, the Receiver turns them into ids).
+    logit_bias: dict[int, float] = {}
 
     @property
     def is_greedy(self) -> bool:
@@ -47,9 +51,13 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             ),
             (self.top_logprobs_num >= 0, f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}"),
         ]
+        out_of_range = [v for v in self.logit_bias.values() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
+        checks.append((not out_of_range, f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {out_of_range[:5]}"))
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             checks.append((not bad, f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})"))
+            bad = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            checks.append((not bad, f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"))
         for ok, message in checks:
             if not ok:
                 return message

@@ -187,6 +187,23 @@ async def test_a_request_that_cannot_preempt_stays_queued(model_path):
     await close_and_check_tasks(engine)
 
 
+async def test_logit_bias_forces_and_bans_tokens(model_path):
+    engine = Engine(model_path=model_path)
+    async with engine:
+        prompt, sampling = [5, 6, 7, 8], {**GREEDY, "max_new_tokens": 3}
+        forced = await engine.generate(input_ids=prompt, sampling_params={**sampling, "logit_bias": {"9": 100}})
+        assert forced.output_ids == [9, 9, 9]  # JSON-style string keys are token ids
+        plain = await engine.generate(input_ids=prompt, sampling_params=sampling)
+        banned = await engine.generate(input_ids=prompt, sampling_params={**sampling, "logit_bias": {plain.output_ids[0]: -100}})
+        assert banned.output_ids[0] != plain.output_ids[0]
+        for bias, message in [({"x": 1}, "token ids"), ({"1": 500}, "[-100, 100]"), ({"99999": 1}, "outside the vocabulary")]:
+            with pytest.raises(InvalidRequest, match="logit_bias") as exc:
+                await engine.generate(input_ids=prompt, sampling_params={**sampling, "logit_bias": bias})
+            assert message in str(exc.value) and exc.value.param == "logit_bias"
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
 async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model_path):
     engine = Engine(model_path=model_path)
     await engine.start()

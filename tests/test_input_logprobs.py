@@ -78,6 +78,19 @@ async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(model_path
     await close_and_check_tasks(engine)
 
 
+async def test_max_new_tokens_zero_only_scores_the_prompt(model_path: str, reference: torch.Tensor) -> None:
+    engine = Engine(model_path=model_path)
+    async with engine:
+        sampling = {**GREEDY, "max_new_tokens": 0}
+        out = await engine.generate(input_ids=PROMPT, sampling_params=sampling, return_logprob=True, logprob_start_len=0)
+        assert out.output_ids == [] and out.text == "" and out.completion_tokens == 0 and out.finish_reason == "length"
+        assert out.input_logprobs[1:] == pytest.approx(_expected(reference, 0), abs=1e-4)
+        streamed = [d async for d in engine.stream(input_ids=PROMPT, sampling_params=sampling)]
+        assert [d.output_ids for d in streamed] == [[]] and streamed[-1].finish_reason == "length"
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
 async def test_bad_logprob_start_len_names_the_field(model_path: str) -> None:
     engine = Engine(model_path=model_path)
     async with engine:

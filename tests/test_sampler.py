@@ -46,6 +46,24 @@ def test_greedy_is_argmax(device: str) -> None:
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_logit_bias_steers_rows_and_leaves_logprobs_raw(device: str) -> None:
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1)).to(device)
+    top = logits.argmax(dim=-1).tolist()
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, logit_bias={7: 100.0}),  # forced to 7
+        SamplingParams(temperature=0.0, logprobs=True, logit_bias={top[1]: -100.0}),  # its argmax banned
+        SamplingParams(temperature=0.0, logprobs=True),  # untouched
+    ]
+    out = Sampler().sample(logits, info_for(params, device))
+    second = logits[1].clone()
+    second[top[1]] -= 100.0
+    assert out.token_ids.tolist() == [7, int(second.argmax()), top[2]]
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert out.logprobs is not None
+    assert torch.allclose(out.logprobs, raw.gather(1, out.token_ids[:, None])[:, 0])
+    assert info_for([SamplingParams()], device).logit_bias is None
+
+
 def test_all_greedy_batch_draws_no_random_numbers() -> None:
     info = info_for([SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)] * 4)
     # A greedy row's filters change nothing, so they must not switch the sorting path on.

@@ -125,7 +125,6 @@ def test_batch_times_n_fans_out_in_openai_order() -> None:
         ({"max_tokens": -3}, "max_tokens"),
         ({"n": 0}, "n"),
         ({"n": 1000}, "n"),
-        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"echo": True, "max_tokens": -1}, "max_tokens"),
         ({"suffix": "x"}, "suffix"),
         ({"best_of": 3}, "best_of"),
@@ -137,9 +136,14 @@ def test_completion_refusals(fields: dict, param: str) -> None:
     assert _error(completion_calls, _completion(**fields), CONTEXT).param == param
 
 
+def test_logit_bias_goes_to_the_engine() -> None:
+    _, [call] = completion_calls(_completion(logit_bias={"50": -100}), CONTEXT)
+    assert call.sampling["logit_bias"] == {"50": -100}
+
+
 def test_completion_echo_scores_the_prompt() -> None:
     _, [call] = completion_calls(_completion(echo=True, max_tokens=0, logprobs=2), CONTEXT)
-    assert call.sampling["max_new_tokens"] == 1  # one token is sampled and left out of the answer
+    assert call.sampling["max_new_tokens"] == 0  # the engine prefills only
     assert call.options["logprob_start_len"] == 0 and call.options["top_logprobs_num"] == 2
     _, [call] = completion_calls(_completion(echo=True), CONTEXT)
     assert "logprob_start_len" not in call.options  # echo without logprobs scores nothing
