@@ -14,11 +14,21 @@ built once per forward in `init_forward_metadata`; every layer reuses them.
 On a CPU, decode attention is memory-bound: the gather (one copy of the batch's K/V per layer)
 costs about 1.5x the SDPA call that reads it back, so the keys that buckets do not pad are what
 counts. The gathers go into reused buffers (see `TorchAttention.__init__`).
+
+Shared prefixes (CPU decode batches): requests whose first keys are the same pool slots (the radix
+cache hands one prefix's slots to every request that matches it) attend to that prefix together,
+cascade style. Each prefix is gathered once per layer and its requests' queries attend to it
+together (all prefixes in one SDPA call, padded to the longest); each request's own suffix goes
+through the buckets as usual; the two partial results merge exactly through their log-sum-exps.
+Without it, every request copies the shared prefix again in every layer. Everything is batched:
+on a CPU each extra small op costs tens of microseconds, so a loop over prefixes would eat the
+gain.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,6 +46,9 @@ MIN_WASTE = 1024
 # Gathered K/V rows per bucket (one request may exceed it alone). Bounds the reused gather
 # buffers; splitting there measured no slower than one big bucket.
 MAX_KV_ROWS = 32768
+# A shared prefix is attended once for all its requests when at least this long: shorter ones
+# (a chat template's first tokens) save less copying than the extra SDPA call and merge cost.
+SHARED_PREFIX_MIN = 64
 
 
 class AttentionBackend(ABC):
@@ -97,6 +110,20 @@ class _Bucket:
 
 
 @dataclass(slots=True)
+class _SharedPrefixes:
+    """Groups of decode requests whose first keys are the same slots, each group's prefix padded
+    to the longest and its requests' queries to the largest group, for one SDPA call."""
+
+    members: torch.Tensor  # [M] int64 batch rows, group after group
+    pad_index: torch.Tensor  # [M] int64 row of each member in the padded [groups * max_members] layout
+    slots: torch.Tensor  # [groups * max_len] int64 prefix slots; padding reads slot 0 (masked out)
+    mask: torch.Tensor | None  # additive [groups, 1, 1, max_len]; None when every prefix is max_len
+    sizes: list[int]  # members per group
+    lengths: list[int]  # prefix length per group
+    max_len: int
+
+
+@dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
     buckets: list[_Bucket]
@@ -104,6 +131,8 @@ class _TorchMetadata:
     in_order: bool
     # One request with nothing cached: attend to the new k/v directly with SDPA's causal kernel.
     plain_causal: bool
+    # Shared prefixes of a decode batch; the buckets then hold only the keys after them.
+    shared: _SharedPrefixes | None
 
 
 class TorchAttention(AttentionBackend):
@@ -119,26 +148,61 @@ class TorchAttention(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
-            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True)
+            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True, shared=None)
             return
-        seq_lens = batch.seq_lens
-        groups = plan_buckets(batch.extend_lens, seq_lens)
+        shared, skip = self._shared_prefixes(batch)
+        # Keys each request attends through the buckets: all but its shared prefix.
+        key_lens = [s - k for s, k in zip(batch.seq_lens, skip)]
+        groups = plan_buckets(batch.extend_lens, key_lens)
         starts = [0]
         for n in batch.extend_lens[:-1]:
             starts.append(starts[-1] + n)
-        buckets = [self._bucket(batch, group, starts, seq_lens) for group in groups]
+        buckets = [self._bucket(batch, group, starts, key_lens, skip) for group in groups]
         in_order = len(groups) == 1 and groups[0] == list(range(batch.batch_size))
-        max_kv_rows = max(b.size * b.max_seq for b in buckets)
+        max_kv_rows = max([b.size * b.max_seq for b in buckets] + [shared.slots.numel() if shared else 0])
         if self._k_buf.shape[0] < max_kv_rows:
             self._k_buf = self._k_buf.new_empty((max_kv_rows, *self._k_buf.shape[1:]))
             self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
-        self._meta = _TorchMetadata(batch.out_cache_loc, buckets, in_order, plain_causal=False)
+        self._meta = _TorchMetadata(batch.out_cache_loc, buckets, in_order, plain_causal=False, shared=shared)
 
-    def _bucket(self, batch: ForwardBatch, group: list[int], starts: list[int], seq_lens: list[int]) -> _Bucket:
+    def _shared_prefixes(self, batch: ForwardBatch) -> tuple[_SharedPrefixes | None, list[int]]:
+        """The shared prefixes of a CPU decode batch, and how many leading keys of each request
+        they cover (0 for a request in none)."""
+        skip = [0] * batch.batch_size
+        if batch.input_ids.device.type != "cpu" or any(n != 1 for n in batch.extend_lens):
+            return None, skip  # the log-sum-exp kernel is the CPU one; extends keep the plain path
+        seq_lens = batch.seq_lens
+        long = [i for i, s in enumerate(seq_lens) if s > SHARED_PREFIX_MIN]
+        if len(long) < 2:
+            return None, skip
+        rows = batch.req_rows[long]
+        # Cached slots form a tree: two requests with the same slot at one position have the same
+        # slots at every position before it. So grouping by one slot finds the shared prefixes.
+        by_slot: dict[int, list[int]] = defaultdict(list)
+        for i, slot in zip(long, self.req_to_token[rows, SHARED_PREFIX_MIN - 1].tolist()):
+            by_slot[slot].append(i)
+        groups: list[tuple[list[int], torch.Tensor]] = []  # (members, prefix slots)
+        for members in by_slot.values():
+            if len(members) < 2:
+                continue
+            # Each request keeps at least its newest key (its own slot) for the buckets.
+            limit = min(seq_lens[i] for i in members) - 1
+            slots = self.req_to_token[batch.req_rows[members], :limit]
+            length = int((slots == slots[:1]).all(0).int().cumprod(0).sum())
+            if length < SHARED_PREFIX_MIN:  # not a tree-shared prefix after all: keep the plain path
+                continue
+            groups.append((members, slots[0, :length]))
+            for i in members:
+                skip[i] = length
+        return (_pack_prefixes(groups, self._k_buf.dtype) if groups else None), skip
+
+    def _bucket(self, batch: ForwardBatch, group: list[int], starts: list[int], key_lens: list[int], skip: list[int]) -> _Bucket:
+        """`key_lens[i]` keys of request i from position `skip[i]` on (skip: a shared prefix
+        attended separately; only ever nonzero for decode requests)."""
         device = batch.input_ids.device
         new = [batch.extend_lens[i] for i in group]
         prefix = [batch.prefix_lens[i] for i in group]
-        seqs = [seq_lens[i] for i in group]
+        seqs = [key_lens[i] for i in group]
         size, max_new, max_seq = len(group), max(new), max(seqs)
         token_index = torch.tensor([starts[i] + j for i, n in zip(group, new) for j in range(n)], dtype=torch.int64, device=device)
         pad_index = None
@@ -148,7 +212,13 @@ class TorchAttention(AttentionBackend):
         seq_t = torch.tensor(seqs, dtype=torch.int64, device=device)
         key_pos = torch.arange(max_seq, device=device)
         in_seq = key_pos[None, :] < seq_t[:, None]  # [size, max_seq]
-        kv_slots = torch.where(in_seq, self.req_to_token[rows, :max_seq].to(torch.int64), 0).reshape(-1)
+        offsets = [skip[i] for i in group]
+        if any(offsets):
+            columns = (torch.tensor(offsets, device=device)[:, None] + key_pos[None, :]).clamp_max(self.req_to_token.shape[1] - 1)
+            table = self.req_to_token[rows[:, None], columns]
+        else:
+            table = self.req_to_token[rows, :max_seq]
+        kv_slots = torch.where(in_seq, table.to(torch.int64), 0).reshape(-1)
         # Nothing cached: query j of every request attends to keys 0..j, which is SDPA's own
         # (top-left) causal mask; the padded keys lie past every real query of their request.
         causal = max_new > 1 and max(prefix) == 0
@@ -172,12 +242,67 @@ class TorchAttention(AttentionBackend):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True
             )
             return out[0].transpose(0, 1)
+        if meta.shared:
+            return self._decode_with_shared_prefixes(q, meta, layer_id)
         if meta.in_order:
             return self._attend(q, meta.buckets[0], layer_id)
         out = torch.empty_like(q)
         for bucket in meta.buckets:
             out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
         return out
+
+    def _decode_with_shared_prefixes(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
+        """Each request's own keys through the buckets, each shared prefix once for all its
+        requests; merged by log-sum-exp (softmax over a union of key sets, exactly)."""
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [requests, heads]; merged in float32
+        for bucket in meta.buckets:
+            o, l = self._decode_lse(q.index_select(0, bucket.token_index), bucket, layer_id)
+            out.index_copy_(0, bucket.token_index, o)
+            lse.index_copy_(0, bucket.token_index, l)
+        shared = meta.shared
+        assert shared is not None
+        o, l = self._prefixes_lse(q, shared, layer_id)
+        own_o, own_l = out.index_select(0, shared.members), lse.index_select(0, shared.members)
+        top = torch.maximum(l, own_l)
+        w, own_w = (l - top).exp(), (own_l - top).exp()
+        merged = (o * w[..., None] + own_o * own_w[..., None]) / (w + own_w)[..., None]
+        out.index_copy_(0, shared.members, merged.to(out.dtype))
+        return out
+
+    def _gather(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = slots.numel()
+        keys = torch.index_select(self.kv.k[layer_id], 0, slots, out=self._k_buf[:rows])
+        values = torch.index_select(self.kv.v[layer_id], 0, slots, out=self._v_buf[:rows])
+        return keys, values
+
+    def _decode_lse(self, q: torch.Tensor, b: _Bucket, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode bucket's outputs [size, heads, dim] and log-sum-exps [size, heads]."""
+        keys, values = self._gather(b.kv_slots, layer_id)
+        size, num_heads, head_dim = q.shape
+        kv_heads = keys.shape[1]
+        keys = keys.view(size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        queries = q.reshape(size, kv_heads, num_heads // kv_heads, head_dim)
+        out, lse = _flash_cpu(queries, keys, values, attn_mask=b.mask, scale=self.scale)
+        return out.reshape(size, num_heads, head_dim), lse.reshape(size, num_heads)
+
+    def _prefixes_lse(self, q: torch.Tensor, p: _SharedPrefixes, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every member's attention over its group's prefix, [M, heads, dim] and [M, heads]: one
+        SDPA call whose query axis holds, per group and K/V head, all members' query groups."""
+        keys, values = self._gather(p.slots, layer_id)
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        kv_heads = keys.shape[1]
+        group, groups = num_heads // kv_heads, len(p.sizes)
+        most = max(p.sizes)
+        keys = keys.view(groups, p.max_len, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(groups, p.max_len, kv_heads, head_dim).transpose(1, 2)
+        padded = q.new_zeros((groups * most, num_heads, head_dim)).index_copy_(0, p.pad_index, q.index_select(0, p.members))
+        queries = padded.view(groups, most, kv_heads, group, head_dim).transpose(1, 2).reshape(groups, kv_heads, most * group, head_dim)
+        out, lse = _flash_cpu(queries, keys, values, attn_mask=p.mask, scale=self.scale)
+        out = out.view(groups, kv_heads, most, group, head_dim).transpose(1, 2).reshape(groups * most, num_heads, head_dim)
+        lse = lse.view(groups, kv_heads, most, group).transpose(1, 2).reshape(groups * most, num_heads)
+        return out.index_select(0, p.pad_index), lse.index_select(0, p.pad_index)
 
     def _attend(self, q: torch.Tensor, b: _Bucket, layer_id: int) -> torch.Tensor:
         """q: the bucket's packed queries [rows, heads, dim] -> their outputs, same shape."""
@@ -200,6 +325,28 @@ class TorchAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, is_causal=b.causal, scale=self.scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b.size * b.max_new, num_heads, head_dim)
         return out if b.pad_index is None else out.index_select(0, b.pad_index)
+
+
+def _pack_prefixes(groups: list[tuple[list[int], torch.Tensor]], dtype: torch.dtype) -> _SharedPrefixes:
+    sizes = [len(members) for members, _ in groups]
+    lengths = [slots.numel() for _, slots in groups]
+    most, max_len = max(sizes), max(lengths)
+    members = torch.tensor([i for m, _ in groups for i in m], dtype=torch.int64)
+    pad_index = torch.tensor([g * most + j for g, n in enumerate(sizes) for j in range(n)], dtype=torch.int64)
+    slots = torch.zeros((len(groups), max_len), dtype=torch.int64)
+    for g, (_, prefix) in enumerate(groups):
+        slots[g, : prefix.numel()] = prefix
+    mask = None
+    if min(lengths) != max_len:
+        allowed = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
+        mask = _additive(allowed[:, None, None, :], dtype)
+    return _SharedPrefixes(members, pad_index, slots.reshape(-1), mask, sizes, lengths, max_len)
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale)
+    return out, lse.float()
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

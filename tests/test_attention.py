@@ -24,13 +24,21 @@ TOLERANCE = 1e-5
 
 
 def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int, dim: int = 16, seed: int = 0,
-         dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
-    """(backend outputs per layer, float64 reference outputs per layer, the batch)."""
+         dtype: torch.dtype = torch.float32, shared: list[tuple[list[int], int]] = (),
+         backend_out: list[TorchAttention] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
+    """(backend outputs per layer, float64 reference outputs per layer, the batch).
+
+    `shared`: (requests, length) pairs; those requests' first `length` positions use the first
+    request's slots, as the radix cache gives one prefix's slots to every request that matches it.
+    """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     num_slots = sum(seq_lens) + 8
     # Slot 0 is the reserved padding target; requests get the other slots in random order.
-    slots = (torch.randperm(num_slots - 1, generator=gen) + 1)[: sum(seq_lens)].split(seq_lens)
+    slots = [s.clone() for s in (torch.randperm(num_slots - 1, generator=gen) + 1)[: sum(seq_lens)].split(seq_lens)]
+    for members, length in shared:
+        for i in members[1:]:
+            slots[i][:length] = slots[members[0]][:length]
     table = torch.zeros((len(seq_lens) + 1, max(seq_lens) + 3), dtype=torch.int32)
     for i, s in enumerate(slots):
         table[i + 1, : s.numel()] = s.to(torch.int32)
@@ -43,6 +51,8 @@ def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: i
     scale = dim**-0.5
     backend = TorchAttention(kv, table, scale)
     backend.init_forward_metadata(batch)
+    if backend_out is not None:
+        backend_out.append(backend)
     outs, refs = [], []
     for layer in range(LAYERS):
         q = torch.randn((batch.num_tokens, heads, dim), generator=gen).to(dtype)
@@ -154,3 +164,52 @@ def test_plan_buckets_shapes():
     assert plan_buckets([1] * 4, [1000, 100, 990, 95], min_waste=0) == [[0, 2], [1, 3]]
     assert plan_buckets([1] * 4, [1000] * 4, max_rows=2500) == [[0, 1], [2, 3]]
     assert plan_buckets([1] * 2, [3000, 3000], max_rows=2500) == [[0], [1]]  # a longer request goes alone
+
+
+# --- shared prefixes (cascade decode) ----------------------------------------------------------
+
+
+def _groups(backend: TorchAttention) -> dict[tuple[int, ...], int]:
+    shared = backend._meta.shared
+    assert shared is not None
+    members = shared.members.split(shared.sizes)
+    return {tuple(m.tolist()): n for m, n in zip(members, shared.lengths)}
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4)])
+def test_shared_prefixes_are_attended_once_and_match_the_reference(heads, kv_heads):
+    prefix = [80, 150, 95, 120, 130, 101, 70, 90, 200]
+    groups = [
+        ([0, 1, 2, 3], 70),  # four requests behind one 70-token prefix
+        ([4, 5], 100),  # two behind 100 tokens; request 5 has just one key of its own
+        ([6, 7], 40),  # too short to attend separately (< SHARED_PREFIX_MIN)
+    ]
+    backends: list[TorchAttention] = []
+    outs, refs, _ = _run(prefix, [1] * len(prefix), heads, kv_heads, shared=groups, backend_out=backends)
+    assert _groups(backends[0]) == {(0, 1, 2, 3): 70, (4, 5): 100}
+    for out, ref in zip(outs, refs):
+        assert torch.allclose(out.double(), ref, atol=TOLERANCE)
+
+
+def test_shared_prefix_is_the_longest_common_one_of_its_group():
+    # Requests 0 and 1 share 90 tokens, request 2 only the first 75 of them: the group takes 75.
+    prefix = [120, 110, 100]
+    backends: list[TorchAttention] = []
+    outs, refs, _ = _run(prefix, [1, 1, 1], 8, 4, shared=[([0, 1], 90), ([0, 2], 75)], backend_out=backends)
+    assert _groups(backends[0]) == {(0, 1, 2): 75}
+    for out, ref in zip(outs, refs):
+        assert torch.allclose(out.double(), ref, atol=TOLERANCE)
+
+
+def test_shared_prefixes_only_in_decode_batches():
+    backends: list[TorchAttention] = []
+    outs, refs, _ = _run([80, 90, 0], [1, 1, 12], 8, 4, shared=[([0, 1], 70)], backend_out=backends)
+    assert backends[0]._meta.shared is None  # a mixed batch keeps the plain path
+    for out, ref in zip(outs, refs):
+        assert torch.allclose(out.double(), ref, atol=TOLERANCE)
+
+
+def test_shared_prefixes_in_bfloat16():
+    outs, refs, _ = _run([80, 150, 95], [1, 1, 1], 8, 4, dtype=torch.bfloat16, shared=[([0, 1, 2], 70)])
+    for out, ref in zip(outs, refs):
+        assert torch.allclose(out.double(), ref, atol=5e-2)

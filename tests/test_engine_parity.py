@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from api.engine import Engine
+from gpu.attention import TorchAttention
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 NUM_REQUESTS = 32
@@ -20,7 +21,8 @@ def workload(tiny_model_factory):
     """Prompts with shared prefixes (so the radix cache and lpm matter) and transformers' answers."""
     path = tiny_model_factory("llama", max_position_embeddings=512)
     rng = random.Random(7)
-    shared = [[rng.randrange(3, 500) for _ in range(n)] for n in (24, 40)]
+    # 72 tokens: decode batches attend that prefix once for its requests (gpu/attention.py).
+    shared = [[rng.randrange(3, 500) for _ in range(n)] for n in (24, 72)]
     prompts, max_new = [], []
     for i in range(NUM_REQUESTS):
         head = shared[i % 2] if i % 3 else []
@@ -61,8 +63,16 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-async def test_greedy_parity(workload, name):
+async def test_greedy_parity(workload, name, monkeypatch):
     path, prompts, max_new, expected = workload
+    shared_prefix_steps = []
+    cascade = TorchAttention._decode_with_shared_prefixes
+
+    def counted(self, q, meta, layer_id):
+        shared_prefix_steps.append(len(meta.shared.sizes))
+        return cascade(self, q, meta, layer_id)
+
+    monkeypatch.setattr(TorchAttention, "_decode_with_shared_prefixes", counted)
     engine = Engine(model_path=str(path), max_total_tokens=4096, **CONFIGS[name])
     async with engine:
         got = await _run_all(engine, prompts, max_new)
@@ -71,6 +81,8 @@ async def test_greedy_parity(workload, name):
         if name in ("lpm", "page-4"):
             assert engine.stats()["kv_cached"] > 0
     await close_and_check_tasks(engine)
+    if name in ("fcfs", "lpm"):
+        assert shared_prefix_steps, "no decode step attended a shared prefix once"
 
 
 async def test_retraction_keeps_parity(workload):
