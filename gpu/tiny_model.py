@@ -23,6 +23,7 @@ import functools
 import hashlib
 import json
 import sys
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal, get_args
 
@@ -123,51 +124,45 @@ def _check_positive(**values: int | float) -> None:
             raise ValueError(f"{name} must be positive, got {value}")
 
 
-def validate_args(
-    arch: str,
-    *,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    rope_theta: float,
-    dtype: str,
-) -> None:
+@dataclass(frozen=True, slots=True)
+class TinySizes:
+    """The model's shape: each field is also a `make-tiny-model` flag with this default."""
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    intermediate_size: int = 128
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+
+
+def validate_args(arch: str, sizes: TinySizes, dtype: str) -> None:
     """Raise ValueError naming the offending flag; called before anything is written."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; supported: {', '.join(DTYPES)}")
-    _check_positive(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
-    )
-    if vocab_size < MIN_VOCAB_SIZE:
+    _check_positive(**{name: value for name, value in asdict(sizes).items() if name != "vocab_size"})
+    s = sizes
+    if s.vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
             f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte tokens + "
-            f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}"
+            f"{len(SPECIAL_TOKENS)} special tokens), got {s.vocab_size}"
         )
-    if num_heads % num_kv_heads != 0:
+    if s.num_heads % s.num_kv_heads != 0:
         raise ValueError(
-            f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
+            f"num_heads ({s.num_heads}) must be divisible by num_kv_heads ({s.num_kv_heads})"
         )
-    if head_dim % 2 != 0:
-        raise ValueError(f"head_dim must be even (rotary embeddings rotate pairs), got {head_dim}")
+    if s.head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even (rotary embeddings rotate pairs), got {s.head_dim}")
     # Qwen2 configs have no head_dim field: every Qwen2 loader derives it from hidden_size.
-    if arch == "qwen2" and num_heads * head_dim != hidden_size:
+    if arch == "qwen2" and s.num_heads * s.head_dim != s.hidden_size:
         raise ValueError(
-            f"qwen2 needs hidden_size == num_heads * head_dim, got {hidden_size} != "
-            f"{num_heads} * {head_dim}"
+            f"qwen2 needs hidden_size == num_heads * head_dim, got {s.hidden_size} != "
+            f"{s.num_heads} * {s.head_dim}"
         )
 
 
@@ -270,16 +265,8 @@ def _portable_tokenizer_class(path: Path) -> None:
 
 def _make_config(
     arch: str,
+    s: TinySizes,
     *,
-    vocab_size: int,
-    hidden_size: int,
-    num_layers: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    intermediate_size: int,
-    max_position_embeddings: int,
-    rope_theta: float,
     tie_word_embeddings: bool,
     dtype: str,
     eos_token_id: int,
@@ -289,14 +276,14 @@ def _make_config(
 
     kwargs: dict[str, object] = dict(
         architectures=[_ARCH_CLASSES[arch]],
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        vocab_size=s.vocab_size,
+        hidden_size=s.hidden_size,
+        num_hidden_layers=s.num_layers,
+        num_attention_heads=s.num_heads,
+        num_key_value_heads=s.num_kv_heads,
+        intermediate_size=s.intermediate_size,
+        max_position_embeddings=s.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(s.rope_theta)},
         rms_norm_eps=RMS_NORM_EPS,
         # Records the std actually used below, for anyone re-initialising from this config.
         initializer_range=WEIGHT_STD,
@@ -307,7 +294,7 @@ def _make_config(
         dtype=dtype,
     )
     if arch != "qwen2":  # Qwen2Config has no head_dim field; validate_args pinned it.
-        kwargs["head_dim"] = head_dim
+        kwargs["head_dim"] = s.head_dim
     return AutoConfig.for_model(arch, **kwargs)
 
 
@@ -382,38 +369,24 @@ def make_tiny_model(
     arch: Arch,
     *,
     seed: int = 0,
-    vocab_size: int = 512,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    head_dim: int = 16,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 2048,
-    rope_theta: float = 10000.0,
     tie_word_embeddings: bool = False,
     dtype: str = "float32",
+    **sizes: float,
 ) -> Path:
     """Write a random-weight `arch` checkpoint with a trained byte-level BPE tokenizer to
-    `out_dir` (created if needed; files of the same names are overwritten) and return it."""
-    sizes = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings,
-        rope_theta=rope_theta,
-    )
-    validate_args(arch, dtype=dtype, **sizes)
+    `out_dir` (created if needed; files of the same names are overwritten) and return it.
+    `sizes` are `TinySizes` fields; the others keep their defaults."""
+    unknown = set(sizes) - {f.name for f in fields(TinySizes)}
+    if unknown:
+        raise ValueError(f"unknown size {sorted(unknown)}; the sizes are {', '.join(f.name for f in fields(TinySizes))}")
+    shape = TinySizes(**sizes)  # type: ignore[arg-type]
+    validate_args(arch, shape, dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    eos_token_id, pad_token_id = _save_tokenizer(out_dir, vocab_size, max_position_embeddings)
+    eos_token_id, pad_token_id = _save_tokenizer(out_dir, shape.vocab_size, shape.max_position_embeddings)
     config = _make_config(
         arch,
-        **sizes,
+        shape,
         tie_word_embeddings=tie_word_embeddings,
         dtype=dtype,
         eos_token_id=eos_token_id,
@@ -428,15 +401,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="output directory (created if missing)")
     parser.add_argument("--arch", required=True, choices=ARCHS)
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=16)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
-    parser.add_argument("--rope-theta", type=float, default=10000.0)
+    for f in fields(TinySizes):
+        parser.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
     parser.add_argument("--tie-word-embeddings", action="store_true")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
 
@@ -453,22 +419,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def _make_from_args(args: argparse.Namespace) -> Path:
-    return make_tiny_model(
-        args.dir,
-        args.arch,
-        seed=args.seed,
-        vocab_size=args.vocab_size,
-        hidden_size=args.hidden_size,
-        num_layers=args.num_layers,
-        num_heads=args.num_heads,
-        num_kv_heads=args.num_kv_heads,
-        head_dim=args.head_dim,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-        rope_theta=args.rope_theta,
-        tie_word_embeddings=args.tie_word_embeddings,
-        dtype=args.dtype,
-    )
+    sizes = {f.name: getattr(args, f.name) for f in fields(TinySizes)}
+    return make_tiny_model(args.dir, args.arch, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings, dtype=args.dtype, **sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
