@@ -86,8 +86,7 @@ class Adder(Actor[AdderMsg]):
             self.in_flight -= 1
             self.done_step = msg.step
             self._stalled = False
-            for req in msg.finished:
-                self._leave(req, "finish")
+            self._leave_all(msg.finished, "finish")
             self._release_done()
         elif isinstance(msg, Wake):
             self._collect_aborts()
@@ -392,9 +391,10 @@ class Adder(Actor[AdderMsg]):
                 req.launched_outputs += 1
         # A request whose last token is now launched needs no more steps: it leaves the running
         # set now and is released once this step has reported (no wasted step for "length").
-        for req in reqs:
-            if req.launched_outputs >= req.max_new_tokens and req in self.running:
-                self._leave(req, "finish")
+        done = [r for r in reqs if r.launched_outputs >= r.max_new_tokens]
+        if done:
+            running = {id(r) for r in self.running}
+            self._leave_all([r for r in done if id(r) in running], "finish")
         return Batch(
             step=step,
             mode=mode,
@@ -408,6 +408,23 @@ class Adder(Actor[AdderMsg]):
         )
 
     # --- leaving and releasing ------------------------------------------------------------------
+    def _leave_all(self, reqs: list[Req], kind: str) -> None:
+        """`_leave` for many requests, with one pass over the running set instead of one each
+        (hundreds can finish in one step)."""
+        if len(reqs) < 8:
+            for req in reqs:
+                self._leave(req, kind)
+            return
+        gone = {id(r) for r in reqs}
+        leaving = {id(r) for r in self.running if id(r) in gone}
+        self.running = [r for r in self.running if id(r) not in gone]
+        for req in reqs:
+            if id(req) in leaving:
+                leaving.discard(id(req))  # listed twice: it leaves once
+                self.ending.append(_Ending(req, kind))
+            else:
+                self._leave(req, kind)  # the chunked request, or one already leaving
+
     def _leave(self, req: Req, kind: str) -> None:
         """Take `req` out of the running set; its KV is released after its last step is done."""
         if req in self.running:

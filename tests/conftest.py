@@ -18,8 +18,13 @@ from collections.abc import Callable, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
+import hypothesis  # noqa: E402,F401  (see below)
 import pytest  # noqa: E402
 import uvloop  # noqa: E402
+
+# hypothesis is imported up front: its pytest plugin otherwise imports it in the terminal
+# summary, after the engine tests, and there CPython 3.11.7's AST validator can fail
+# ("AST constructor recursion depth mismatch") on a run of files that never imported it.
 
 from gpu.tiny_model import make_tiny_model  # noqa: E402
 
