@@ -361,15 +361,23 @@ class Adder(Actor[AdderMsg]):
         return slots
 
     def _grow_decode(self, reqs: list[Req]) -> list[torch.Tensor]:
-        """One slot per request for a decode step; with one-token pages, one allocation and one
-        indexed write for the whole batch instead of one per request."""
-        if self.page_size > 1:
-            return [self._grow(r, 1) for r in reqs]
-        slots = self.allocator.alloc(len(reqs))
-        assert slots is not None, "decode memory was checked"
+        """One slot per request for a decode step: one allocation and one indexed write for the
+        whole batch instead of one per request. With pages of several slots, a request whose
+        last page has room takes the slot after its last one; the others start a fresh page."""
+        table = self.req_to_token.table
         rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.computed_len for r in reqs], dtype=torch.int64)
-        self.req_to_token.table[rows, positions] = slots.to(self.req_to_token.table.dtype)
+        page = self.page_size
+        fresh = positions % page == 0
+        num_fresh = int(fresh.sum())
+        pages = self.allocator.alloc(num_fresh * page)
+        assert pages is not None, "decode memory was checked"
+        if num_fresh == len(reqs):
+            slots = pages.view(-1, page)[:, 0] if page > 1 else pages
+        else:  # positions are never 0 in a decode, so every request has a last slot
+            slots = table[rows, positions - 1].to(torch.int64) + 1
+            slots[fresh] = pages.view(-1, page)[:, 0]
+        table[rows, positions] = slots.to(table.dtype)
         return [slots]
 
     def _batch(
