@@ -228,10 +228,12 @@ class IncrementalDetokenizer:
     ) -> None:
         context = list(prompt_ids_tail or ())
         backend = _rust_backend(tokenizer)
+        # DecodeStream re-emits a context that ends inside a character: take the window then.
+        usable = backend is not None and not backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT)
         self._decoder: _WindowDecoder | _StreamDecoder = (
-            _WindowDecoder(tokenizer, context, skip_special_tokens)
-            if backend is None
-            else _StreamDecoder(backend, context, skip_special_tokens)
+            _StreamDecoder(backend, context, skip_special_tokens)
+            if usable
+            else _WindowDecoder(tokenizer, context, skip_special_tokens)
         )
         self._scan = _StopScanner(tuple(stop), keep_stop=no_stop_trim)
         self._min_new = min_new_tokens

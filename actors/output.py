@@ -44,6 +44,8 @@ class OutputProcessor(Actor[StepOut]):
         if req.unsent is None:
             req.unsent = Delta(rid=req.rid)
         delta = req.unsent
+        if req.logprob_start_len == 0 and not req.input_logprobs:
+            _record_input(req, [None], [[]] if req.top_logprobs_num else None)  # a 1-token prompt
         if req.sampling.max_new_tokens == 0:
             # Prefill only (prompt logprobs, cache warm-up): the token the step sampled is not
             # part of the answer, as in SGLang.

@@ -108,7 +108,7 @@ class Receiver(Actor[Submit | AbortRequest]):
     @staticmethod
     def _logprob_start(spec: GenerateSpec, prompt_len: int) -> int:
         start = spec.logprob_start_len
-        if not -1 <= start < prompt_len:
+        if spec.return_logprob and not -1 <= start < prompt_len:
             raise InvalidInput(
                 f"logprob_start_len must be -1 (no prompt logprobs) or a position in the {prompt_len}-token "
                 f"prompt (0 .. {prompt_len - 1}), got {start}",

@@ -444,3 +444,12 @@ def test_smollm2_stop_string_in_chat_reply(smol_tok: Any) -> None:
     detok = make(smol_tok, ["\nUser:"])
     assert "".join(stream(detok, ids)) == "Sure! Here is the answer."
     assert detok.matched_stop == "\nUser:"
+
+
+def test_prompt_tail_ending_inside_a_character_is_not_emitted_again(tok: Any) -> None:
+    ids = tok.encode("say 日本語 ok")
+    tail, out = ids[:-4], ids[-4:]
+    assert decode(tok, tail).endswith("\ufffd")  # the prompt stops inside a character
+    full = decode(tok, ids)
+    assert full.endswith("".join(stream(make(tok, tail=tail[-5:]), out)))
+    assert "".join(stream(make(tok, tail=tail[-5:]), out)) == "".join(stream(make(tok, tail=tail[-5:], native=False), out))

@@ -113,3 +113,12 @@ def test_a_prompt_computed_again_adds_no_duplicates() -> None:
     assert req.unsent is not None
     assert req.unsent.input_token_ids == list(range(10, 16))
     assert req.unsent.input_logprobs == req.input_logprobs
+
+
+async def test_one_token_prompt_scores_its_token_as_none(model_path: str) -> None:
+    engine = Engine(model_path=model_path)
+    async with engine:
+        out = await engine.generate(input_ids=[5], sampling_params={**GREEDY, "max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
+        assert out.input_token_ids == [5] and out.input_logprobs == [None]
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
