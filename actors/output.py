@@ -44,8 +44,7 @@ class OutputProcessor(Actor[StepOut]):
         if req.unsent is None:
             req.unsent = Delta(rid=req.rid)
         delta = req.unsent
-        if req.logprob_start_len == 0 and not req.input_logprobs:
-            _record_input(req, [None], [[]] if req.top_logprobs_num else None)  # a 1-token prompt
+        _record_first_prompt_token(req)  # a 1-token prompt has no scored token to come with it
         if req.sampling.max_new_tokens == 0:
             # Prefill only (prompt logprobs, cache warm-up): the token the step sampled is not
             # part of the answer, as in SGLang.
@@ -88,9 +87,7 @@ class OutputProcessor(Actor[StepOut]):
         computed again (a preempted request) adds only the positions not yet recorded."""
         if req.unsent is None:
             req.unsent = Delta(rid=req.rid)
-        if req.logprob_start_len == 0 and not req.input_logprobs:
-            # The first prompt token has no context to score it.
-            _record_input(req, [None], [[]] if req.top_logprobs_num else None)
+        _record_first_prompt_token(req)
         skip = req.logprob_start_len + len(req.input_logprobs) - computed.start
         if 0 <= skip < len(computed.logprobs):
             top = computed.top_logprobs[skip:] if computed.top_logprobs is not None else None
@@ -104,6 +101,12 @@ class OutputProcessor(Actor[StepOut]):
         delta.cached_tokens = req.cached_tokens
         if req.admitted_time is not None:
             delta.queue_time = req.admitted_time - req.arrival_time
+
+
+def _record_first_prompt_token(req: Req) -> None:
+    """With logprob_start_len 0, the first prompt token comes first, as None: nothing scores it."""
+    if req.logprob_start_len == 0 and not req.input_logprobs:
+        _record_input(req, [None], [[]] if req.top_logprobs_num else None)
 
 
 def _record_input(req: Req, logprobs: list[float | None], top: list[list[tuple[int, float]]] | None) -> None:
