@@ -188,12 +188,35 @@ class _StreamDecoder:
         return self._decode(context + self._ids[held:])[len(self._decode(context)) :]
 
     def _restart(self) -> str:
+        """Emit the held text up to the last held id that ends on a whole character, and start a
+        new DecodeStream with the ids before that point as its context. A context must not end
+        inside a character (DecodeStream would re-emit its text, see IncrementalDetokenizer), so
+        the held ids after that point are stepped into the new stream, still held."""
         from tokenizers.decoders import DecodeStream
 
-        text = self.rest()
-        del self._ids[: -PROMPT_TAIL_TOKENS]
-        self._held_from = len(self._ids)
-        self._stream = DecodeStream(ids=list(self._ids), skip_special_tokens=self._skip)
+        held = self._held_from
+        context = self._ids[max(0, held - PROMPT_TAIL_TOKENS) : held]
+        cut = len(self._ids)
+        while cut > held and self._decode(context + self._ids[held:cut]).endswith(_REPLACEMENT):
+            cut -= 1
+        text = self._decode(context + self._ids[held:cut])[len(self._decode(context)) :]
+        pending = self._ids[cut:]
+        del self._ids[: max(0, cut - PROMPT_TAIL_TOKENS)]
+        self._held_from = len(self._ids) - len(pending)
+        clean = self._ids[: self._held_from]
+        self._stream = DecodeStream(ids=list(clean), skip_special_tokens=self._skip)
+        if not pending:
+            return text
+        try:
+            more = self._stream.step(self._tok, list(pending))  # None: they end inside a character
+        except Exception:  # not expected (DecodeStream holds text ending in U+FFFD without checks)
+            # Give the pending ids up as U+FFFD rather than re-emit anything.
+            self._stream = DecodeStream(ids=list(clean), skip_special_tokens=self._skip)
+            del self._ids[self._held_from :]
+            return text + self._decode(clean + pending)[len(self._decode(clean)) :]
+        if more is not None:
+            self._held_from = len(self._ids)
+            text += more
         return text
 
     def _decode(self, ids: list[int]) -> str:

@@ -50,27 +50,38 @@ class Receiver(Actor[Submit | AbortRequest]):
         self.policy = policy
         self.adder = adder
         self.live: dict[str, Req] = {}
+        self._building: Submit | None = None  # the request being validated (tokenizing may await)
 
     async def handle(self, msg: Submit | AbortRequest) -> None:
         if isinstance(msg, AbortRequest):
             await self._abort(msg.rid)
             return
+        self._building = msg
         try:
             req = await self._build(msg)
         except InvalidInput as exc:
             msg.stream.finish("abort", error=str(exc), status=400, param=exc.param)
             return
+        finally:
+            self._building = None
         self.live[req.rid] = req
         msg.stream.on_final = lambda rid=req.rid: self.live.pop(rid, None)
         await self.policy.send(Enqueue(req))
 
     def fail_all(self, message: str, status: int = 500, code: str | None = None) -> None:
-        """The engine failed (500) or is shutting down (503): end every live request with an
-        error (called by the supervisor)."""
-        for req in list(self.live.values()):
-            if req.stream is not None:
-                req.stream.finish("abort", error=message, status=status, code=code)
+        """The engine failed (500) or is shutting down (503): end every request it holds with
+        an error, whether live, being validated or still in the mailbox (called by the
+        supervisor once the actors are stopped, so none of them is answered twice)."""
+        waiting = [self._building] if self._building is not None else []
+        while not self.mailbox.empty():
+            msg = self.mailbox.get_nowait()
+            if isinstance(msg, Submit):
+                waiting.append(msg)
+        streams = [req.stream for req in self.live.values() if req.stream is not None] + [m.stream for m in waiting]
+        for stream in streams:
+            stream.finish("abort", error=message, status=status, code=code)
         self.live.clear()
+        self._building = None
 
     async def _abort(self, rid: str) -> None:
         req = self.live.get(rid)
@@ -85,9 +96,9 @@ class Receiver(Actor[Submit | AbortRequest]):
         spec = msg.spec
         if spec.rid in self.live:
             raise InvalidInput(f"request id {spec.rid!r} is already in use", "rid")
-        sampling = self._sampling(spec)
+        sampling, up_to_context = self._sampling(spec)
         input_ids = await self._input_ids(spec)
-        sampling = self._fit_to_context(sampling, len(input_ids))
+        sampling = self._fit_to_context(sampling, len(input_ids), up_to_context)
         now = time.monotonic()
         return Req(
             rid=spec.rid,
@@ -116,16 +127,21 @@ class Receiver(Actor[Submit | AbortRequest]):
             )
         return start if spec.return_logprob else -1
 
-    def _sampling(self, spec: GenerateSpec) -> SamplingParams:
+    def _sampling(self, spec: GenerateSpec) -> tuple[SamplingParams, bool]:
+        """The params, and whether max_new_tokens is left to the context (given as None)."""
+        sampling = _logit_bias_ids(spec.sampling)
+        up_to_context = "max_new_tokens" in sampling and sampling["max_new_tokens"] is None
+        if up_to_context:  # a placeholder the range checks accept; _fit_to_context sets the real one
+            sampling = {**sampling, "max_new_tokens": self.limits.context_len}
         try:
-            params = msgspec.convert(_logit_bias_ids(spec.sampling), SamplingParams)
+            params = msgspec.convert(sampling, SamplingParams)
         except msgspec.ValidationError as exc:
             raise InvalidInput(f"invalid sampling_params: {exc}", _param_of(str(exc))) from None
         params = msgspec.structs.replace(params, logprobs=spec.return_logprob, top_logprobs_num=spec.top_logprobs_num)
         error = params.validation_error(self.limits.vocab_size)
         if error:
             raise InvalidInput(error, error.split(" ", 1)[0])
-        return params
+        return params, up_to_context
 
     async def _input_ids(self, spec: GenerateSpec) -> list[int]:
         if (spec.text is None) == (spec.input_ids is None):
@@ -143,7 +159,9 @@ class Receiver(Actor[Submit | AbortRequest]):
             raise InvalidInput("the prompt is empty", "input_ids" if spec.input_ids is not None else "text")
         return ids
 
-    def _fit_to_context(self, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
+    def _fit_to_context(self, sampling: SamplingParams, prompt_len: int, up_to_context: bool) -> SamplingParams:
+        """Refuse what cannot fit the context (as SGLang's and vLLM's frontends do); fill in or
+        clamp max_new_tokens to what the KV pool can hold (as SGLang's scheduler does)."""
         limits = self.limits
         if prompt_len >= limits.context_len:
             raise InvalidInput(
@@ -158,9 +176,16 @@ class Receiver(Actor[Submit | AbortRequest]):
             raise InvalidInput(
                 f"the prompt has {prompt_len} tokens, but the KV pool holds only {limits.kv_pool_size} tokens", "input_ids"
             )
-        room = min(limits.context_len - prompt_len, pool_room)
-        if sampling.max_new_tokens > room:
-            # As SGLang does for the context length: generate up to the limit instead of refusing.
+        context_room = limits.context_len - prompt_len
+        if not up_to_context and sampling.max_new_tokens > context_room:
+            raise InvalidInput(
+                f"the prompt has {prompt_len} tokens and asks for {sampling.max_new_tokens} new tokens, "
+                f"{prompt_len + sampling.max_new_tokens} in all, more than the context length of {limits.context_len} "
+                f"tokens: ask for at most {context_room} new tokens, or give no limit",
+                "max_new_tokens",
+            )
+        room = min(context_room, pool_room)
+        if up_to_context or sampling.max_new_tokens > room:
             sampling = msgspec.structs.replace(sampling, max_new_tokens=room, min_new_tokens=min(sampling.min_new_tokens, room))
         return sampling
 

@@ -49,7 +49,7 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: float32 on CPU)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto on a CPU: bfloat16 if native there, else float32)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
     p.set_defaults(run=_run_generate)

@@ -13,6 +13,7 @@ higher-priority request raise `Rejected`; an engine failure raises `EngineError`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
@@ -106,7 +107,7 @@ class Engine:
         self.runner = runner
         self.tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
         self.config = cfg = msgspec.structs.replace(
-            cfg, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
+            cfg, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
             max_running_requests=runner.req_to_token.max_requests,
         )
         self.prefix_cache = self._prefix_cache(runner)
@@ -129,8 +130,7 @@ class Engine:
         if not self._started:
             return
         self._closed = True
-        self.receiver.fail_all("the engine is shutting down", status=503, code=SHUTTING_DOWN)
-        await self._stop_actors()
+        await self._stop_actors("the engine is shutting down", status=503, code=SHUTTING_DOWN)
 
     # --- requests -----------------------------------------------------------------------------
     async def generate(
@@ -139,13 +139,24 @@ class Engine:
         *,
         input_ids: list[int] | None = None,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
-        **options: Any,
+        rid: str | None = None,
+        priority: int | None = None,
+        routing_key: str | None = None,
+        extra_key: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> GenerateOutput:
-        """Run one request to the end. Options: rid, priority, routing_key, extra_key,
-        return_logprob, top_logprobs_num, logprob_start_len."""
+        """Run one request to the end; the arguments are `stream`'s."""
         parts: list[Delta] = []
-        async for delta in self.stream(prompt, input_ids=input_ids, sampling_params=sampling_params, **options):
-            parts.append(delta)
+        deltas = self.stream(
+            prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid, priority=priority,
+            routing_key=routing_key, extra_key=extra_key, return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
+        )
+        async with contextlib.aclosing(deltas):
+            async for delta in deltas:
+                parts.append(delta)
         return _join(parts)
 
     async def stream(
@@ -154,11 +165,37 @@ class Engine:
         *,
         input_ids: list[int] | None = None,
         sampling_params: SamplingParams | dict[str, Any] | None = None,
-        **options: Any,
+        rid: str | None = None,
+        priority: int | None = None,
+        routing_key: str | None = None,
+        extra_key: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
     ) -> AsyncIterator[Delta]:
         """Deltas of one request as they are produced; the last has `finish_reason` set.
-        Leaving the loop early (or being cancelled) aborts the request."""
-        spec = self._spec(prompt, input_ids, sampling_params, options)
+        Leaving the loop early (or being cancelled) aborts the request.
+
+        Give exactly one of `prompt` (text, tokenized here) and `input_ids`. `sampling_params`:
+        SGLang's names; `max_new_tokens: None` asks for as many as the context leaves.
+        `rid`: the request id (default: a fresh one); `priority`: with priority scheduling on;
+        `routing_key` (policy `routing-key`) and `extra_key` (a prefix-cache namespace);
+        `return_logprob` with `top_logprobs_num` alternatives per output token, and prompt
+        logprobs from position `logprob_start_len` on (-1: none)."""
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = msgspec.structs.asdict(sampling_params)
+        spec = GenerateSpec(
+            rid=rid or f"req-{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}",
+            text=prompt,
+            input_ids=input_ids,
+            sampling=dict(sampling_params or {}),
+            priority=priority,
+            routing_key=routing_key,
+            extra_key=extra_key,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num,
+            logprob_start_len=logprob_start_len,
+        )
         stream = RequestStream(spec.rid)
         await self._submit(Submit(spec=spec, stream=stream))
         try:
@@ -216,20 +253,6 @@ class Engine:
             return ChunkCache(runner.allocator)
         return RadixCache(runner.allocator, page_size=cfg.page_size, eviction_policy=cfg.radix_eviction_policy)
 
-    def _spec(self, prompt: str | None, input_ids: list[int] | None, sampling: Any, options: dict[str, Any]) -> GenerateSpec:
-        if isinstance(sampling, SamplingParams):
-            sampling = msgspec.structs.asdict(sampling)
-        try:
-            return GenerateSpec(
-                rid=options.pop("rid", None) or f"req-{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}",
-                text=prompt,
-                input_ids=input_ids,
-                sampling=dict(sampling or {}),
-                **options,
-            )
-        except TypeError as exc:
-            raise InvalidRequest(str(exc)) from None
-
     async def _submit(self, msg: Submit) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine has failed: {self._failure}")
@@ -237,19 +260,26 @@ class Engine:
             raise Rejected("the engine has shut down", SHUTTING_DOWN)
         if not self._started:
             raise EngineError("the engine is not running: use `async with Engine(...)` or `await engine.start()`")
-        await self.receiver.send(msg)
+        delivered = await self.receiver.send(msg)
+        if not delivered or not self._started:  # stopped while this waited for room: no one will read it
+            if self._failure is not None:
+                msg.stream.finish("abort", error=f"the engine has failed: {self._failure}", status=500)
+            else:
+                msg.stream.finish("abort", error="the engine has shut down", status=503, code=SHUTTING_DOWN)
 
     def _actor_exited(self, actor: Actor, error: BaseException | None) -> None:
         if error is None or self._failure is not None:
             return
         self._failure = f"{actor.name} actor crashed: {error!r}"
-        self.receiver.fail_all(self._failure)
-        asyncio.get_running_loop().create_task(self._stop_actors())
+        asyncio.get_running_loop().create_task(self._stop_actors(self._failure, status=500))
 
-    async def _stop_actors(self) -> None:
+    async def _stop_actors(self, message: str, status: int, code: str | None = None) -> None:
+        """Stop every actor, then end every request still held (live, in validation or in the
+        Receiver's mailbox) with `message`: nothing is left waiting for a final delta."""
         self._started = False
         for actor in self._actors:
             await actor.stop(drain=False)
+        self.receiver.fail_all(message, status=status, code=code)
         self.executor.shutdown()
 
 

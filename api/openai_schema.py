@@ -194,21 +194,21 @@ class EngineCall:
 Prompt = tuple[str | None, list[int] | None]  # (text, input_ids): exactly one is set
 
 
-def completion_calls(req: CompletionRequest, context_len: int) -> tuple[str, list[EngineCall]]:
+def completion_calls(req: CompletionRequest) -> tuple[str, list[EngineCall]]:
     """The response id and the engine calls."""
     _check_common(req, scoring=req.echo)
     _refuse_unsupported(suffix=req.suffix is not None, best_of=(req.best_of or req.n) > req.n)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.logprobs}", "logprobs")
     max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    sampling = _sampling(req, max_tokens, context_len)  # with echo, 0 only scores the prompt
+    sampling = _sampling(req, max_tokens)  # with echo, 0 only scores the prompt
     logprob = {"return_logprob": req.logprobs is not None, "top_logprobs_num": req.logprobs or 0}
     if req.echo and req.logprobs is not None:
         logprob["logprob_start_len"] = 0  # echoed prompt tokens come with their logprobs
     return _fan_out(completion_prompts(req.prompt), req, sampling, logprob)
 
 
-def chat_calls(req: ChatCompletionRequest, input_ids: list[int], context_len: int) -> tuple[str, list[EngineCall]]:
+def chat_calls(req: ChatCompletionRequest, input_ids: list[int]) -> tuple[str, list[EngineCall]]:
     """The response id and the engine calls; `input_ids`: the messages rendered by the chat
     template (see `chat_messages`)."""
     _check_common(req)
@@ -221,7 +221,7 @@ def chat_calls(req: ChatCompletionRequest, input_ids: list[int], context_len: in
     if req.top_logprobs and not req.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    sampling = _sampling(req, max_tokens, context_len)
+    sampling = _sampling(req, max_tokens)
     logprob = {"return_logprob": req.logprobs, "top_logprobs_num": req.top_logprobs or 0}
     return _fan_out([(None, input_ids)], req, sampling, logprob)
 
@@ -321,12 +321,12 @@ def _refuse_unsupported(**given: bool) -> None:
             raise invalid(f"{name} is not supported by this server", name, code="unsupported_parameter")
 
 
-def _sampling(req: _Common, max_tokens: int | None, context_len: int) -> dict[str, Any]:
+def _sampling(req: _Common, max_tokens: int | None) -> dict[str, Any]:
     """SGLang sampling params; range checks are the engine's (one place, one set of messages).
-    No max_tokens means "up to the context": the engine clamps to what the prompt leaves."""
+    No max_tokens (None) means "up to the context": the engine fills in what the prompt leaves."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return {
-        "max_new_tokens": context_len if max_tokens is None else max_tokens,
+        "max_new_tokens": max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_k": req.top_k,

@@ -25,7 +25,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 FIELD_HELP: dict[str, str] = {
     "model_path": "checkpoint directory or .gguf file (none: the default SmolLM2-135M-Instruct)",
-    "dtype": "weights and KV dtype (auto: the checkpoint's on CUDA, float32 on a CPU)",
+    "dtype": "weights and KV dtype (auto: the checkpoint's on CUDA; on a CPU bfloat16 where it computes bfloat16 natively, else float32)",
     "device": "cpu or cuda",
     "context_length": "maximum tokens per request (none: the model's max_position_embeddings)",
     "attention_backend": "attention kernels",
@@ -66,7 +66,14 @@ def add_parser(commands: Any) -> None:
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=30000, help="port to bind")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
-    server.add_argument("--served-model-name", default=None, help="model name in the API (none: the model directory's name)")
+    server.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        metavar="NAME",
+        help="names the API accepts as `model`, comma or space separated; the first is the one answers carry "
+        "(none: the model directory's name; 'default' is always accepted)",
+    )
     server.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MiB (larger: 413)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="logging level")
     engine = p.add_argument_group("engine", "EngineConfig fields, with SGLang's flag names")
@@ -91,11 +98,17 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         api_key=args.api_key,
-        served_model_name=args.served_model_name,
+        served_model_names=served_model_names(args.served_model_name),
         max_body_bytes=int(args.max_body_mb * 2**20),
     )
     uvloop.run(serve(kwargs, settings))
     return 0
+
+
+def served_model_names(given: list[str]) -> tuple[str, ...]:
+    """`--served-model-name a,b c` -> ("a", "b", "c"), duplicates dropped, order kept."""
+    names = (name.strip() for arg in given for name in arg.split(","))
+    return tuple(dict.fromkeys(name for name in names if name))
 
 
 def _add_field(group: argparse._ArgumentGroup, field: msgspec.structs.FieldInfo) -> None:

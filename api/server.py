@@ -66,6 +66,7 @@ from runtime.stream import Delta
 log = logging.getLogger("actorserve.server")
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_ALIAS = "default"  # accepted as `model` by every server, whatever it serves
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "Connection": "keep-alive"}
 DONE = b"data: [DONE]\n\n"
 # Paths answered without an API key: probes and scrapers rarely carry one (as in SGLang).
@@ -77,7 +78,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
-    served_model_name: str | None = None  # None: the model directory's name
+    # Names a client may give as `model`; the first is the one answers carry. Empty: the model
+    # directory's name. "default" is always accepted too (the README's examples send it).
+    served_model_names: tuple[str, ...] = ()
     max_body_bytes: int = 32 * 2**20
     health_timeout_s: float = 20.0
     shutdown_timeout_s: float = 5.0
@@ -88,8 +91,9 @@ class Server:
         self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics(engine.stats)
-        self.model_name = settings.served_model_name or _default_model_name(engine.config.model_path)
-        self.model_aliases = {self.model_name, engine.config.model_path or self.model_name}
+        self.model_names = settings.served_model_names or (_default_model_name(engine.config.model_path),)
+        self.model_name = self.model_names[0]
+        self.model_aliases = {*self.model_names, DEFAULT_ALIAS, engine.config.model_path or self.model_name}
         self.live: set[str] = set()  # rids of requests this server has in the engine
         self._token_texts: dict[int, str] = {}
         self.app = self._make_app()
@@ -152,7 +156,7 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = decode(await request.read(), CompletionRequest)
         self._check_model(req.model)
-        rid, calls = completion_calls(req, self.context_len)
+        rid, calls = completion_calls(req)
         token_text = self._token_text if req.logprobs is not None else None
         created = int(time.time())
         echoes = [self._prompt_text(c) for c in calls] if req.echo else None
@@ -180,7 +184,7 @@ class Server:
         req = decode(await request.read(), ChatCompletionRequest)
         self._check_model(req.model)
         input_ids = await self._render_chat(chat_messages(req), req.chat_template_kwargs or {})
-        rid, calls = chat_calls(req, input_ids, self.context_len)
+        rid, calls = chat_calls(req, input_ids)
         token_text = self._token_text if req.logprobs else None
         created = int(time.time())
         if not req.stream:
@@ -200,15 +204,12 @@ class Server:
         return await self._stream(request, calls, chunk, opening, closing)
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.model_name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "actorserve",
-            "root": self.engine.config.model_path or self.model_name,
-            "max_model_len": self.context_len,
-        }
-        return _json({"object": "list", "data": [card]})
+        root = self.engine.config.model_path or self.model_name
+        cards = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "actorserve", "root": root, "max_model_len": self.context_len}
+            for name in self.model_names
+        ]
+        return _json({"object": "list", "data": cards})
 
     async def _stream(
         self,
@@ -299,6 +300,7 @@ class Server:
         info = {
             **msgspec.structs.asdict(self.engine.config),
             "served_model_name": self.model_name,
+            "served_model_names": list(self.model_names),
             "host": s.host,
             "port": s.port,
             "max_body_bytes": s.max_body_bytes,
@@ -403,7 +405,9 @@ class Server:
     # --- helpers ------------------------------------------------------------------------------
     def _check_model(self, model: str | None) -> None:
         if model and model not in self.model_aliases:
-            raise invalid(f"the model {model!r} does not exist; this server serves {self.model_name!r}", "model", code="model_not_found")
+            served = ", ".join(repr(n) for n in self.model_names)
+            # 404 as vLLM answers, so clients tell "wrong name" from "bad request".
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found")
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

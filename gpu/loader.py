@@ -7,8 +7,9 @@ A GGUF file is converted once into a cached checkpoint directory (gpu/gguf_loade
 from __future__ import annotations
 
 import json
+import logging
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +24,13 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+logger = logging.getLogger(__name__)
+
+# torch.cpu.get_capabilities() keys for bfloat16 arithmetic in hardware: x86 AMX and AVX-512 BF16,
+# ARM FEAT_BF16 and SVE BF16. Without them a CPU emulates bfloat16 (converting to float32), which is
+# slower than float32 itself.
+CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
 
 
 def resolve_model_dir(model_path: str | Path | None) -> Path:
@@ -41,14 +49,54 @@ def resolve_model_dir(model_path: str | Path | None) -> Path:
     return path
 
 
+def cpu_bf16_features() -> tuple[str, ...] | None:
+    """The native-bfloat16 features torch detects on this CPU (`torch.cpu.get_capabilities()`,
+    cpuinfo underneath), () if none, or None where this torch cannot say."""
+    get_capabilities = getattr(getattr(torch, "cpu", None), "get_capabilities", None)
+    if get_capabilities is None:
+        return None
+    try:
+        caps: Mapping[str, object] = get_capabilities()
+    except Exception:  # noqa: BLE001 - an unanswerable query means "do not know", i.e. float32
+        return None
+    return tuple(f for f in CPU_BF16_FEATURES if caps.get(f) is True)
+
+
+def choose_dtype(name: str, device_type: str, checkpoint_dtype: str, cpu_bf16: tuple[str, ...] | None) -> tuple[str, str]:
+    """(dtype name, why) for the `dtype` setting `name`; pure, so it is testable on any machine.
+
+    'auto' is the checkpoint's dtype on CUDA; on a CPU it is bfloat16 where the CPU computes it
+    natively (`cpu_bf16` names the features; None: unknown) and float32 otherwise. Other names
+    are returned as given (unsupported ones are rejected by `resolve_dtype`).
+    """
+    if name != "auto":
+        return name, "as configured"
+    if device_type == "cuda":
+        if checkpoint_dtype in DTYPES:
+            return checkpoint_dtype, "the checkpoint's dtype"
+        return "float32", f"the checkpoint's dtype {checkpoint_dtype!r} is not supported"
+    if device_type != "cpu":
+        return "float32", f"the default on a {device_type} device"
+    if cpu_bf16:
+        return "bfloat16", f"the CPU computes bfloat16 natively ({', '.join(cpu_bf16)})"
+    if cpu_bf16 is None:
+        return "float32", "torch cannot tell whether the CPU computes bfloat16 natively"
+    return "float32", "the CPU has no native bfloat16 arithmetic (emulated bfloat16 is slower than float32)"
+
+
 def resolve_dtype(name: str, config: ModelConfig, device: torch.device) -> torch.dtype:
-    """'auto' is the checkpoint's dtype on CUDA and float32 on a CPU (half types are slow there)."""
-    if name == "auto":
-        name = config.dtype if device.type == "cuda" else "float32"
-        name = name if name in DTYPES else "float32"
-    if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(DTYPES)}")
-    return DTYPES[name]
+    """The weights and KV dtype for the `dtype` setting (see `choose_dtype`); logs the choice and why."""
+    cpu_bf16 = cpu_bf16_features() if name == "auto" and device.type == "cpu" else ()
+    chosen, why = choose_dtype(name, device.type, config.dtype, cpu_bf16)
+    if chosen not in DTYPES:
+        raise ValueError(f"unsupported dtype {chosen!r}; supported: auto, {', '.join(DTYPES)}")
+    logger.info("dtype %s -> %s on %s: %s", name, chosen, device.type, why)
+    return DTYPES[chosen]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32: the name `dtype` settings use."""
+    return str(dtype).removeprefix("torch.")
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:

@@ -23,7 +23,7 @@ from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
-from gpu.loader import load_model, resolve_dtype, resolve_model_dir
+from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 
@@ -67,6 +67,11 @@ class ModelRunner:
         self.graph_runner: DecodeGraphRunner | None = None
         if self.uses_cuda_graphs:
             self.init_graph_runner(capture=True)
+
+    @property
+    def dtype_name(self) -> str:
+        """The resolved dtype's name ("bfloat16", never "auto"), as the `dtype` setting spells it."""
+        return dtype_name(self.dtype)
 
     @property
     def uses_cuda_graphs(self) -> bool:

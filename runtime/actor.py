@@ -33,16 +33,32 @@ class Actor(ABC, Generic[M]):
         self.mailbox: asyncio.Queue[M | Stop] = asyncio.Queue(mailbox_size)
         self._tasks: list[asyncio.Task[None]] = []
         self._on_exit: ExitCallback | None = None
+        self._stopped = asyncio.Event()
 
     @abstractmethod
     async def handle(self, msg: M) -> None:
         """Handle one message; may send messages to other actors."""
 
-    async def send(self, msg: M) -> None:
-        await self.mailbox.put(msg)
+    async def send(self, msg: M) -> bool:
+        """Queue `msg`, waiting while the mailbox is full. False if the actor was stopped first:
+        then the message was not queued and no one will handle it."""
+        if self._stopped.is_set():
+            return False
+        if not self.mailbox.full():
+            self.mailbox.put_nowait(msg)
+            return True
+        put = asyncio.ensure_future(self.mailbox.put(msg))
+        stopped = asyncio.ensure_future(self._stopped.wait())
+        try:
+            await asyncio.wait((put, stopped), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            put.cancel()
+            stopped.cancel()
+        return put.done() and not put.cancelled()
 
     def start(self, on_exit: ExitCallback) -> None:
         self._on_exit = on_exit
+        self._stopped.clear()
         self.spawn(self._run(), "loop")
 
     def spawn(self, coro, what: str) -> asyncio.Task[None]:
@@ -57,7 +73,9 @@ class Actor(ABC, Generic[M]):
         return any(not t.done() for t in self._tasks)
 
     async def stop(self, drain: bool = True, timeout: float = 5.0) -> None:
-        """Drain (handle what is queued, then stop) or cancel; never leaves a task behind."""
+        """Drain (handle what is queued, then stop) or cancel; never leaves a task behind.
+        Senders still waiting for room in the mailbox are released (their `send` is False)."""
+        self._stopped.set()
         if drain and self.alive:
             try:
                 self.mailbox.put_nowait(Stop())

@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     # model and device
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA, float32 on a CPU
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"

@@ -29,6 +29,7 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
     text: str | None = None
     input_ids: list[int] | None = None
+    # SamplingParams fields; "max_new_tokens": None asks for as many as the context leaves.
     sampling: dict[str, Any] = {}
     priority: int | None = None
     routing_key: str | None = None

@@ -244,7 +244,7 @@ RECORD_KEYS = {
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerThread]:
     engine = {"model_path": str(tiny_llama), "max_running_requests": 16}
-    with ServerThread(engine, ServerSettings(api_key=API_KEY, served_model_name="tiny")) as s:
+    with ServerThread(engine, ServerSettings(api_key=API_KEY, served_model_names=("tiny",))) as s:
         yield s
 
 

@@ -64,3 +64,12 @@ def test_bad_sampling_values_and_ids_are_refused(tiny_llama, capsys):
     assert code == 2 and "--input-ids" in err
     code, _, err = _run(capsys, "generate", "--model-path", str(tiny_llama), "--input-ids", "1,999999")
     assert code == 2 and "vocabulary" in err
+
+
+def test_served_model_names_comma_or_space_separated():
+    from api.cli import _parser
+    from api.serve_cli import served_model_names
+
+    args = _parser().parse_args(["serve", "--served-model-name", "a,b", "c", "a"])
+    assert served_model_names(args.served_model_name) == ("a", "b", "c")
+    assert served_model_names(_parser().parse_args(["serve"]).served_model_name) == ()

@@ -233,6 +233,42 @@ def test_native_decoder_restarts_when_decode_stream_refuses(tok: Any) -> None:
     assert "".join(chunks) == "hello 世界 again"
 
 
+def test_native_decoder_restart_inside_a_character_keeps_the_text(tok: Any) -> None:
+    """A restart whose held ids end inside a character must not rebuild the stream on them: the
+    new DecodeStream would re-emit its context's text and show the character as U+FFFD."""
+    text = "hello 世界 again"
+    ids = tok.encode(text)
+    cuts = [k for k in range(1, len(ids)) if decode(tok, ids[:k]).endswith("\ufffd")]
+    assert cuts  # 世 / 界 really are split over several tokens
+    for k in cuts:
+        for j in range(k):  # ids[:j] streamed normally, ids[j:k] refused and restarted on
+            detok = make(tok)
+            chunks = [detok.push(ids[:j])]
+            detok._decoder._stream = _RefusingStream()
+            chunks += [detok.push(ids[j:k])] + [detok.push([i]) for i in ids[k:]] + [detok.flush()]
+            assert "".join(chunks) == decode(tok, ids) == text, (j, k, chunks)
+            assert not any("\ufffd" in c for c in chunks), (j, k, chunks)
+        detok = make(tok)  # finished right after the restart: the incomplete character is U+FFFD
+        detok._decoder._stream = _RefusingStream()
+        assert detok.push(ids[:k]) + detok.flush() == decode(tok, ids[:k])
+
+
+def test_native_decoder_survives_repeated_restarts(tok: Any) -> None:
+    rng = random.Random(5)
+    pieces = ["a", " b", "é", "世", "🙂", "界 ", "x"]
+    for _ in range(200):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 12)))
+        ids = tok.encode(text)
+        detok = make(tok)
+        chunks = []
+        for i in ids:
+            if rng.random() < 0.4:
+                detok._decoder._stream = _RefusingStream()
+            chunks.append(detok.push([i]))
+        chunks.append(detok.flush())
+        assert "".join(chunks) == decode(tok, ids) == text, chunks
+
+
 # --- stop strings ---------------------------------------------------------------------------
 
 

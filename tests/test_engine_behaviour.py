@@ -136,8 +136,15 @@ async def test_bad_input_is_refused_without_leaks(model_path):
             await engine.generate(input_ids=[10**6])
         with pytest.raises(InvalidRequest, match="exactly one"):
             await engine.generate()
-        out = await engine.generate(input_ids=[3] * 60, sampling_params={**GREEDY, "max_new_tokens": 100})
-        assert out.completion_tokens == 4  # clipped to the context length, as SGLang does
+        # Prompt + max_new_tokens over the context is refused with both numbers (as SGLang and
+        # vLLM do); no limit (None) means as many as the context leaves.
+        with pytest.raises(InvalidRequest, match=r"60 tokens and asks for 100 new tokens, 160 in all.*context length of 64") as err:
+            await engine.generate(input_ids=[3] * 60, sampling_params={**GREEDY, "max_new_tokens": 100})
+        assert err.value.param == "max_new_tokens"
+        out = await engine.generate(input_ids=[3] * 60, sampling_params={**GREEDY, "max_new_tokens": None, "min_new_tokens": 2})
+        assert out.completion_tokens == 4 and out.finish_reason == "length"
+        out = await engine.generate(input_ids=[3] * 60, sampling_params={**GREEDY, "max_new_tokens": 4})
+        assert out.completion_tokens == 4
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
     with pytest.raises(ValueError, match="schedule_policy"):
@@ -207,7 +214,7 @@ async def test_logit_bias_forces_and_bans_tokens(model_path):
 async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model_path):
     engine = Engine(model_path=model_path)
     await engine.start()
-    long = asyncio.create_task(engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 10_000, "ignore_eos": True}))
+    long = asyncio.create_task(engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": None, "ignore_eos": True}))
     while engine.stats()["num_running"] == 0:
         await asyncio.sleep(0.01)
     await engine.close()
@@ -218,6 +225,35 @@ async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model
         await engine.generate(input_ids=[1, 2, 3])
     assert later.value.code == "shutting_down"
     assert not any(a.alive for a in engine._actors)
+
+
+async def test_close_in_the_same_iteration_as_submissions_ends_them_all(model_path):
+    """Submissions still in the Receiver's mailbox (or being tokenized, or waiting for room in
+    a full mailbox) when close() cancels the actors end with shutting_down instead of hanging."""
+    engine = Engine(model_path=model_path, tokenize_off_loop_chars=8)
+    await engine.start()
+    engine.receiver.mailbox = asyncio.Queue(4)  # a small mailbox: later senders wait for room
+    calls = [engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4}) for _ in range(8)]
+    calls.append(engine.generate(prompt="long enough to be tokenized in a thread", sampling_params=GREEDY))
+    tasks = [asyncio.create_task(c) for c in calls]
+    await asyncio.sleep(0)  # each task submits; none is handled yet
+    await engine.close()
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=10)
+    assert results and all(isinstance(r, Rejected) and r.code == "shutting_down" for r in results), results
+    assert not any(a.alive for a in engine._actors)
+
+
+async def test_generate_and_stream_keywords_are_typed():
+    import inspect
+
+    for method in (Engine.generate, Engine.stream):
+        params = inspect.signature(method).parameters
+        for name in ("rid", "priority", "routing_key", "extra_key", "return_logprob", "top_logprobs_num", "logprob_start_len"):
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].annotation != inspect.Parameter.empty
+        assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    engine = Engine()
+    with pytest.raises(TypeError, match="priorty"):
+        await engine.generate(input_ids=[1], priorty=3)
 
 
 async def test_stream_text_logprobs_and_stop_strings(model_path):

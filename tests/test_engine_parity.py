@@ -73,7 +73,7 @@ async def test_greedy_parity(workload, name, monkeypatch):
         return cascade(self, q, meta, layer_id)
 
     monkeypatch.setattr(TorchAttention, "_decode_with_shared_prefixes", counted)
-    engine = Engine(model_path=str(path), max_total_tokens=4096, **CONFIGS[name])
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, **CONFIGS[name])
     async with engine:
         got = await _run_all(engine, prompts, max_new)
         assert got == expected
@@ -98,7 +98,7 @@ async def test_retraction_keeps_parity(workload):
             expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False)[0, len(prompt) :].tolist())
     # Admission reserves only new_token_ratio (0.7) of each request's decode tokens, so with a
     # small pool the running requests outgrow it and decode must retract.
-    engine = Engine(model_path=str(path), max_total_tokens=256)
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=256)
     async with engine:
         outs = await asyncio.gather(
             *(engine.generate(input_ids=p, sampling_params={"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}) for p in prompts)

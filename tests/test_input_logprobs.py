@@ -20,6 +20,7 @@ from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 GREEDY = {"temperature": 0, "max_new_tokens": 3, "ignore_eos": True}
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]
+REFERENCE_DTYPE = "float32"  # the oracle's dtype: values are compared to 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def reference(model_path: str) -> torch.Tensor:
     """[prompt_len, vocab] log_softmax of transformers' logits over PROMPT."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, REFERENCE_DTYPE))
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([PROMPT])).logits[0].float(), dim=-1)
 
@@ -42,7 +43,7 @@ def _expected(reference: torch.Tensor, start: int) -> list[float]:
 
 
 async def test_prompt_logprobs_over_chunks_match_transformers(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path, chunked_prefill_size=16)  # 40 tokens: three chunks
+    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE, chunked_prefill_size=16)  # 40 tokens: three chunks
     async with engine:
         out = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
         assert out.input_token_ids == PROMPT
@@ -59,7 +60,7 @@ async def test_prompt_logprobs_over_chunks_match_transformers(model_path: str, r
 
 
 async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path)
+    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE)
     async with engine:
         await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)  # the whole prompt is cached now
         again = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
@@ -79,7 +80,7 @@ async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(model_path
 
 
 async def test_max_new_tokens_zero_only_scores_the_prompt(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path)
+    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE)
     async with engine:
         sampling = {**GREEDY, "max_new_tokens": 0}
         out = await engine.generate(input_ids=PROMPT, sampling_params=sampling, return_logprob=True, logprob_start_len=0)

@@ -18,6 +18,7 @@ import aiohttp
 import openai
 import orjson
 import pytest
+import torch
 import uvloop
 
 from api.engine import Engine
@@ -84,7 +85,7 @@ class ServerThread:
 @pytest.fixture(scope="module")
 def server(tiny_llama: Path) -> Iterator[ServerThread]:
     engine = {"model_path": str(tiny_llama), "enable_priority_scheduling": True, "max_running_requests": 16}
-    settings = ServerSettings(api_key=API_KEY, max_body_bytes=BODY_LIMIT, served_model_name="tiny")
+    settings = ServerSettings(api_key=API_KEY, max_body_bytes=BODY_LIMIT, served_model_names=("tiny", "tiny-alias"))
     with ServerThread(engine, settings) as s:
         yield s
         s.run(assert_idle_invariants(s.engine))
@@ -183,13 +184,22 @@ def test_n_choices_and_logprobs(client: openai.OpenAI) -> None:
 
 
 def test_models(client: openai.OpenAI) -> None:
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "tiny-alias"]
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-alias", "default"])
+def test_every_served_name_and_default_are_accepted(client: openai.OpenAI, name: str) -> None:
+    out = client.completions.create(model=name, prompt="x", max_tokens=2, **GREEDY)
+    assert out.model == "tiny" and out.usage.completion_tokens == 2
+    chat = client.chat.completions.create(model=name, messages=[{"role": "user", "content": "x"}], max_tokens=2, **GREEDY)
+    assert chat.model == "tiny"
 
 
 def test_client_errors(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="x", max_tokens=2)
-    assert info.value.body["param"] == "model"
+    assert info.value.body["param"] == "model" and info.value.body["code"] == "model_not_found"
+    assert "'tiny', 'tiny-alias'" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     with pytest.raises(openai.AuthenticationError):
@@ -289,6 +299,9 @@ async def test_info_endpoints(server: ServerThread) -> None:
     info = orjson.loads(raw)
     assert status == 200 and info["enable_priority_scheduling"] is True and info["served_model_name"] == "tiny"
     assert "api_key" not in info and {"kv_free", "kv_cached", "kv_pool_size", "num_running"} <= set(info["stats"])
+    # The dtype the runner resolved `auto` to, not the setting.
+    assert info["dtype"] != "auto" and info["dtype"] == server.engine.runner.dtype_name
+    assert server.engine.runner.dtype == getattr(torch, info["dtype"])
     status, body = await _post(f"{server.url}/flush_cache", {})
     assert status == 200 and body["success"] is True
     assert (await _get(f"{server.url}/get_model_info"))[0] == 200
@@ -310,7 +323,6 @@ def _assert_error(status: int, body: Any, expected: int, param: str | None = Non
     [
         ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "model": "other"}, "model"),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
         ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -345,6 +357,38 @@ async def test_prompt_longer_than_context(server: ServerThread) -> None:
     status, out = await _post(f"{server.url}/v1/completions", {"prompt": [7] * (context + 10), "max_tokens": 2})
     err = _assert_error(status, out, 400)
     assert str(context + 10) in err["message"] and str(context) in err["message"]
+
+
+async def test_prompt_plus_max_tokens_over_context_is_400(server: ServerThread, tokenizer: Any) -> None:
+    context = server.engine.config.context_length
+    huge = 1_000_000_000
+    status, out = await _post(f"{server.url}/v1/completions", {"prompt": [7] * 10, "max_tokens": huge})
+    err = _assert_error(status, out, 400)
+    assert f"10 tokens and asks for {huge} new tokens" in err["message"] and f"context length of {context}" in err["message"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": huge}
+    assert "context length" in _assert_error(*await _post(f"{server.url}/v1/chat/completions", chat), 400)["message"]
+    native = {"input_ids": [7] * 10, "sampling_params": {"max_new_tokens": context - 9}}
+    assert _assert_error(*await _post(f"{server.url}/generate", native), 400)["param"] == "max_new_tokens"
+    # No limit: as many tokens as the context leaves (a prompt 3 tokens short of it gets 3).
+    native = {"input_ids": [7] * (context - 3), "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}
+    status, out = await _post(f"{server.url}/generate", native)
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 3
+    messages = [{"role": "user", "content": _words_for(tokenizer, context - 4)}]
+    status, out = await _post(f"{server.url}/v1/chat/completions", {"messages": messages, "ignore_eos": True, "temperature": 0})
+    assert status == 200 and out["usage"]["total_tokens"] == context
+    assert out["usage"]["completion_tokens"] >= 1 and out["choices"][0]["finish_reason"] == "length"
+
+
+def _words_for(tokenizer: Any, budget: int) -> str:
+    """A user message whose rendered chat prompt has at most `budget` and nearly that many tokens."""
+    def rendered(text: str) -> int:
+        messages = [{"role": "user", "content": text}]
+        return len(tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False))
+
+    words = budget
+    while rendered(" ".join(["a"] * words)) > budget:
+        words -= max(1, (rendered(" ".join(["a"] * words)) - budget) // 2)
+    return " ".join(["a"] * words)
 
 
 async def test_api_key(server: ServerThread) -> None:

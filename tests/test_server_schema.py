@@ -25,7 +25,6 @@ from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta
 
-CONTEXT = 2048
 
 
 def _completion(**fields) -> CompletionRequest:
@@ -70,7 +69,7 @@ def test_unknown_fields_are_ignored() -> None:
 
 
 def test_completion_defaults_to_sglang_sampling() -> None:
-    rid, [call] = completion_calls(_completion(), CONTEXT)
+    rid, [call] = completion_calls(_completion())
     assert call.options["rid"] == rid and call.prompt == "hi" and call.input_ids is None
     params = msgspec.convert(call.sampling, SamplingParams)  # every key is a SamplingParams field
     assert params.max_new_tokens == 16 and params.temperature == 1.0 and params.stop == []
@@ -82,7 +81,7 @@ def test_completion_extras_and_stop() -> None:
         max_tokens=5, stop="\n", top_k=3, min_p=0.1, ignore_eos=True, stop_token_ids=[7], min_tokens=2,
         repetition_penalty=1.1, priority=4, rid="abc", routing_key="r", seed=9, logprobs=2,
     )
-    rid, [call] = completion_calls(req, CONTEXT)
+    rid, [call] = completion_calls(req)
     assert rid == "abc"
     s = call.sampling
     assert (s["max_new_tokens"], s["stop"], s["top_k"], s["min_p"], s["ignore_eos"]) == (5, ["\n"], 3, 0.1, True)
@@ -93,9 +92,9 @@ def test_completion_extras_and_stop() -> None:
 
 
 def test_cache_salt_and_extra_key_make_one_namespace() -> None:
-    assert completion_calls(_completion(cache_salt="s"), CONTEXT)[1][0].options["extra_key"] == "s"
-    assert completion_calls(_completion(extra_key="e"), CONTEXT)[1][0].options["extra_key"] == "e"
-    both = completion_calls(_completion(cache_salt="s", extra_key="e"), CONTEXT)[1][0].options["extra_key"]
+    assert completion_calls(_completion(cache_salt="s"))[1][0].options["extra_key"] == "s"
+    assert completion_calls(_completion(extra_key="e"))[1][0].options["extra_key"] == "e"
+    both = completion_calls(_completion(cache_salt="s", extra_key="e"))[1][0].options["extra_key"]
     assert both not in ("s", "e", None)
 
 
@@ -109,12 +108,12 @@ def test_prompt_forms() -> None:
 
 
 def test_batch_times_n_fans_out_in_openai_order() -> None:
-    rid, calls = completion_calls(_completion(prompt=["a", "b"], n=2, seed=5, rid="x"), CONTEXT)
+    rid, calls = completion_calls(_completion(prompt=["a", "b"], n=2, seed=5, rid="x"))
     assert rid == "x"
     assert [(c.index, c.prompt_index, c.prompt) for c in calls] == [(0, 0, "a"), (1, 0, "a"), (2, 1, "b"), (3, 1, "b")]
     assert [c.options["rid"] for c in calls] == ["x-0", "x-1", "x-2", "x-3"]
     assert [c.sampling["seed"] for c in calls] == [5, 6, 5, 6]  # choices of one prompt differ
-    rid, calls = completion_calls(_completion(n=3), CONTEXT)
+    rid, calls = completion_calls(_completion(n=3))
     assert len({c.options["rid"] for c in calls}) == 3 and all(c.options["rid"].startswith(rid) for c in calls)
 
 
@@ -133,19 +132,19 @@ def test_batch_times_n_fans_out_in_openai_order() -> None:
     ],
 )
 def test_completion_refusals(fields: dict, param: str) -> None:
-    assert _error(completion_calls, _completion(**fields), CONTEXT).param == param
+    assert _error(completion_calls, _completion(**fields)).param == param
 
 
 def test_logit_bias_goes_to_the_engine() -> None:
-    _, [call] = completion_calls(_completion(logit_bias={"50": -100}), CONTEXT)
+    _, [call] = completion_calls(_completion(logit_bias={"50": -100}))
     assert call.sampling["logit_bias"] == {"50": -100}
 
 
 def test_completion_echo_scores_the_prompt() -> None:
-    _, [call] = completion_calls(_completion(echo=True, max_tokens=0, logprobs=2), CONTEXT)
+    _, [call] = completion_calls(_completion(echo=True, max_tokens=0, logprobs=2))
     assert call.sampling["max_new_tokens"] == 0  # the engine prefills only
     assert call.options["logprob_start_len"] == 0 and call.options["top_logprobs_num"] == 2
-    _, [call] = completion_calls(_completion(echo=True), CONTEXT)
+    _, [call] = completion_calls(_completion(echo=True))
     assert "logprob_start_len" not in call.options  # echo without logprobs scores nothing
 
 
@@ -155,11 +154,11 @@ def test_chat_messages_and_limits() -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "n"},
     ])
     assert chat_messages(req) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab", "name": "n"}]
-    _, [call] = chat_calls(_chat(max_tokens=9, max_completion_tokens=4, logprobs=True, top_logprobs=3), [1, 2], CONTEXT)
+    _, [call] = chat_calls(_chat(max_tokens=9, max_completion_tokens=4, logprobs=True, top_logprobs=3), [1, 2])
     assert call.input_ids == [1, 2] and call.sampling["max_new_tokens"] == 4
     assert call.options["return_logprob"] is True and call.options["top_logprobs_num"] == 3
-    _, [call] = chat_calls(_chat(), [1], CONTEXT)
-    assert call.sampling["max_new_tokens"] == CONTEXT  # no limit: up to the context (the engine clamps)
+    _, [call] = chat_calls(_chat(), [1])
+    assert call.sampling["max_new_tokens"] is None  # no limit: up to the context (the engine fills it in)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +182,7 @@ def test_chat_message_refusals(fields: dict, param: str) -> None:
     ],
 )
 def test_chat_refusals(fields: dict, param: str) -> None:
-    assert _error(chat_calls, _chat(**fields), [1], CONTEXT).param == param
+    assert _error(chat_calls, _chat(**fields), [1]).param == param
 
 
 def test_generate_single_and_batch() -> None:
