@@ -452,7 +452,12 @@ class Adder(Actor[AdderMsg]):
                 continue
             req = ending.req
             self._release(req, cache_it=ending.kind == "finish" and not req.abort_requested)
-            if ending.kind in ("retract", "preempt") and not req.finished:
+            if ending.kind == "finish" and req.abort_requested and not req.finished:
+                # Its last token was launched, then the abort came: the OutputProcessor skips an
+                # aborted request's tokens, so its stream ends here.
+                self._end_stream(req, "abort", None, None)
+                self.counters["aborted"] += 1
+            elif ending.kind in ("retract", "preempt") and not req.finished:
                 if req.abort_requested:
                     self._end_stream(req, "abort", None, None)
                     self.counters["aborted"] += 1

@@ -89,8 +89,8 @@ class Receiver(Actor[Submit | AbortRequest]):
             return
         req.abort_requested = True
         # Whoever holds the request now sees the flag; both are told to look.
-        await self.policy.send(Wake())
-        await self.adder.send(Wake())
+        await self.policy.send(Wake(rid))
+        await self.adder.send(Wake(rid))
 
     async def _build(self, msg: Submit) -> Req:
         spec = msg.spec

@@ -6,7 +6,8 @@
             ...
 
 Keyword arguments of `Engine(...)` are `EngineConfig` fields. Many tasks may call one Engine at
-once. Invalid requests raise `InvalidRequest`; a full queue, a queue timeout or eviction by a
+once. With `inline_core=False` the core (Policy, Adder, Executor, OutputProcessor) runs in a
+process of its own (api/core_process.py) and this process keeps the Receiver and the streams. Invalid requests raise `InvalidRequest`; a full queue, a queue timeout or eviction by a
 higher-priority request raise `Rejected`; an engine failure raises `EngineError`.
 """
 
@@ -21,21 +22,16 @@ from typing import Any
 
 import msgspec
 
-from actors.adder import Adder
-from actors.executor import Executor
-from actors.output import OutputProcessor
-from actors.policy import Policy
 from actors.receiver import ModelLimits, Receiver
-from gpu.loader import load_tokenizer
-from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
+from api.core import Core, load_core
+from api.core_client import CoreClient, CoreLink
+from gpu.loader import load_tokenizer, resolve_model_dir
+from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, FlushCache, GenerateSpec, Submit
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta, RequestStream
-
-DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 
 class InvalidRequest(ValueError):
@@ -88,8 +84,11 @@ class Engine:
         self._started = False
         self._closed = False
         self._rid_counter = itertools.count()
-        self.runner: ModelRunner | None = None
         self.tokenizer: Any = None
+        # Inline: the core's parts, for tests and benchmarks that look inside. Core process: None.
+        self.core: Core | None = None
+        self.runner: ModelRunner | None = None
+        self.client: CoreClient | None = None  # the core process's link, when there is one
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -102,28 +101,34 @@ class Engine:
     async def start(self) -> None:
         if self._started:
             return
-        cfg = self.config
-        runner = await asyncio.to_thread(ModelRunner, self._runner_config())
-        self.runner = runner
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
-        self.config = cfg = msgspec.structs.replace(
-            cfg, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
-            max_running_requests=runner.req_to_token.max_requests,
-        )
-        self.prefix_cache = self._prefix_cache(runner)
-        output = OutputProcessor(self.tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval)
-        executor = Executor(runner, output)
-        adder = Adder(cfg, runner, self.prefix_cache, executor)
-        policy = Policy(cfg, self.prefix_cache, adder)
-        adder.policy = policy
-        output.adder = adder
-        limits = ModelLimits(runner.context_len, runner.vocab_size, runner.allocator.size, cfg.page_size)
-        self.receiver = Receiver(cfg, self.tokenizer, limits, policy, adder)
-        self.policy, self.adder, self.executor, self.output = policy, adder, executor, output
-        self._actors = [self.receiver, policy, adder, executor, output]
+        if self.config.inline_core:
+            await self._start_inline()
+        else:
+            await self._start_core_process()
         for actor in self._actors:
             actor.start(self._actor_exited)
         self._started, self._closed = True, False
+
+    async def _start_inline(self) -> None:
+        core = await load_core(self.config)
+        self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
+        self.prefix_cache = core.prefix_cache
+        self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output
+        self.receiver = Receiver(self.config, self.tokenizer, core.limits, core.policy, core.adder)
+        self._actors = [self.receiver, *core.actors]
+
+    async def _start_core_process(self) -> None:
+        model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        client = CoreClient(self.config, self._core_failed)
+        ready = await client.start()
+        self.client, self.config = client, ready.config
+        cfg = self.config
+        assert cfg.context_length is not None and cfg.max_total_tokens is not None
+        limits = ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
+        link = CoreLink(client)
+        self.receiver = Receiver(cfg, self.tokenizer, limits, link, link)
+        self._actors = [self.receiver, link]
 
     async def close(self) -> None:
         """Abort what is in flight, stop every actor and its tasks."""
@@ -212,47 +217,19 @@ class Engine:
 
     async def flush_cache(self) -> bool:
         """Drop every cached prefix; False (nothing done) while requests are running."""
+        if self.client is not None:
+            return await self.client.flush_cache()
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         await self.adder.send(FlushCache(done))
         return await done
 
     def stats(self) -> dict[str, Any]:
         if not self._started:
-            return {"running": False}
-        return {
-            **self.adder.stats(),
-            "aborted": self.adder.counters["aborted"] + self.policy.aborted,
-            "num_waiting": len(self.policy.waiting),
-            "rejected": self.policy.rejected,
-            "queue_timeouts": self.policy.timed_out,
-            "generated_tokens": self.output.generated_tokens,
-            "forward_steps": self.executor.steps,
-            "forward_s": self.executor.forward_s,
-            "failure": self._failure,
-        }
+            return {"running": False, "failure": self._failure}
+        core_stats = self.client.stats if self.client is not None else self.core.stats()
+        return {**core_stats, "failure": self._failure}
 
     # --- internals ----------------------------------------------------------------------------
-    def _runner_config(self) -> RunnerConfig:
-        cfg = self.config
-        return RunnerConfig(
-            model_path=cfg.model_path,
-            dtype=cfg.dtype,
-            device=cfg.device,
-            max_total_tokens=cfg.max_total_tokens,
-            max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
-            page_size=cfg.page_size,
-            context_length=cfg.context_length,
-            attention_backend=cfg.attention_backend,
-            disable_cuda_graph=cfg.disable_cuda_graph,
-            cuda_graph_max_bs=cfg.cuda_graph_max_bs,
-        )
-
-    def _prefix_cache(self, runner: ModelRunner) -> PrefixCache:
-        cfg = self.config
-        if cfg.disable_radix_cache:
-            return ChunkCache(runner.allocator)
-        return RadixCache(runner.allocator, page_size=cfg.page_size, eviction_policy=cfg.radix_eviction_policy)
-
     async def _submit(self, msg: Submit) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine has failed: {self._failure}")
@@ -268,9 +245,14 @@ class Engine:
                 msg.stream.finish("abort", error="the engine has shut down", status=503, code=SHUTTING_DOWN)
 
     def _actor_exited(self, actor: Actor, error: BaseException | None) -> None:
-        if error is None or self._failure is not None:
+        if error is not None:
+            self._core_failed(f"{actor.name} actor crashed: {error!r}")
+
+    def _core_failed(self, message: str) -> None:
+        """An actor crashed, or the core process died or crashed: end everything with a 500."""
+        if self._failure is not None:
             return
-        self._failure = f"{actor.name} actor crashed: {error!r}"
+        self._failure = message
         asyncio.get_running_loop().create_task(self._stop_actors(self._failure, status=500))
 
     async def _stop_actors(self, message: str, status: int, code: str | None = None) -> None:
@@ -280,7 +262,10 @@ class Engine:
         for actor in self._actors:
             await actor.stop(drain=False)
         self.receiver.fail_all(message, status=status, code=code)
-        self.executor.shutdown()
+        if self.client is not None:
+            await self.client.close()
+        else:
+            self.core.executor.shutdown()
 
 
 def _raise_for_refusal(delta: Delta) -> None:

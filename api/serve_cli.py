@@ -32,6 +32,7 @@ FIELD_HELP: dict[str, str] = {
     "disable_cuda_graph": "run decode eagerly on CUDA",
     "cuda_graph_max_bs": "largest decode batch captured as a CUDA graph",
     "random_seed": "seed of the scheduler's random choices",
+    "inline_core": "run the engine core in the server's process (--no-inline-core: a process of its own)",
     "max_total_tokens": "KV pool size in tokens (none: from a memory budget)",
     "max_running_requests": "most requests decoding at once (none: what the pool holds, at most 256)",
     "page_size": "tokens per KV page",

@@ -417,9 +417,9 @@ class Server:
 
     def _failure(self) -> str | None:
         stats = self.engine.stats()
-        if not stats.get("running", True):
-            return "the engine is not running"
-        return stats.get("failure")
+        if stats.get("failure"):
+            return stats["failure"]
+        return None if stats.get("running", True) else "the engine is not running"
 
 
 # --- responses --------------------------------------------------------------------------------

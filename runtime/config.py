@@ -27,6 +27,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     random_seed: int | None = None
+    # False: the engine core (Policy, Adder, Executor, OutputProcessor) runs in its own process,
+    # so tokenization, streaming and HTTP never share its loop.
+    inline_core: bool = True
 
     # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget

@@ -72,7 +72,10 @@ class Requeue(msgspec.Struct, frozen=True, tag=True):
 
 
 class Wake(msgspec.Struct, frozen=True, tag=True):
-    """Something changed for a request this actor may hold (an abort): look again."""
+    """Something changed for a request this actor may hold (an abort): look again. `rid` names
+    the request for a peer in another process, which cannot see the shared flag."""
+
+    rid: str | None = None
 
 
 # --- Adder ------------------------------------------------------------------------------------

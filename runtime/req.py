@@ -23,7 +23,7 @@ from typing import Any
 
 
 from runtime.sampling_params import SamplingParams
-from runtime.stream import Delta, RequestStream
+from runtime.stream import Delta, RemoteStream, RequestStream
 
 
 @dataclass(slots=True)
@@ -63,7 +63,7 @@ class Req:
     logprob_start_len: int = -1  # >= 0: logprobs of the prompt tokens from there on are wanted
     arrival_time: float = 0.0
     enqueue_time: float = 0.0
-    stream: RequestStream | None = None
+    stream: RequestStream | RemoteStream | None = None  # RemoteStream: in the core process
     abort_requested: bool = False
     # origin_input_ids as the prefix cache's array('i'), encoded once on arrival: ordering a
     # burst of long prompts would otherwise spend most of its round encoding them.

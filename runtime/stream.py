@@ -91,3 +91,36 @@ class RequestStream:
         assert delta is not None
         self._closed = delta.finish_reason is not None
         return delta
+
+
+class RemoteStream:
+    """A request's stream inside the engine core process: the same producer side as
+    `RequestStream` (push, finish, on_final), but every delta goes into `outbox`, which the core
+    sends to the frontend once per loop iteration, all requests together."""
+
+    __slots__ = ("rid", "outbox", "_finished", "on_final", "_on_first")
+
+    def __init__(self, rid: str, outbox: list[Delta], on_first: Callable[[], object]):
+        self.rid = rid
+        self.outbox = outbox
+        self._finished = False
+        self.on_final: Callable[[], object] | None = None
+        self._on_first = on_first
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def push(self, delta: Delta) -> bool:
+        if self._finished:
+            return False
+        self._finished = delta.finish_reason is not None
+        if self._finished and self.on_final is not None:
+            self.on_final()
+        if not self.outbox:
+            self._on_first()  # the owner schedules one send for this loop iteration
+        self.outbox.append(delta)
+        return True
+
+    def finish(self, reason: str, *, error: str | None = None, status: int | None = None, **meta) -> bool:
+        return self.push(Delta(rid=self.rid, finish_reason=reason, error=error, status=status, **meta))

@@ -368,11 +368,12 @@ def test_flashinfer_on_cpu_fails_at_startup(tiny_path):
 
 
 def test_engine_passes_gpu_settings_to_the_runner():
+    from api.core import runner_config
     from api.engine import Engine
 
-    config = Engine(attention_backend="torch", disable_cuda_graph=True, cuda_graph_max_bs=24)._runner_config()
+    config = runner_config(Engine(attention_backend="torch", disable_cuda_graph=True, cuda_graph_max_bs=24).config)
     assert (config.attention_backend, config.disable_cuda_graph, config.cuda_graph_max_bs) == ("torch", True, 24)
-    assert Engine()._runner_config().attention_backend == "auto"
+    assert runner_config(Engine().config).attention_backend == "auto"
 
 
 # --- streams on a CPU -----------------------------------------------------------------------------

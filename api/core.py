@@ -1,0 +1,98 @@
+"""The engine core: Policy, Adder, Executor and OutputProcessor over one ModelRunner.
+
+Built the same way in the caller's process (`Engine(inline_core=True)`) and in a process of its
+own (api/core_process.py). Its peers reach it through the Policy's and the Adder's mailboxes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from actors.adder import Adder
+from actors.executor import Executor
+from actors.output import OutputProcessor
+from actors.policy import Policy
+from actors.receiver import ModelLimits
+from gpu.loader import load_tokenizer
+from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+
+@dataclass(slots=True)
+class Core:
+    config: EngineConfig  # resolved against the model: no "auto", no None sizes
+    runner: ModelRunner
+    tokenizer: Any
+    prefix_cache: PrefixCache
+    policy: Policy
+    adder: Adder
+    executor: Executor
+    output: OutputProcessor
+
+    @property
+    def actors(self) -> list[Actor]:
+        return [self.policy, self.adder, self.executor, self.output]
+
+    @property
+    def limits(self) -> ModelLimits:
+        runner = self.runner
+        return ModelLimits(runner.context_len, runner.vocab_size, runner.allocator.size, self.config.page_size)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **self.adder.stats(),
+            "aborted": self.adder.counters["aborted"] + self.policy.aborted,
+            "num_waiting": len(self.policy.waiting),
+            "rejected": self.policy.rejected,
+            "queue_timeouts": self.policy.timed_out,
+            "generated_tokens": self.output.generated_tokens,
+            "forward_steps": self.executor.steps,
+            "forward_s": self.executor.forward_s,
+        }
+
+
+async def load_core(config: EngineConfig) -> Core:
+    """Load the model (in a thread: it takes seconds) and wire the core's actors (not started)."""
+    runner = await asyncio.to_thread(ModelRunner, runner_config(config))
+    tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
+    cfg = msgspec.structs.replace(
+        config, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
+        max_running_requests=runner.req_to_token.max_requests,
+    )
+    prefix_cache = _prefix_cache(cfg, runner)
+    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval)
+    executor = Executor(runner, output)
+    adder = Adder(cfg, runner, prefix_cache, executor)
+    policy = Policy(cfg, prefix_cache, adder)
+    adder.policy = policy
+    output.adder = adder
+    return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output)
+
+
+def runner_config(cfg: EngineConfig) -> RunnerConfig:
+    return RunnerConfig(
+        model_path=cfg.model_path,
+        dtype=cfg.dtype,
+        device=cfg.device,
+        max_total_tokens=cfg.max_total_tokens,
+        max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
+        page_size=cfg.page_size,
+        context_length=cfg.context_length,
+        attention_backend=cfg.attention_backend,
+        disable_cuda_graph=cfg.disable_cuda_graph,
+        cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+    )
+
+
+def _prefix_cache(cfg: EngineConfig, runner: ModelRunner) -> PrefixCache:
+    if cfg.disable_radix_cache:
+        return ChunkCache(runner.allocator)
+    return RadixCache(runner.allocator, page_size=cfg.page_size, eviction_policy=cfg.radix_eviction_policy)

@@ -1,0 +1,231 @@
+"""The frontend's side of the engine core process: starting it, talking to it, noticing its death.
+
+`CoreClient` spawns api/core_process.py, owns the two IPC sockets and the map from rid to the
+caller's `RequestStream`, and hands every delta of a `CoreOutputs` to its stream. `CoreLink` is
+the actor the Receiver sends to in place of the in-process Policy and Adder: it turns `Enqueue`
+and abort `Wake`s into messages for the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import multiprocessing
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from api import core_process
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.ipc import (
+    CoreAbort,
+    CoreFailed,
+    CoreFlush,
+    CoreFlushed,
+    CoreOutputs,
+    CoreReady,
+    CoreRequest,
+    CoreShutdown,
+    CoreSockets,
+    CoreStats,
+    FromCore,
+    ToCore,
+)
+from runtime.messages import Enqueue, Wake
+from runtime.stream import RequestStream
+
+STARTUP_TIMEOUT_S = 300.0
+EXIT_TIMEOUT_S = 10.0
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None], torch_threads: int | None = None):
+        self.config = config
+        self.on_failure = on_failure
+        self.torch_threads = torch_threads
+        self.streams: dict[str, RequestStream] = {}
+        self.stats: dict[str, Any] = {}
+        self._flushes: dict[int, asyncio.Future[bool]] = {}
+        self._tickets = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(FromCore)
+        self._sockets = CoreSockets.create()
+        self._ctx = zmq.asyncio.Context()
+        self._to_core = self._ctx.socket(zmq.PUSH)
+        self._from_core = self._ctx.socket(zmq.PULL)
+        self._process: multiprocessing.process.BaseProcess | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> CoreReady:
+        """Spawn the core and wait until its model is loaded; raises RuntimeError if it cannot."""
+        self._to_core.setsockopt(zmq.SNDHWM, 0)
+        self._to_core.bind(self._sockets.to_core)
+        self._from_core.bind(self._sockets.from_core)
+        spawn = multiprocessing.get_context("spawn")
+        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid(), self.torch_threads)
+        self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
+        self._process.start()
+        try:
+            first = await self._first_message()
+        except BaseException:
+            await self.close()
+            raise
+        if not isinstance(first, CoreReady):
+            await self.close()
+            raise RuntimeError(first.message if isinstance(first, CoreFailed) else f"unexpected first message {first!r}")
+        self.stats = await self._first_stats()
+        self._reader = asyncio.create_task(self._read(), name="core-client.read")
+        asyncio.get_running_loop().add_reader(self._process.sentinel, self._process_exited)
+        return first
+
+    async def send(self, msg: ToCore) -> None:
+        await self._to_core.send(self._encoder.encode(msg))
+
+    async def flush_cache(self) -> bool:
+        ticket = next(self._tickets)
+        done = self._flushes[ticket] = asyncio.get_running_loop().create_future()
+        await self.send(CoreFlush(ticket))
+        return await done
+
+    async def close(self) -> None:
+        """Stop the core (asking first, then killing), close the sockets, remove their directory."""
+        self._closing = True
+        process = self._process
+        if process is not None:
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+            if process.is_alive():
+                await self._ask_to_exit(process)
+            process.join(0)
+            process.close()
+            self._process = None
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        for future in self._flushes.values():
+            if not future.done():
+                future.set_result(False)
+        self._to_core.close(linger=0)
+        self._from_core.close(linger=0)
+        self._ctx.term()
+        self._sockets.remove()
+
+    # --- internals ----------------------------------------------------------------------------
+    async def _first_message(self) -> FromCore:
+        assert self._process is not None
+        recv = asyncio.ensure_future(self._from_core.recv())
+        exited = await _wait_exit_or(self._process, recv, STARTUP_TIMEOUT_S)
+        if recv.done():
+            return self._decoder.decode(recv.result())
+        recv.cancel()
+        if not exited:
+            raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"the engine core process exited with code {self._process.exitcode} while starting")
+
+    async def _first_stats(self) -> dict[str, Any]:
+        """The core publishes its counters right after CoreReady; stats() has them from the start."""
+        while not isinstance(msg := self._decoder.decode(await self._from_core.recv()), CoreStats):
+            pass
+        return msg.stats
+
+    async def _ask_to_exit(self, process: multiprocessing.process.BaseProcess) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.send(CoreShutdown()), 1.0)
+        if not await _wait_exit_or(process, None, EXIT_TIMEOUT_S):
+            process.kill()
+            await _wait_exit_or(process, None, EXIT_TIMEOUT_S)
+
+    async def _read(self) -> None:
+        while True:
+            msg = self._decoder.decode(await self._from_core.recv())
+            if isinstance(msg, CoreOutputs):
+                self._deliver(msg)
+            elif isinstance(msg, CoreStats):
+                self.stats = msg.stats
+            elif isinstance(msg, CoreFlushed):
+                future = self._flushes.pop(msg.ticket, None)
+                if future is not None and not future.done():
+                    future.set_result(msg.done)
+            elif isinstance(msg, CoreFailed):
+                self._fail(msg.message)
+                return
+
+    def _deliver(self, msg: CoreOutputs) -> None:
+        streams = self.streams
+        for delta in msg.deltas:
+            stream = streams.get(delta.rid)
+            if stream is None:
+                continue  # already ended here (the frontend failed it)
+            if delta.finish_reason is not None:
+                del streams[delta.rid]
+            stream.push(delta)
+
+    def _process_exited(self) -> None:
+        assert self._process is not None
+        asyncio.get_running_loop().remove_reader(self._process.sentinel)
+        self._process.join(1.0)  # the sentinel closes a moment before the exit can be reaped
+        if not self._closing:
+            self._fail(f"the engine core process exited with code {self._process.exitcode}")
+
+    def _fail(self, message: str) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self.streams.clear()  # the Engine ends every request it holds
+        self.on_failure(message)
+
+
+async def _wait_exit_or(process: multiprocessing.process.BaseProcess, other: asyncio.Future[Any] | None, timeout: float) -> bool:
+    """Wait until the process exits, `other` completes or the timeout passes; True if it exited.
+    The process's sentinel is watched by the loop: no thread is left blocked in a join."""
+    loop = asyncio.get_running_loop()
+    exited = loop.create_future()
+    loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
+    try:
+        await asyncio.wait([exited] if other is None else [exited, other], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        loop.remove_reader(process.sentinel)
+        exited.cancel()
+    if exited.done() and not exited.cancelled() or process.exitcode is not None:
+        process.join()
+        return True
+    return False
+
+
+class CoreLink(Actor[Enqueue | Wake]):
+    """Where the Receiver's requests and aborts leave for the core process."""
+
+    def __init__(self, client: CoreClient):
+        super().__init__("core-link")
+        self.client = client
+
+    async def handle(self, msg: Enqueue | Wake) -> None:
+        if isinstance(msg, Wake):
+            if msg.rid is not None:
+                await self.client.send(CoreAbort(msg.rid))
+            return
+        req = msg.req
+        assert req.stream is not None and isinstance(req.stream, RequestStream)
+        self.client.streams[req.rid] = req.stream
+        await self.client.send(CoreRequest(
+            rid=req.rid,
+            input_ids=req.origin_input_ids,
+            sampling=req.sampling,
+            priority=req.priority,
+            routing_key=req.routing_key,
+            extra_key=req.extra_key,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            logprob_start_len=req.logprob_start_len,
+            arrival_time=req.arrival_time,
+        ))

@@ -1,0 +1,203 @@
+"""The engine core in a process of its own: `main` is the process's entry point.
+
+The frontend (api/core_client.py) binds both IPC sockets and spawns this process, which connects
+to them, loads the model and answers `CoreReady` (or `CoreFailed`). Then `CoreServer` turns
+`CoreRequest`s into `Req`s for the Policy and sends back every delta the core's actors push, one
+`CoreOutputs` per loop iteration. It exits when told to, when an actor crashes (after saying
+`CoreFailed`), or when the frontend process is gone (no orphan holds the model's memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from api.core import Core, load_core
+from gpu.prefix_cache import token_array
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.ipc import (
+    CoreAbort,
+    CoreFailed,
+    CoreFlush,
+    CoreFlushed,
+    CoreOutputs,
+    CoreReady,
+    CoreRequest,
+    CoreShutdown,
+    CoreSockets,
+    CoreStats,
+    FromCore,
+    ToCore,
+)
+from runtime.messages import Enqueue, FlushCache, Wake
+from runtime.req import Req
+from runtime.stream import Delta, RemoteStream
+
+log = logging.getLogger("actorserve.core")
+
+STATS_PERIOD_S = 0.05  # how often the frontend's view of the core's counters is refreshed
+PARENT_CHECK_PERIOD_S = 0.2
+
+
+def main(config_bytes: bytes, sockets_dir: str, parent_pid: int, torch_threads: int | None) -> None:
+    """Process entry point (spawned: nothing is inherited but these arguments)."""
+    import uvloop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid))
+
+
+async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int) -> None:
+    ctx = zmq.asyncio.Context()
+    inbox = ctx.socket(zmq.PULL)
+    inbox.connect(sockets.to_core)
+    # A plain socket: sends happen from loop callbacks and never wait (the connecting side of
+    # a PUSH queues without a bound), so a slow frontend never stalls the device loop.
+    sync_ctx = zmq.Context()
+    outbox = sync_ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)
+    outbox.connect(sockets.from_core)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        try:
+            core = await load_core(config)
+        except Exception as exc:  # the frontend shows this line instead of a bare exit code
+            outbox.send(encoder.encode(CoreFailed(f"the engine core could not start: {exc}")))
+            return
+        runner = core.runner
+        outbox.send(encoder.encode(CoreReady(core.config, runner.vocab_size, list(runner.model_config.eos_token_ids))))
+        orphaned = await CoreServer(core, inbox, outbox, encoder).run(parent_pid)
+        if orphaned:
+            sockets.remove()  # the frontend that owned the socket files cannot remove them now
+    finally:
+        inbox.close(linger=0)
+        outbox.close(linger=1000)  # the last outputs and a CoreFailed still reach the frontend
+        ctx.term()
+        sync_ctx.term()
+
+
+class CoreServer:
+    """Owns the core side of the channel: the live requests by rid and the outgoing deltas."""
+
+    def __init__(self, core: Core, inbox: zmq.asyncio.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder):
+        self.core = core
+        self.inbox = inbox
+        self.outbox = outbox
+        self.encoder = encoder
+        self.decoder = msgspec.msgpack.Decoder(ToCore)
+        self.live: dict[str, Req] = {}
+        self.pending: list[Delta] = []  # deltas pushed this loop iteration, sent together
+        self._failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def run(self, parent_pid: int) -> bool:
+        """Serve until told to stop, an actor crashes or the frontend is gone (then True)."""
+        for actor in self.core.actors:
+            actor.start(self._actor_exited)
+        parent_gone = asyncio.create_task(_parent_gone(parent_pid))
+        watchers = [asyncio.create_task(self._read()), asyncio.create_task(self._publish_stats()), parent_gone]
+        try:
+            await asyncio.wait([*watchers, self._failure], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            for actor in self.core.actors:
+                await actor.stop(drain=False)
+            self.core.executor.shutdown()
+            if self._failure.done():
+                self._send_now()
+                self._send(CoreFailed(self._failure.result()))
+        return parent_gone.done() and not parent_gone.cancelled()
+
+    # --- frontend -> core -------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            msg = self.decoder.decode(await self.inbox.recv())
+            if isinstance(msg, CoreRequest):
+                await self._enqueue(msg)
+            elif isinstance(msg, CoreAbort):
+                await self._abort(msg.rid)
+            elif isinstance(msg, CoreFlush):
+                asyncio.create_task(self._flush(msg.ticket))
+            elif isinstance(msg, CoreShutdown):
+                return
+
+    async def _enqueue(self, msg: CoreRequest) -> None:
+        stream = RemoteStream(msg.rid, self.pending, self._schedule_send)
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=msg.input_ids,
+            prompt_key=token_array(msg.input_ids),
+            sampling=msg.sampling,
+            priority=msg.priority,
+            routing_key=msg.routing_key,
+            extra_key=msg.extra_key,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            arrival_time=msg.arrival_time,
+            enqueue_time=time.monotonic(),
+            stream=stream,
+        )
+        self.live[req.rid] = req
+        stream.on_final = lambda rid=req.rid: self.live.pop(rid, None)
+        await self.core.policy.send(Enqueue(req))
+
+    async def _abort(self, rid: str) -> None:
+        req = self.live.get(rid)
+        if req is None or req.abort_requested:
+            return
+        req.abort_requested = True
+        await self.core.policy.send(Wake())
+        await self.core.adder.send(Wake())
+
+    async def _flush(self, ticket: int) -> None:
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        await self.core.adder.send(FlushCache(done))
+        self._send(CoreFlushed(ticket, await done))
+
+    # --- core -> frontend -------------------------------------------------------------------
+    def _schedule_send(self) -> None:
+        asyncio.get_running_loop().call_soon(self._send_now)
+
+    def _send_now(self) -> None:
+        if self.pending:
+            deltas = list(self.pending)
+            self.pending.clear()
+            self._send(CoreOutputs(deltas))
+
+    def _send(self, msg: FromCore) -> None:
+        self.outbox.send(self.encoder.encode(msg))
+
+    async def _publish_stats(self) -> None:
+        last: dict | None = None
+        while True:
+            stats = self.core.stats()
+            if stats != last:
+                self._send(CoreStats(stats))
+                last = stats
+            await asyncio.sleep(STATS_PERIOD_S)
+
+    def _actor_exited(self, actor: Actor, error: BaseException | None) -> None:
+        if error is not None and not self._failure.done():
+            log.error("%s actor crashed", actor.name, exc_info=error)
+            self._failure.set_result(f"{actor.name} actor crashed: {error!r}")
+
+
+async def _parent_gone(parent_pid: int) -> None:
+    """Returns once the frontend process has exited (this process is then re-parented)."""
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_CHECK_PERIOD_S)
+    log.warning("the frontend process %d is gone: the engine core exits", parent_pid)

@@ -1,0 +1,110 @@
+"""What crosses between the frontend process and the engine core process, and how.
+
+Plain data only (ids, sampling fields, deltas, counters): msgspec Structs encoded with msgpack
+over ZMQ IPC sockets in a private temporary directory. Two one-way channels, each a PUSH/PULL
+pair: requests and aborts go to the core; the core answers with at most one `CoreOutputs` per
+loop iteration, carrying every request's part of that step.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
+from runtime.stream import Delta
+
+
+# --- frontend -> core ---------------------------------------------------------------------------
+class CoreRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A validated, tokenized request (the Receiver's checks are done)."""
+
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    priority: int
+    routing_key: str | None
+    extra_key: str | None
+    return_logprob: bool
+    top_logprobs_num: int
+    logprob_start_len: int
+    arrival_time: float  # time.monotonic(): one clock for every process of the machine
+
+
+class CoreAbort(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    rid: str
+
+
+class CoreFlush(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Drop the prefix cache; answered by `CoreFlushed` with the same ticket."""
+
+    ticket: int
+
+
+class CoreShutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    pass
+
+
+ToCore = CoreRequest | CoreAbort | CoreFlush | CoreShutdown
+
+
+# --- core -> frontend ---------------------------------------------------------------------------
+class CoreReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The model is loaded: the settings resolved against it, and the limits the Receiver checks."""
+
+    config: EngineConfig
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+class CoreFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The core could not start, or crashed; `message` says why."""
+
+    message: str
+
+
+class CoreOutputs(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    deltas: list[Delta]
+
+
+class CoreStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    stats: dict[str, Any]
+
+
+class CoreFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    ticket: int
+    done: bool
+
+
+FromCore = CoreReady | CoreFailed | CoreOutputs | CoreStats | CoreFlushed
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSockets:
+    """The two IPC endpoints, in a directory only this engine uses (removed by `remove`)."""
+
+    directory: str
+
+    @classmethod
+    def create(cls) -> CoreSockets:
+        return cls(tempfile.mkdtemp(prefix="actorserve-"))
+
+    @property
+    def to_core(self) -> str:
+        return f"ipc://{self.directory}/to_core"
+
+    @property
+    def from_core(self) -> str:
+        return f"ipc://{self.directory}/from_core"
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def exists(self) -> bool:
+        return Path(self.directory).exists()

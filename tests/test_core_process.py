@@ -1,0 +1,171 @@
+"""The engine core in its own process (`inline_core=False`): the same answers as inline, and every
+way it can fail ends every request with an error, leaving no process or socket file behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from api.engine import Engine, EngineError, InvalidRequest
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("qwen3", max_position_embeddings=1024))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by a parent that is gone) counts as gone.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0] != "Z"
+
+
+async def _wait_stats(engine: Engine, done, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done(stats := engine.stats()):
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.02)
+    return stats
+
+
+async def _outputs(engine: Engine) -> list[tuple[list[int], list[float], str]]:
+    outs = await asyncio.gather(*[
+        engine.generate(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 12}, return_logprob=True) for p in PROMPTS
+    ])
+    return [(o.output_ids, o.logprobs, o.finish_reason) for o in outs]
+
+
+async def test_same_greedy_answers_as_inline_and_nothing_left_behind(model_path):
+    async with Engine(model_path=model_path, dtype="float32") as inline:
+        expected = await _outputs(inline)
+    engine = Engine(model_path=model_path, dtype="float32", inline_core=False)
+    async with engine:
+        pid, sockets = engine.client.pid, engine.client._sockets
+        assert pid != os.getpid() and _alive(pid) and sockets.exists()
+        got = await _outputs(engine)
+        assert [g[0] for g in got] == [e[0] for e in expected]
+        assert [x for g in got for x in g[1]] == pytest.approx([x for e in expected for x in e[1]], abs=1e-5)
+        assert engine.config.dtype == "float32" and engine.config.context_length == 1024
+        text = await engine.generate(prompt="hello there", sampling_params={**GREEDY, "max_new_tokens": 5, "stop": ["zzz"]})
+        assert text.completion_tokens == 5
+        with pytest.raises(InvalidRequest, match="context length"):
+            await engine.generate(input_ids=[1] * 10, sampling_params={"max_new_tokens": 5000})
+        assert await engine.flush_cache() is True
+        # The counters reach the frontend every few milliseconds: wait for this work's to arrive.
+        stats = await _wait_stats(engine, lambda s: s["generated_tokens"] == 4 * 12 + 5 and s["kv_free"] == s["kv_pool_size"])
+        assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert not _alive(pid) and not sockets.exists()
+
+
+@pytest.mark.parametrize("inline_core", [True, False], ids=["inline", "core-process"])
+async def test_random_disconnects_free_every_slot(model_path, inline_core):
+    """Inline, this found aborts that came after a request's last token was launched: that
+    request left the running set, the OutputProcessor skipped its token, and its stream (and
+    its Receiver entry) never ended."""
+    rng = random.Random(0)
+    async with Engine(model_path=model_path, inline_core=inline_core, max_running_requests=16) as engine:
+
+        async def client(i: int) -> None:
+            prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))]
+            agen = engine.stream(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": rng.randrange(1, 30)})
+            keep = rng.randrange(0, 4)
+            async with asyncio.timeout(60):
+                async for _ in agen:
+                    keep -= 1
+                    if keep < 0:
+                        break  # leaving the loop aborts the request in the core
+            await agen.aclose()
+
+        tasks = [asyncio.create_task(client(i)) for i in range(1000)]
+        for task in tasks[::7]:
+            await asyncio.sleep(0)
+            task.cancel()  # some are cancelled before or while they run
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stats = await _wait_stats(engine, lambda s: s["num_running"] == 0 and s["num_waiting"] == 0)
+        stats = await _wait_stats(engine, lambda s: s["kv_free"] + s["kv_cached"] == s["kv_pool_size"])
+        assert stats["rows_free"] == engine.config.max_running_requests
+        assert not engine.receiver.live and (inline_core or not engine.client.streams)
+
+
+async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_path):
+    engine = Engine(model_path=model_path, inline_core=False)
+    await engine.start()
+    pid, sockets = engine.client.pid, engine.client._sockets
+    try:
+        streams = [engine.stream(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 900}) for p in PROMPTS]
+        for agen in streams:
+            await anext(agen)  # every request is decoding
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+
+        async def drain(agen) -> None:
+            async for _ in agen:
+                pass
+
+        results = await asyncio.wait_for(asyncio.gather(*[drain(a) for a in streams], return_exceptions=True), 5)
+        assert time.monotonic() - killed < 1.0
+        assert all(isinstance(r, EngineError) and "exited with code -9" in str(r) for r in results), results
+        assert "exited" in engine.stats()["failure"]
+        with pytest.raises(EngineError):
+            await engine.generate(input_ids=[1, 2])
+    finally:
+        await engine.close()
+    assert not _alive(pid) and not sockets.exists()
+
+
+async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_path):
+    engine = Engine(model_path=model_path, inline_core=False, attention_backend="flashinfer")
+    with pytest.raises(RuntimeError, match="could not start.*flashinfer"):
+        await engine.start()
+    assert not engine._started
+    children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
+    assert not [c for c in children if "actorserve-core" in Path(f"/proc/{c}/cmdline").read_text(errors="ignore")]
+
+
+def test_the_core_exits_when_its_frontend_is_killed(model_path, tmp_path):
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from api.engine import Engine
+
+        async def main():
+            engine = Engine(model_path={model_path!r}, inline_core=False)
+            await engine.start()
+            print(engine.client.pid, engine.client._sockets.directory, flush=True)
+            await asyncio.sleep(600)
+
+        if __name__ == "__main__":
+            asyncio.run(main())
+    """)
+    (tmp_path / "frontend.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    frontend = subprocess.Popen([sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        core_pid, sockets_dir = frontend.stdout.readline().split()
+        assert _alive(int(core_pid))
+        frontend.kill()
+        frontend.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(int(core_pid)):
+            assert time.monotonic() < deadline, "the core outlived its frontend"
+            time.sleep(0.05)
+        assert not Path(sockets_dir).exists()  # the core removed the socket files it was left with
+    finally:
+        if frontend.poll() is None:
+            frontend.kill()
+            frontend.wait()
