@@ -169,3 +169,33 @@ def test_the_core_exits_when_its_frontend_is_killed(model_path, tmp_path):
         if frontend.poll() is None:
             frontend.kill()
             frontend.wait()
+
+
+def test_http_server_over_a_core_process(model_path):
+    import http.client
+    import json
+
+    from api.server import ServerSettings
+    from tests.test_server import ServerThread
+
+    with ServerThread({"model_path": model_path, "inline_core": False}, ServerSettings()) as server:
+
+        def call(method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+            conn.request(method, path, body=json.dumps(body) if body else None, headers={"content-type": "application/json"})
+            response = conn.getresponse()
+            return response.status, response.read()
+
+        body = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+        status, raw = call("POST", "/v1/chat/completions", body)
+        assert status == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4
+        status, raw = call("GET", "/get_server_info")
+        assert status == 200 and json.loads(raw)["inline_core"] is False
+        os.kill(server.engine.client.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while (status := call("GET", "/health")[0]) == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert status == 503
+        status, raw = call("POST", "/v1/chat/completions", body)
+        assert status == 500 and json.loads(raw)["error"]["code"] == "engine_error"
