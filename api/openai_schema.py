@@ -161,7 +161,7 @@ def decode(body: bytes, schema: type[S]) -> S:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
         return _raise(invalid(f"invalid request: {exc}", param_of(str(exc))))
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 inside a string is the latter
         return _raise(invalid(f"the request body is not valid JSON: {exc}", code="invalid_json"))
 
 
