@@ -23,6 +23,8 @@ from runtime.sampling_params import SamplingParams
 
 # A request without a priority gets the worst value (as in SGLang).
 WORST_PRIORITY = 2**62
+INT64 = range(-(2**63), 2**63)  # what the core process's msgpack and int64 tensors can carry
+U64 = 2**64 - 1
 
 
 class InvalidInput(Exception):
@@ -109,7 +111,7 @@ class Receiver(Actor[Submit | AbortRequest]):
             routing_key=spec.routing_key,
             extra_key=spec.extra_key,
             return_logprob=spec.return_logprob,
-            top_logprobs_num=spec.top_logprobs_num,
+            top_logprobs_num=sampling.top_logprobs_num,  # capped at the vocabulary
             logprob_start_len=self._logprob_start(spec, len(input_ids)),
             arrival_time=now,
             enqueue_time=now,
@@ -141,7 +143,20 @@ class Receiver(Actor[Submit | AbortRequest]):
         error = params.validation_error(self.limits.vocab_size)
         if error:
             raise InvalidInput(error, error.split(" ", 1)[0])
-        return params, up_to_context
+        return self._within_64_bits(params), up_to_context
+
+    def _within_64_bits(self, params: SamplingParams) -> SamplingParams:
+        """JSON ints have no bound, int64 tensors and msgpack do. These three have no upper bound
+        in meaning, so they are brought into range without changing what they ask for: top_k and
+        top_logprobs_num past the vocabulary mean all of it (the sampler caps output top logprobs
+        the same way), and a seed is used modulo 2**64 anyway (`mix_seed`)."""
+        vocab = self.limits.vocab_size
+        return msgspec.structs.replace(
+            params,
+            top_k=min(params.top_k, vocab),
+            top_logprobs_num=min(params.top_logprobs_num, vocab),
+            seed=None if params.seed is None else params.seed & U64,
+        )
 
     async def _input_ids(self, spec: GenerateSpec) -> list[int]:
         if (spec.text is None) == (spec.input_ids is None):
@@ -197,6 +212,8 @@ class Receiver(Actor[Submit | AbortRequest]):
             return 0
         if priority is None:
             return WORST_PRIORITY if cfg.schedule_low_priority_values_first else -WORST_PRIORITY
+        if priority not in INT64:
+            raise InvalidInput(f"priority must be a 64-bit signed integer, got {priority}", "priority")
         return priority
 
 

@@ -163,6 +163,8 @@ def decode(body: bytes, schema: type[S]) -> S:
         return _raise(invalid(f"invalid request: {exc}", param_of(str(exc))))
     except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 inside a string is the latter
         return _raise(invalid(f"the request body is not valid JSON: {exc}", code="invalid_json"))
+    except RecursionError:  # msgspec's guard against nesting deeper than the interpreter's limit
+        return _raise(invalid("the request body is not valid JSON: nested too deeply", code="invalid_json"))
 
 
 def _raise(error: ApiError) -> Any:

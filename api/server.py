@@ -148,7 +148,9 @@ class Server:
             return await handler(request)
         given = request.headers.get("Authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: encoding back the same way
+        # gives the bytes the client sent, whatever they are (strict UTF-8 raised: a 500).
+        if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), key.encode()):
             raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')", code="invalid_api_key")
         return await handler(request)
 
@@ -342,6 +344,12 @@ class Server:
     def _prompt_text(self, call: EngineCall) -> str:
         if call.prompt is not None:
             return call.prompt
+        # Echo decodes the ids before the engine has checked them, and the tokenizer overflows on
+        # ids outside its range (a 500): refuse them here, as the engine would.
+        vocab = self.engine.receiver.limits.vocab_size
+        bad = [t for t in call.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise invalid(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
         return self.engine.tokenizer.decode(call.input_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _deltas(self, calls: Sequence[EngineCall]) -> AsyncIterator[tuple[EngineCall, Delta]]:
@@ -466,8 +474,11 @@ def _default_model_name(model_path: str | None) -> str:
 # --- running ----------------------------------------------------------------------------------
 async def start_site(server: Server, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Listen on host:port (0: a free port); returns the runner and the bound port."""
+    # auto_decompress off: bodies are read as sent (as SGLang's and vLLM's servers do). aiohttp's
+    # decompression of a body that is not what its Content-Encoding says answered 500, or never.
     runner = web.AppRunner(
-        server.app, handler_cancellation=True, access_log=None, shutdown_timeout=server.settings.shutdown_timeout_s
+        server.app, handler_cancellation=True, access_log=None, shutdown_timeout=server.settings.shutdown_timeout_s,
+        auto_decompress=False,
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
