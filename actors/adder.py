@@ -540,4 +540,7 @@ class Adder(Actor[AdderMsg]):
             "aborted": self.counters["aborted"],
             "scheduler_s": self.scheduler_s,
             "rows_free": self.req_to_token.available(),
+            "rows_total": self.req_to_token.max_requests,
+            "kv_protected": self.cache.protected_size(),
+            "adder_idle": self._idle(),
         }

@@ -7,6 +7,7 @@ own (api/core_process.py). Its peers reach it through the Policy's and the Adder
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,8 @@ class Core:
             "generated_tokens": self.output.generated_tokens,
             "forward_steps": self.executor.steps,
             "forward_s": self.executor.forward_s,
+            # CPU time of the thread running the core's loop (the whole process's loop when inline)
+            "loop_cpu_s": time.thread_time(),
         }
 
 

@@ -34,6 +34,7 @@ from runtime.ipc import (
     CoreShutdown,
     CoreSockets,
     CoreStats,
+    CoreStatsQuery,
     FromCore,
     ToCore,
 )
@@ -45,13 +46,12 @@ EXIT_TIMEOUT_S = 10.0
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None], torch_threads: int | None = None):
+    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None]):
         self.config = config
         self.on_failure = on_failure
-        self.torch_threads = torch_threads
         self.streams: dict[str, RequestStream] = {}
-        self.stats: dict[str, Any] = {}
-        self._flushes: dict[int, asyncio.Future[bool]] = {}
+        self.stats: dict[str, Any] = {}  # the core's latest periodic report
+        self._answers: dict[int, asyncio.Future[Any]] = {}  # ticket -> the core's answer to a query
         self._tickets = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
@@ -73,7 +73,7 @@ class CoreClient:
         self._to_core.bind(self._sockets.to_core)
         self._from_core.bind(self._sockets.from_core)
         spawn = multiprocessing.get_context("spawn")
-        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid(), self.torch_threads)
+        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid())
         self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
         self._process.start()
         try:
@@ -93,10 +93,22 @@ class CoreClient:
         await self._to_core.send(self._encoder.encode(msg))
 
     async def flush_cache(self) -> bool:
+        """Drop the core's prefix cache; False if it was busy (or is gone)."""
+        return bool(await self._ask(CoreFlush, False))
+
+    async def current_stats(self) -> dict[str, Any]:
+        """The core's counters as they are now (after everything sent before this call)."""
+        return await self._ask(CoreStatsQuery, self.stats)
+
+    async def _ask(self, query: type[CoreFlush] | type[CoreStatsQuery], if_gone: Any) -> Any:
+        if self._closing:
+            return if_gone
         ticket = next(self._tickets)
-        done = self._flushes[ticket] = asyncio.get_running_loop().create_future()
-        await self.send(CoreFlush(ticket))
-        return await done
+        answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
+        answer.add_done_callback(lambda _: self._answers.pop(ticket, None))
+        await self.send(query(ticket))
+        result = await answer
+        return if_gone if result is None else result
 
     async def close(self) -> None:
         """Stop the core (asking first, then killing), close the sockets, remove their directory."""
@@ -112,9 +124,7 @@ class CoreClient:
         if self._reader is not None:
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        for future in self._flushes.values():
-            if not future.done():
-                future.set_result(False)
+        self._answer_all(None)
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._ctx.term()
@@ -151,11 +161,11 @@ class CoreClient:
             if isinstance(msg, CoreOutputs):
                 self._deliver(msg)
             elif isinstance(msg, CoreStats):
-                self.stats = msg.stats
+                self.stats = msg.stats  # periodic or asked for: the newest either way
+                if msg.ticket is not None:
+                    self._answer(msg.ticket, msg.stats)
             elif isinstance(msg, CoreFlushed):
-                future = self._flushes.pop(msg.ticket, None)
-                if future is not None and not future.done():
-                    future.set_result(msg.done)
+                self._answer(msg.ticket, msg.done)
             elif isinstance(msg, CoreFailed):
                 self._fail(msg.message)
                 return
@@ -170,6 +180,16 @@ class CoreClient:
                 del streams[delta.rid]
             stream.push(delta)
 
+    def _answer(self, ticket: int, result: Any) -> None:
+        future = self._answers.get(ticket)
+        if future is not None and not future.done():
+            future.set_result(result)
+
+    def _answer_all(self, result: Any) -> None:
+        for future in list(self._answers.values()):
+            if not future.done():
+                future.set_result(result)
+
     def _process_exited(self) -> None:
         assert self._process is not None
         asyncio.get_running_loop().remove_reader(self._process.sentinel)
@@ -182,6 +202,7 @@ class CoreClient:
             return
         self._closing = True
         self.streams.clear()  # the Engine ends every request it holds
+        self._answer_all(None)
         self.on_failure(message)
 
 

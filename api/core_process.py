@@ -33,6 +33,7 @@ from runtime.ipc import (
     CoreShutdown,
     CoreSockets,
     CoreStats,
+    CoreStatsQuery,
     FromCore,
     ToCore,
 )
@@ -46,16 +47,16 @@ STATS_PERIOD_S = 0.05  # how often the frontend's view of the core's counters is
 PARENT_CHECK_PERIOD_S = 0.2
 
 
-def main(config_bytes: bytes, sockets_dir: str, parent_pid: int, torch_threads: int | None) -> None:
+def main(config_bytes: bytes, sockets_dir: str, parent_pid: int) -> None:
     """Process entry point (spawned: nothing is inherited but these arguments)."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if torch_threads:
+    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+    if config.core_threads:
         import torch
 
-        torch.set_num_threads(torch_threads)
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        torch.set_num_threads(config.core_threads)
     uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid))
 
 
@@ -131,6 +132,8 @@ class CoreServer:
                 await self._abort(msg.rid)
             elif isinstance(msg, CoreFlush):
                 asyncio.create_task(self._flush(msg.ticket))
+            elif isinstance(msg, CoreStatsQuery):
+                self._send(CoreStats(self.core.stats(), msg.ticket))
             elif isinstance(msg, CoreShutdown):
                 return
 

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -85,6 +86,8 @@ class Engine:
         self._closed = False
         self._rid_counter = itertools.count()
         self.tokenizer: Any = None
+        self.vocab_size = 0  # the model's, once started
+        self.model_dir: Path | None = None  # the checkpoint directory (a GGUF file converted), once started
         # Inline: the core's parts, for tests and benchmarks that look inside. Core process: None.
         self.core: Core | None = None
         self.runner: ModelRunner | None = None
@@ -114,15 +117,16 @@ class Engine:
         self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
         self.prefix_cache = core.prefix_cache
         self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output
+        self.vocab_size, self.model_dir = core.runner.vocab_size, core.runner.model_dir
         self.receiver = Receiver(self.config, self.tokenizer, core.limits, core.policy, core.adder)
         self._actors = [self.receiver, *core.actors]
 
     async def _start_core_process(self) -> None:
-        model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
         client = CoreClient(self.config, self._core_failed)
         ready = await client.start()
-        self.client, self.config = client, ready.config
+        self.client, self.config, self.vocab_size = client, ready.config, ready.vocab_size
         cfg = self.config
         assert cfg.context_length is not None and cfg.max_total_tokens is not None
         limits = ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
@@ -216,18 +220,29 @@ class Engine:
             await self.receiver.send(AbortRequest(rid))
 
     async def flush_cache(self) -> bool:
-        """Drop every cached prefix; False (nothing done) while requests are running."""
+        """Drop every cached prefix; False (nothing done) while requests are running or when the
+        engine is not running."""
+        if not self._started:
+            return False
         if self.client is not None:
             return await self.client.flush_cache()
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        await self.adder.send(FlushCache(done))
+        if not await self.adder.send(FlushCache(done)):
+            return False
         return await done
 
     def stats(self) -> dict[str, Any]:
+        """The engine's counters; with a core process, as of its latest report (at most
+        `STATS_PERIOD_S` old). `current_stats` waits for the core's counters as they are now."""
         if not self._started:
             return {"running": False, "failure": self._failure}
         core_stats = self.client.stats if self.client is not None else self.core.stats()
         return {**core_stats, "failure": self._failure}
+
+    async def current_stats(self) -> dict[str, Any]:
+        if self.client is None or not self._started:
+            return self.stats()
+        return {**await self.client.current_stats(), "failure": self._failure}
 
     # --- internals ----------------------------------------------------------------------------
     async def _submit(self, msg: Submit) -> None:

@@ -306,7 +306,7 @@ class Server:
             "host": s.host,
             "port": s.port,
             "max_body_bytes": s.max_body_bytes,
-            "stats": {**self.engine.stats(), "http_live_requests": len(self.live)},
+            "stats": {**await self.engine.current_stats(), "http_live_requests": len(self.live)},
         }
         return _json(info)
 
@@ -329,6 +329,7 @@ class Server:
         return _json({"success": True, "aborted": rids})
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        await self.engine.current_stats()  # the collectors then read the core's counters as of now
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # --- engine calls -------------------------------------------------------------------------

@@ -262,7 +262,7 @@ async def _engine_run(path: str, variant: Variant, overlap: bool, running: int, 
         max_total_tokens=requests * (PROMPT_LEN + NEW_TOKENS) + 1024,  # all of them fit: no retraction
     )
     async with Engine(**config) as engine:
-        vocab = engine.runner.vocab_size
+        vocab = engine.vocab_size
         prompts = [torch.randint(3, vocab, (PROMPT_LEN,), generator=gen).tolist() for _ in range(requests)]
         params = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS, "temperature": 0}
         await engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 4})  # warm-up

@@ -88,15 +88,15 @@ async def run_engine(config: dict[str, Any], requests: list[Request]) -> EngineR
         start = time.perf_counter()
         outs = await asyncio.gather(*(_generate(engine, r) for r in requests))
         elapsed = time.perf_counter() - start
-        assert engine.runner is not None
+        assert engine.model_dir is not None
         return EngineRun(
             elapsed_s=elapsed,
             output_tokens=sum(o.completion_tokens for o in outs),
             prompt_tokens=sum(o.prompt_tokens for o in outs),
             cached_tokens=sum(o.cached_tokens for o in outs),
-            stats=engine.stats(),
-            model_dir=engine.runner.model_dir,
-            vocab_size=engine.runner.vocab_size,
+            stats=await engine.current_stats(),
+            model_dir=engine.model_dir,
+            vocab_size=engine.vocab_size,
         )
 
 
@@ -116,8 +116,7 @@ async def _generate(engine: Engine, r: Request) -> GenerateOutput:
 
 
 async def _warm_up(engine: Engine) -> None:
-    assert engine.runner is not None
-    span = engine.runner.vocab_size - 20
+    span = engine.vocab_size - 20
     warm = [Request(i, [10 + (i * 13 + j) % span for j in range(16 + 8 * i)], WARMUP_NEW_TOKENS) for i in range(WARMUP_REQUESTS)]
     await asyncio.gather(*(_generate(engine, r) for r in warm))
     # The timed run starts from an empty prefix cache; the last release may trail the answers.

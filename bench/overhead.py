@@ -205,7 +205,7 @@ class Rig:
 
 async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, **config: Any) -> Rig:
     """A started, instrumented Engine; with `step_s` its model is replaced by a NullDevice."""
-    engine = Engine(model_path=str(model_dir), random_seed=0, **config)
+    engine = Engine(model_path=str(model_dir), random_seed=0, inline_core=True, **config)
     await engine.start()
     # As `actorserve serve` does: startup objects (torch, the tokenizer) leave the collector's
     # view, else every full collection walks them and stalls the loop for ~0.2 s.

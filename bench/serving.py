@@ -382,13 +382,13 @@ class ModelInfo:
         from gpu.loader import resolve_model_dir
 
         if self.engine is not None:
-            return self.engine.runner.model_dir
+            return self.engine.model_dir
         return resolve_model_dir(self.model_path)
 
     def vocab_size(self) -> int:
         if self._vocab_size is None:
             if self.engine is not None:
-                self._vocab_size = self.engine.runner.vocab_size
+                self._vocab_size = self.engine.vocab_size
             else:
                 directory = Path(self.model_path) if self.model_path else None
                 if directory is None or not (directory / "config.json").is_file():
@@ -489,7 +489,7 @@ async def amain(args: argparse.Namespace) -> list[RunResult]:
                 gc.freeze()
             backend: Backend = EngineBackend(engine, extra)
             info = ModelInfo(kwargs["model_path"], args.tokenizer, args.vocab_size, engine=engine)
-            return await _run_all(args, backend, info, str(engine.runner.model_dir))
+            return await _run_all(args, backend, info, str(engine.model_dir))
     _warn_engine_flags(args)
     backend = http = HttpBackend(args.backend, args.base_url, args.api_key, args.model, extra)
     try:

@@ -120,7 +120,7 @@ class EngineBackend(Backend):
         return False
 
     async def server_info(self) -> dict[str, Any]:
-        return {**msgspec.structs.asdict(self.engine.config), "stats": self.engine.stats()}
+        return {**msgspec.structs.asdict(self.engine.config), "stats": await self.engine.current_stats()}
 
 
 class HttpBackend(Backend):

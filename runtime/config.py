@@ -28,8 +28,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     cuda_graph_max_bs: int | None = None
     random_seed: int | None = None
     # False: the engine core (Policy, Adder, Executor, OutputProcessor) runs in its own process,
-    # so tokenization, streaming and HTTP never share its loop.
-    inline_core: bool = True
+    # so tokenization, detokenization, streaming and HTTP never share its loop.
+    inline_core: bool = False
+    core_threads: int | None = None  # torch threads of the engine core; None: torch's default (every core)
 
     # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
@@ -95,6 +96,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
+            (_positive_or_none(self.core_threads), f"core_threads must be positive, got {self.core_threads}"),
             (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
             (
                 not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,

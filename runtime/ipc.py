@@ -47,11 +47,17 @@ class CoreFlush(msgspec.Struct, frozen=True, tag=True, array_like=True):
     ticket: int
 
 
+class CoreStatsQuery(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """Ask for the counters now (not the last periodic ones); answered by `CoreStats` with the ticket."""
+
+    ticket: int
+
+
 class CoreShutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
     pass
 
 
-ToCore = CoreRequest | CoreAbort | CoreFlush | CoreShutdown
+ToCore = CoreRequest | CoreAbort | CoreFlush | CoreStatsQuery | CoreShutdown
 
 
 # --- core -> frontend ---------------------------------------------------------------------------
@@ -75,6 +81,7 @@ class CoreOutputs(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 class CoreStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
     stats: dict[str, Any]
+    ticket: int | None = None  # the query answered; None: the periodic report
 
 
 class CoreFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):

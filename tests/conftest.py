@@ -77,3 +77,13 @@ def smollm2_dir() -> Path:
     from gpu.gguf_loader import default_model_path, gguf_to_hf_dir
 
     return gguf_to_hf_dir(default_model_path())
+
+
+CORE_MODES = {"inline": {"inline_core": True}, "core-process": {"inline_core": False}}
+
+
+@pytest.fixture(params=list(CORE_MODES))
+def core_mode(request: pytest.FixtureRequest) -> dict[str, bool]:
+    """Engine keyword arguments for each way of running the core: tests that only talk to the
+    Engine's API take this and run in both."""
+    return CORE_MODES[request.param]

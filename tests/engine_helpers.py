@@ -1,34 +1,44 @@
-"""Shared checks for end-to-end Engine tests."""
+"""Shared checks for end-to-end Engine tests, the same for an inline core and a core process:
+they read the core's counters (`Engine.current_stats`), never its actors."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from api.engine import Engine
 
 
-async def wait_idle(engine: Engine, timeout: float = 10.0) -> None:
-    """Wait until every launched step has reported and every ended request is released."""
+def _idle(stats: dict[str, Any]) -> bool:
+    return stats["adder_idle"] and stats["num_waiting"] == 0
+
+
+async def wait_idle(engine: Engine, timeout: float = 10.0) -> dict[str, Any]:
+    """Wait until every launched step has reported and every ended request is released; the
+    core's counters then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    adder = engine.adder
-    while adder.in_flight or adder.ending or adder.running or adder.chunked or engine.policy.waiting:
-        assert loop.time() < deadline, f"engine not idle: {engine.stats()}"
+    while not _idle(stats := await engine.current_stats()):
+        assert loop.time() < deadline, f"engine not idle: {stats}"
         await asyncio.sleep(0.01)
+    return stats
 
 
 async def assert_idle_invariants(engine: Engine) -> None:
-    """KV accounting, no held request row, empty queue, nothing live in the Receiver."""
-    await wait_idle(engine)
-    stats = engine.stats()
+    """KV accounting, no held request row, empty queue, nothing live in the frontend."""
+    stats = await wait_idle(engine)
     assert stats["kv_free"] + stats["kv_cached"] == stats["kv_pool_size"], stats
-    assert engine.prefix_cache.protected_size() == 0, stats
-    assert stats["rows_free"] == engine.runner.req_to_token.max_requests, stats
+    assert stats["kv_protected"] == 0, stats
+    assert stats["rows_free"] == stats["rows_total"], stats
     assert stats["num_waiting"] == 0 and stats["num_running"] == 0, stats
     assert not engine.receiver.live, list(engine.receiver.live)
+    assert engine.client is None or not engine.client.streams, list(engine.client.streams)
 
 
 async def close_and_check_tasks(engine: Engine) -> None:
     actors = list(engine._actors)
+    client = engine.client
     await engine.close()
     assert all(not actor.alive for actor in actors)
+    if client is not None:
+        assert client.pid is None, "the core process was not reaped"

@@ -99,7 +99,7 @@ async def test_runner_and_engine_config_show_the_resolved_dtype(tiny_llama: Path
     from api.engine import Engine
 
     expected = "bfloat16" if cpu_bf16_features() else "float32"  # what `auto` is on this machine
-    async with Engine(model_path=str(tiny_llama), max_total_tokens=256) as engine:
+    async with Engine(model_path=str(tiny_llama), max_total_tokens=256, inline_core=True) as engine:
         assert engine.runner is not None
         assert engine.config.dtype == engine.runner.dtype_name == expected != "auto"
         assert engine.runner.dtype == getattr(torch, expected)

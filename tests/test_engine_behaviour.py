@@ -33,14 +33,14 @@ async def _first_delta(engine: Engine, prompt: list[int], **kw):
 
 async def _wait_queued(engine: Engine, n: int) -> None:
     for _ in range(500):
-        if engine.stats()["num_waiting"] >= n:
+        if (await engine.current_stats())["num_waiting"] >= n:
             return
         await asyncio.sleep(0.01)
-    raise AssertionError(f"{n} requests never queued: {engine.stats()}")
+    raise AssertionError(f"{n} requests never queued: {(await engine.current_stats())}")
 
 
-async def test_priority_order_and_queue_eviction(model_path):
-    engine = Engine(model_path=model_path, max_running_requests=1, max_queued_requests=3, enable_priority_scheduling=True)
+async def test_priority_order_and_queue_eviction(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode, max_running_requests=1, max_queued_requests=3, enable_priority_scheduling=True)
     async with engine:
         long_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 64}, priority=0)
         order: list[str] = []
@@ -64,8 +64,8 @@ async def test_priority_order_and_queue_eviction(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_preemption_only_past_the_threshold(model_path):
-    engine = Engine(model_path=model_path, max_running_requests=1, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10)
+async def test_preemption_only_past_the_threshold(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode, max_running_requests=1, enable_priority_scheduling=True, priority_scheduling_preemption_threshold=10)
     low_params = {**GREEDY, "max_new_tokens": 300}
     async with engine:
         reference = await engine.generate(input_ids=[5] * 8, sampling_params=low_params)
@@ -74,10 +74,10 @@ async def test_preemption_only_past_the_threshold(model_path):
         equal = asyncio.create_task(engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=10))
         await _wait_queued(engine, 1)
         await asyncio.sleep(0.05)
-        assert engine.stats()["preemptions"] == 0 and not equal.done()
+        assert (await engine.current_stats())["preemptions"] == 0 and not equal.done()
         # Strictly greater does, at once; the preempted request resumes with the same tokens.
         await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=11)
-        assert engine.stats()["preemptions"] == 1 and not low_task.done()
+        assert (await engine.current_stats())["preemptions"] == 1 and not low_task.done()
         parts = await low_task
         await equal
         assert [t for p in parts for t in p.output_ids] == reference.output_ids
@@ -85,8 +85,8 @@ async def test_preemption_only_past_the_threshold(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_aborts_of_waiting_running_and_chunked_requests(model_path):
-    engine = Engine(model_path=model_path, max_running_requests=1, chunked_prefill_size=8)
+async def test_aborts_of_waiting_running_and_chunked_requests(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode, max_running_requests=1, chunked_prefill_size=8)
     async with engine:
         running, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 200}, rid="running")
         waiting = asyncio.create_task(engine.generate(input_ids=[6] * 4, sampling_params=GREEDY, rid="waiting"))
@@ -102,12 +102,12 @@ async def test_aborts_of_waiting_running_and_chunked_requests(model_path):
         await engine.abort("chunked")
         assert (await chunked).finish_reason == "abort"
         await assert_idle_invariants(engine)
-        assert engine.stats()["aborted"] >= 2
+        assert (await engine.current_stats())["aborted"] >= 2
     await close_and_check_tasks(engine)
 
 
-async def test_a_stream_left_early_is_aborted(model_path):
-    engine = Engine(model_path=model_path)
+async def test_a_stream_left_early_is_aborted(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         async for _ in engine.stream(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 500}):
             break
@@ -122,8 +122,8 @@ async def test_a_stream_left_early_is_aborted(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_bad_input_is_refused_without_leaks(model_path):
-    engine = Engine(model_path=model_path, context_length=64)
+async def test_bad_input_is_refused_without_leaks(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode, context_length=64)
     async with engine:
         with pytest.raises(InvalidRequest, match="top_p") as err:
             await engine.generate(input_ids=[1, 2], sampling_params={"top_p": 1.5})
@@ -148,13 +148,13 @@ async def test_bad_input_is_refused_without_leaks(model_path):
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
     with pytest.raises(ValueError, match="schedule_policy"):
-        Engine(model_path=model_path, schedule_policy="nope")
+        Engine(model_path=model_path, **core_mode, schedule_policy="nope")
     with pytest.raises(ValueError, match="enable_mixed_chunk"):
-        Engine(model_path=model_path, enable_mixed_chunk=True, chunked_prefill_size=None)
+        Engine(model_path=model_path, **core_mode, enable_mixed_chunk=True, chunked_prefill_size=None)
 
 
 async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monkeypatch):
-    engine = Engine(model_path=model_path)
+    engine = Engine(model_path=model_path, inline_core=True)
     async with engine:
         def boom(batch):
             raise RuntimeError("simulated device failure")
@@ -174,7 +174,7 @@ async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monk
 async def test_a_request_that_cannot_preempt_stays_queued(model_path):
     """With every row taken, only a request that may preempt goes to the Adder; a less important
     one stays in the queue (where a better newcomer can evict it) instead of going back and forth."""
-    engine = Engine(model_path=model_path, max_running_requests=1, enable_priority_scheduling=True)
+    engine = Engine(model_path=model_path, inline_core=True, max_running_requests=1, enable_priority_scheduling=True)
     async with engine:
         handed: list[list[int]] = []  # the priorities of each round's candidates
         form_prefill = engine.adder._form_prefill
@@ -190,12 +190,12 @@ async def test_a_request_that_cannot_preempt_stays_queued(model_path):
         await asyncio.gather(long_task, low)
         assert sum(1 in c for c in handed) == 1  # once, when the long request had finished
         await assert_idle_invariants(engine)
-        assert engine.stats()["preemptions"] == 0
+        assert (await engine.current_stats())["preemptions"] == 0
     await close_and_check_tasks(engine)
 
 
-async def test_logit_bias_forces_and_bans_tokens(model_path):
-    engine = Engine(model_path=model_path)
+async def test_logit_bias_forces_and_bans_tokens(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         prompt, sampling = [5, 6, 7, 8], {**GREEDY, "max_new_tokens": 3}
         forced = await engine.generate(input_ids=prompt, sampling_params={**sampling, "logit_bias": {"9": 100}})
@@ -211,11 +211,11 @@ async def test_logit_bias_forces_and_bans_tokens(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model_path):
-    engine = Engine(model_path=model_path)
+async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode)
     await engine.start()
     long = asyncio.create_task(engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": None, "ignore_eos": True}))
-    while engine.stats()["num_running"] == 0:
+    while (await engine.current_stats())["num_running"] == 0:
         await asyncio.sleep(0.01)
     await engine.close()
     with pytest.raises(Rejected) as in_flight:
@@ -230,7 +230,7 @@ async def test_close_refuses_in_flight_and_later_requests_as_shutting_down(model
 async def test_close_in_the_same_iteration_as_submissions_ends_them_all(model_path):
     """Submissions still in the Receiver's mailbox (or being tokenized, or waiting for room in
     a full mailbox) when close() cancels the actors end with shutting_down instead of hanging."""
-    engine = Engine(model_path=model_path, tokenize_off_loop_chars=8)
+    engine = Engine(model_path=model_path, inline_core=True, tokenize_off_loop_chars=8)
     await engine.start()
     engine.receiver.mailbox = asyncio.Queue(4)  # a small mailbox: later senders wait for room
     calls = [engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4}) for _ in range(8)]
@@ -243,7 +243,7 @@ async def test_close_in_the_same_iteration_as_submissions_ends_them_all(model_pa
     assert not any(a.alive for a in engine._actors)
 
 
-async def test_generate_and_stream_keywords_are_typed():
+async def test_generate_and_stream_keywords_are_typed(core_mode):
     import inspect
 
     for method in (Engine.generate, Engine.stream):
@@ -251,13 +251,13 @@ async def test_generate_and_stream_keywords_are_typed():
         for name in ("rid", "priority", "routing_key", "extra_key", "return_logprob", "top_logprobs_num", "logprob_start_len"):
             assert params[name].kind is inspect.Parameter.KEYWORD_ONLY and params[name].annotation != inspect.Parameter.empty
         assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    engine = Engine()
+    engine = Engine(**core_mode)
     with pytest.raises(TypeError, match="priorty"):
         await engine.generate(input_ids=[1], priorty=3)
 
 
-async def test_stream_text_logprobs_and_stop_strings(model_path):
-    engine = Engine(model_path=model_path)
+async def test_stream_text_logprobs_and_stop_strings(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         full = await engine.generate(prompt="hello world", sampling_params={**GREEDY, "max_new_tokens": 24}, return_logprob=True, top_logprobs_num=3)
         assert len(full.logprobs) == 24 and all(x <= 0 for x in full.logprobs)
@@ -277,19 +277,19 @@ async def test_stream_text_logprobs_and_stop_strings(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_seeded_sampling_is_the_same_with_and_without_overlap(model_path):
+async def test_seeded_sampling_is_the_same_with_and_without_overlap(core_mode, model_path):
     params = {"temperature": 1.0, "top_p": 0.9, "seed": 11, "max_new_tokens": 16, "ignore_eos": True, "frequency_penalty": 0.5}
     results = []
     for overlap_off in (False, True):
-        async with Engine(model_path=model_path, disable_overlap_schedule=overlap_off) as engine:
+        async with Engine(model_path=model_path, **core_mode, disable_overlap_schedule=overlap_off) as engine:
             outs = await asyncio.gather(*(engine.generate(input_ids=[3 + i, 4, 5], sampling_params=params) for i in range(6)))
             results.append([o.output_ids for o in outs])
     assert results[0] == results[1]
     assert len({tuple(r) for r in results[0]}) > 1
 
 
-async def test_queue_timeout_rejects_a_request_that_waited_too_long(model_path):
-    engine = Engine(model_path=model_path, max_running_requests=1, queue_timeout_s=0.2)
+async def test_queue_timeout_rejects_a_request_that_waited_too_long(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode, max_running_requests=1, queue_timeout_s=0.2)
     async with engine:
         running, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 400})
         with pytest.raises(Rejected, match="waited in the queue"):
@@ -297,12 +297,12 @@ async def test_queue_timeout_rejects_a_request_that_waited_too_long(model_path):
         running.cancel()  # the stream is left: the running request is aborted
         await asyncio.gather(running, return_exceptions=True)
         await assert_idle_invariants(engine)
-        assert engine.stats()["queue_timeouts"] == 1
+        assert (await engine.current_stats())["queue_timeouts"] == 1
     await close_and_check_tasks(engine)
 
 
-async def test_a_reader_that_stops_reading_blocks_nobody(model_path):
-    engine = Engine(model_path=model_path)
+async def test_a_reader_that_stops_reading_blocks_nobody(core_mode, model_path):
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         slow = engine.stream(input_ids=[4, 5, 6], sampling_params={**GREEDY, "max_new_tokens": 40})
         first = await slow.__anext__()  # then stop reading while the engine goes on
@@ -315,17 +315,17 @@ async def test_a_reader_that_stops_reading_blocks_nobody(model_path):
     await close_and_check_tasks(engine)
 
 
-async def test_aborting_requests_while_retraction_happens(tiny_model_factory):
+async def test_aborting_requests_while_retraction_happens(core_mode, tiny_model_factory):
     path = str(tiny_model_factory("llama", max_position_embeddings=512))
-    engine = Engine(model_path=path, max_total_tokens=256)
+    engine = Engine(model_path=path, **core_mode, max_total_tokens=256)
     async with engine:
         params = {**GREEDY, "max_new_tokens": 60}
         tasks = [asyncio.create_task(engine.generate(input_ids=[3 + i] * 12, sampling_params=params, rid=f"r{i}")) for i in range(12)]
         for _ in range(1000):
-            if engine.stats()["retractions"]:
+            if (await engine.current_stats())["retractions"]:
                 break
             await asyncio.sleep(0.005)
-        assert engine.stats()["retractions"] > 0
+        assert (await engine.current_stats())["retractions"] > 0
         for i in range(0, 12, 2):
             await engine.abort(f"r{i}")
         outs = await asyncio.gather(*tasks)
@@ -335,27 +335,27 @@ async def test_aborting_requests_while_retraction_happens(tiny_model_factory):
     await close_and_check_tasks(engine)
 
 
-async def test_penalties_see_the_cached_prefix(model_path):
+async def test_penalties_see_the_cached_prefix(core_mode, model_path):
     """Repetition penalties count prompt tokens, including a prefix served from the radix cache."""
     params = {**GREEDY, "max_new_tokens": 16, "repetition_penalty": 1.8, "frequency_penalty": 0.4}
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20] * 3
     results = []
     for disable in (True, False):
-        async with Engine(model_path=model_path, disable_radix_cache=disable) as engine:
+        async with Engine(model_path=model_path, **core_mode, disable_radix_cache=disable) as engine:
             first = await engine.generate(input_ids=prompt, sampling_params=params)
             second = await engine.generate(input_ids=prompt, sampling_params=params)
             assert second.cached_tokens == (0 if disable else len(prompt) - 1)
             results.append((first.output_ids, second.output_ids))
     assert results[0][0] == results[0][1] == results[1][0] == results[1][1]
-    async with Engine(model_path=model_path) as engine:
+    async with Engine(model_path=model_path, **core_mode) as engine:
         plain = await engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 16})
     assert plain.output_ids != results[0][0]  # the penalties did change the answer
 
 
-async def test_a_request_as_big_as_the_pool_still_runs(model_path):
+async def test_a_request_as_big_as_the_pool_still_runs(core_mode, model_path):
     """max_new_tokens is clipped to what the pool holds; an idle engine admits it and finishes."""
     for disable_radix in (False, True):
-        engine = Engine(model_path=model_path, max_total_tokens=64, disable_radix_cache=disable_radix)
+        engine = Engine(model_path=model_path, **core_mode, max_total_tokens=64, disable_radix_cache=disable_radix)
         async with engine:
             out = await asyncio.wait_for(engine.generate(input_ids=[5] * 20, sampling_params={**GREEDY, "max_new_tokens": 500}), 30)
             assert out.finish_reason == "length" and 0 < out.completion_tokens < 64 - 20
@@ -367,7 +367,7 @@ async def test_the_documented_api(model_path):
     from api import Engine as PublicEngine
     from api import SamplingParams
 
-    async with PublicEngine(model_path=model_path, schedule_policy="lpm", chunked_prefill_size=512) as engine:
+    async with PublicEngine(model_path=model_path, inline_core=True, schedule_policy="lpm", chunked_prefill_size=512) as engine:
         out = await engine.generate(prompt="Hello", sampling_params={"max_new_tokens": 16, "temperature": 0})
         assert out.finish_reason in ("stop", "length") and out.prompt_tokens > 0
         out = await engine.generate(
@@ -378,15 +378,15 @@ async def test_the_documented_api(model_path):
         deltas = [d async for d in engine.stream(prompt="Hi", sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})]
         assert deltas[-1].finish_reason == "length" and sum(len(d.output_ids) for d in deltas) == 4
         await engine.abort("req-unknown")  # aborting an unknown id is a no-op
-        stats = engine.stats()
+        stats = (await engine.current_stats())
         for key in ("kv_pool_size", "kv_free", "kv_cached", "num_running", "num_waiting", "new_token_ratio", "steps", "retractions", "preemptions", "aborted"):
             assert key in stats
         assert stats["steps"] > 0
 
 
-async def test_a_running_requests_prompt_is_already_cached(model_path):
+async def test_a_running_requests_prompt_is_already_cached(core_mode, model_path):
     """Prompts enter the radix cache after their prefill, not when the request finishes."""
-    async with Engine(model_path=model_path) as engine:
+    async with Engine(model_path=model_path, **core_mode) as engine:
         prefix = list(range(20, 84))
         running, _ = await _first_delta(engine, prefix + [7], sampling_params={**GREEDY, "max_new_tokens": 200})
         out = await engine.generate(input_ids=prefix + [8, 9], sampling_params={**GREEDY, "max_new_tokens": 2})

@@ -62,8 +62,15 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-async def test_greedy_parity(workload, name, monkeypatch):
+# Through the core process too: the scheduling-heavy ones (each start costs a process spawn).
+THROUGH_CORE_PROCESS = ("fcfs", "lpm", "chunked-16", "page-4", "no-overlap")
+PARITY_CASES = [pytest.param(name, True, id=f"{name}-inline") for name in CONFIGS] + [
+    pytest.param(name, False, id=f"{name}-core-process") for name in THROUGH_CORE_PROCESS
+]
+
+
+@pytest.mark.parametrize(("name", "inline_core"), PARITY_CASES)
+async def test_greedy_parity(workload, name, inline_core, monkeypatch):
     path, prompts, max_new, expected = workload
     shared_prefix_steps = []
     cascade = TorchAttention._decode_with_shared_prefixes
@@ -72,20 +79,20 @@ async def test_greedy_parity(workload, name, monkeypatch):
         shared_prefix_steps.append(len(meta.shared.sizes))
         return cascade(self, q, meta, layer_id)
 
-    monkeypatch.setattr(TorchAttention, "_decode_with_shared_prefixes", counted)
-    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, **CONFIGS[name])
+    monkeypatch.setattr(TorchAttention, "_decode_with_shared_prefixes", counted)  # seen inline only
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, inline_core=inline_core, **CONFIGS[name])
     async with engine:
         got = await _run_all(engine, prompts, max_new)
         assert got == expected
         await assert_idle_invariants(engine)
         if name in ("lpm", "page-4"):
-            assert engine.stats()["kv_cached"] > 0
+            assert (await engine.current_stats())["kv_cached"] > 0
     await close_and_check_tasks(engine)
-    if name in ("fcfs", "lpm"):
+    if name in ("fcfs", "lpm") and inline_core:
         assert shared_prefix_steps, "no decode step attended a shared prefix once"
 
 
-async def test_retraction_keeps_parity(workload):
+async def test_retraction_keeps_parity(workload, core_mode):
     path = workload[0]
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(4, 20))] for _ in range(12)]
@@ -98,12 +105,12 @@ async def test_retraction_keeps_parity(workload):
             expected.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False)[0, len(prompt) :].tolist())
     # Admission reserves only new_token_ratio (0.7) of each request's decode tokens, so with a
     # small pool the running requests outgrow it and decode must retract.
-    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=256)
+    engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=256, **core_mode)
     async with engine:
         outs = await asyncio.gather(
             *(engine.generate(input_ids=p, sampling_params={"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}) for p in prompts)
         )
         assert [o.output_ids for o in outs] == expected
-        assert engine.stats()["retractions"] > 0
+        assert (await engine.current_stats())["retractions"] > 0
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)

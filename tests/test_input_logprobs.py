@@ -42,8 +42,8 @@ def _expected(reference: torch.Tensor, start: int) -> list[float]:
     return [reference[t - 1, PROMPT[t]].item() for t in range(max(start, 1), len(PROMPT))]
 
 
-async def test_prompt_logprobs_over_chunks_match_transformers(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE, chunked_prefill_size=16)  # 40 tokens: three chunks
+async def test_prompt_logprobs_over_chunks_match_transformers(core_mode: dict, model_path: str, reference: torch.Tensor) -> None:
+    engine = Engine(model_path=model_path, **core_mode, dtype=REFERENCE_DTYPE, chunked_prefill_size=16)  # 40 tokens: three chunks
     async with engine:
         out = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_logprob=True, logprob_start_len=0, top_logprobs_num=3)
         assert out.input_token_ids == PROMPT
@@ -59,8 +59,8 @@ async def test_prompt_logprobs_over_chunks_match_transformers(model_path: str, r
     await close_and_check_tasks(engine)
 
 
-async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE)
+async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(core_mode: dict, model_path: str, reference: torch.Tensor) -> None:
+    engine = Engine(model_path=model_path, **core_mode, dtype=REFERENCE_DTYPE)
     async with engine:
         await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)  # the whole prompt is cached now
         again = await engine.generate(input_ids=PROMPT, sampling_params=GREEDY)
@@ -79,8 +79,8 @@ async def test_prompt_logprobs_from_a_position_behind_a_cached_prefix(model_path
     await close_and_check_tasks(engine)
 
 
-async def test_max_new_tokens_zero_only_scores_the_prompt(model_path: str, reference: torch.Tensor) -> None:
-    engine = Engine(model_path=model_path, dtype=REFERENCE_DTYPE)
+async def test_max_new_tokens_zero_only_scores_the_prompt(core_mode: dict, model_path: str, reference: torch.Tensor) -> None:
+    engine = Engine(model_path=model_path, **core_mode, dtype=REFERENCE_DTYPE)
     async with engine:
         sampling = {**GREEDY, "max_new_tokens": 0}
         out = await engine.generate(input_ids=PROMPT, sampling_params=sampling, return_logprob=True, logprob_start_len=0)
@@ -92,8 +92,8 @@ async def test_max_new_tokens_zero_only_scores_the_prompt(model_path: str, refer
     await close_and_check_tasks(engine)
 
 
-async def test_bad_logprob_start_len_names_the_field(model_path: str) -> None:
-    engine = Engine(model_path=model_path)
+async def test_bad_logprob_start_len_names_the_field(core_mode: dict, model_path: str) -> None:
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         for bad in (-2, len(PROMPT)):
             with pytest.raises(InvalidRequest, match="logprob_start_len") as exc:
@@ -116,8 +116,8 @@ def test_a_prompt_computed_again_adds_no_duplicates() -> None:
     assert req.unsent.input_logprobs == req.input_logprobs
 
 
-async def test_one_token_prompt_scores_its_token_as_none(model_path: str) -> None:
-    engine = Engine(model_path=model_path)
+async def test_one_token_prompt_scores_its_token_as_none(core_mode: dict, model_path: str) -> None:
+    engine = Engine(model_path=model_path, **core_mode)
     async with engine:
         out = await engine.generate(input_ids=[5], sampling_params={**GREEDY, "max_new_tokens": 0}, return_logprob=True, logprob_start_len=0)
         assert out.input_token_ids == [5] and out.input_logprobs == [None]

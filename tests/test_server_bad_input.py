@@ -115,5 +115,5 @@ def test_after_the_fuzzing_the_server_is_healthy_and_idle(server: ServerThread) 
         assert POST_STATUSES[200] > 0 and POST_STATUSES[400] > 0, POST_STATUSES
     assert _request(server, "GET", "/health")[0] == 200
     server.run(assert_idle_invariants(server.engine))
-    stats = server.engine.stats()
+    stats = server.run(server.engine.current_stats())
     assert stats["kv_free"] + stats["kv_cached"] == stats["kv_pool_size"]

@@ -353,5 +353,5 @@ def test_random_requests_are_never_5xx_and_leave_the_server_idle(server: ServerT
     server.run(assert_idle_invariants(server.engine))
     # Nothing leaked: once the prefix cache lets go, every KV slot is free.
     assert _request(server.port, "POST", "/flush_cache")[0] == 200
-    stats = server.engine.stats()
+    stats = server.run(server.engine.current_stats())
     assert stats["kv_free"] == stats["kv_pool_size"] and stats["failure"] is None, stats
