@@ -312,6 +312,24 @@ def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> Fini
     return token_finish(req.sampling, len(req.output_ids), new_token, eos_token_ids)
 
 
+def delta_text(
+    detok: IncrementalDetokenizer,
+    output_ids: Sequence[int],
+    finish_reason: str | None,
+    matched_stop: int | str | None,
+    no_stop_trim: bool,
+) -> str:
+    """The text of a delta whose tokens and finish were decided elsewhere (by the engine core in
+    its own process): the same text `process_token` gives for these tokens one at a time. A stop
+    token or EOS that ended the request is the delta's last id; it is left out unless no_stop_trim."""
+    if finish_reason == "stop" and isinstance(matched_stop, int) and not no_stop_trim:
+        output_ids = output_ids[:-1]
+    text = detok.push(output_ids) if output_ids else ""
+    if finish_reason in ("stop", "length"):
+        text += detok.flush()
+    return text
+
+
 def process_token(
     req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer
 ) -> tuple[str, FinishReason | None]:

@@ -3,6 +3,9 @@
 It appends tokens, checks max_new_tokens, EOS, min_new_tokens, stop token ids and stop strings,
 detokenizes incrementally (never half a UTF-8 character), streams deltas every
 `stream_interval` tokens, and reports the requests that finished to the Adder with `StepDone`.
+In the engine core process (`detokenize=False`) it decides only: deltas carry token ids, and the
+frontend turns them into text (api/core_client.py); only a request with stop strings is
+detokenized here, to find them.
 Under overlap a request finished at step N is also in step N+1: that extra token is dropped here.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.detokenizer import IncrementalDetokenizer, process_token
+from actors.detokenizer import IncrementalDetokenizer, check_finish, process_token
 from runtime.actor import Actor
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
 from runtime.req import FinishReason, Req
@@ -19,9 +22,10 @@ from runtime.stream import Delta
 
 
 class OutputProcessor(Actor[StepOut]):
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int):
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int, detokenize: bool = True):
         super().__init__("output")
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self.eos_token_ids = tuple(eos_token_ids)
         self.stream_interval = stream_interval
         self.adder: Actor[AdderMsg] | None = None  # set by the Engine (the actors form a cycle)
@@ -59,11 +63,14 @@ class OutputProcessor(Actor[StepOut]):
         if msg.top_logprobs is not None and req.top_logprobs_num:
             req.output_top_logprobs.append(msg.top_logprobs[i])
             delta.top_logprobs.append(msg.top_logprobs[i])
-        if req.detokenizer is None:
-            req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
-        text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
-        if text:
-            delta.text += text
+        if self.detokenize or req.sampling.stop:
+            if req.detokenizer is None:
+                req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+            text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
+            if self.detokenize:
+                delta.text += text
+        else:
+            reason = check_finish(req, token, self.eos_token_ids)
         if reason is None and len(req.output_ids) % self.stream_interval:
             return False
         return self._push(req, delta, reason)

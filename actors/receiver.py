@@ -90,9 +90,11 @@ class Receiver(Actor[Submit | AbortRequest]):
         if req is None or req.abort_requested:
             return
         req.abort_requested = True
-        # Whoever holds the request now sees the flag; both are told to look.
+        # Whoever holds the request now sees the flag; both are told to look (once, when both
+        # are the link to a core process).
         await self.policy.send(Wake(rid))
-        await self.adder.send(Wake(rid))
+        if self.adder is not self.policy:
+            await self.adder.send(Wake(rid))
 
     async def _build(self, msg: Submit) -> Req:
         spec = msg.spec

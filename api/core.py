@@ -71,7 +71,8 @@ async def load_core(config: EngineConfig) -> Core:
         max_running_requests=runner.req_to_token.max_requests,
     )
     prefix_cache = _prefix_cache(cfg, runner)
-    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval)
+    # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
+    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, detokenize=cfg.inline_core)
     executor = Executor(runner, output)
     adder = Adder(cfg, runner, prefix_cache, executor)
     policy = Policy(cfg, prefix_cache, adder)

@@ -1,15 +1,18 @@
 """The frontend's side of the engine core process: starting it, talking to it, noticing its death.
 
-`CoreClient` spawns api/core_process.py, owns the two IPC sockets and the map from rid to the
-caller's `RequestStream`, and hands every delta of a `CoreOutputs` to its stream. `CoreLink` is
-the actor the Receiver sends to in place of the in-process Policy and Adder: it turns `Enqueue`
-and abort `Wake`s into messages for the core.
+`CoreClient` spawns api/core_process.py, owns the two IPC sockets and the requests the core
+holds, detokenizes the token ids of each `CoreOutputs` and hands every delta to its stream, all
+of a step in one pass. `CoreLink` is the actor the Receiver sends to in place of the in-process
+Policy and Adder: it turns `Enqueue` and abort `Wake`s into messages for the core.
+
+Bounded both ways: at most `max_in_core` requests are in the core at once (a credit returned
+with each final delta: its running batch, its queue limit and `core_backlog` more); later ones
+wait here, in arrival order, and an abort takes one out at once. Nothing here waits on a reader: a stream merges what its reader has not taken.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import multiprocessing
 import os
@@ -38,18 +41,22 @@ from runtime.ipc import (
     FromCore,
     ToCore,
 )
+from actors.detokenizer import IncrementalDetokenizer, delta_text
 from runtime.messages import Enqueue, Wake
-from runtime.stream import RequestStream
+from runtime.req import Req
 
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10.0
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, on_failure: Callable[[str], None]):
+    def __init__(self, config: EngineConfig, tokenizer: Any, on_failure: Callable[[str], None]):
         self.config = config
+        self.tokenizer = tokenizer
         self.on_failure = on_failure
-        self.streams: dict[str, RequestStream] = {}
+        self.live: dict[str, Req] = {}  # sent to the core, not ended
+        self.backlog: dict[str, Req] = {}  # waiting for a credit (insertion order: arrival)
+        self.max_in_core = 0  # set once the core has resolved its limits
         self.stats: dict[str, Any] = {}  # the core's latest periodic report
         self._answers: dict[int, asyncio.Future[Any]] = {}  # ticket -> the core's answer to a query
         self._tickets = itertools.count()
@@ -57,7 +64,9 @@ class CoreClient:
         self._decoder = msgspec.msgpack.Decoder(FromCore)
         self._sockets = CoreSockets.create()
         self._ctx = zmq.asyncio.Context()
-        self._to_core = self._ctx.socket(zmq.PUSH)
+        # A plain socket: a send never waits (no high-water mark), so it can happen anywhere.
+        self._send_ctx = zmq.Context()
+        self._to_core = self._send_ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -84,13 +93,36 @@ class CoreClient:
         if not isinstance(first, CoreReady):
             await self.close()
             raise RuntimeError(first.message if isinstance(first, CoreFailed) else f"unexpected first message {first!r}")
+        cfg = first.config
+        assert cfg.max_running_requests is not None
+        # Room for the core's running batch, its queue limit, and requests it is about to refuse.
+        self.max_in_core = cfg.max_running_requests + (cfg.max_queued_requests or 0) + cfg.core_backlog
         self.stats = await self._first_stats()
         self._reader = asyncio.create_task(self._read(), name="core-client.read")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._process_exited)
         return first
 
-    async def send(self, msg: ToCore) -> None:
-        await self._to_core.send(self._encoder.encode(msg))
+    def send(self, msg: ToCore) -> None:
+        try:
+            self._to_core.send(self._encoder.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no core connected (it never started, or is gone): no one to tell
+            pass
+
+    def submit(self, req: Req) -> None:
+        """Send a validated request to the core, or hold it until a credit comes back."""
+        if req.abort_requested:  # aborted while it waited in the link's mailbox
+            self._end_unsent(req)
+        elif len(self.live) < self.max_in_core and not self.backlog:
+            self._send_request(req)
+        else:
+            self.backlog[req.rid] = req
+
+    def abort(self, rid: str) -> None:
+        held = self.backlog.pop(rid, None)
+        if held is not None:
+            self._end_unsent(held)
+        elif rid in self.live:
+            self.send(CoreAbort(rid))
 
     async def flush_cache(self) -> bool:
         """Drop the core's prefix cache; False if it was busy (or is gone)."""
@@ -106,7 +138,7 @@ class CoreClient:
         ticket = next(self._tickets)
         answer = self._answers[ticket] = asyncio.get_running_loop().create_future()
         answer.add_done_callback(lambda _: self._answers.pop(ticket, None))
-        await self.send(query(ticket))
+        self.send(query(ticket))
         result = await answer
         return if_gone if result is None else result
 
@@ -128,6 +160,7 @@ class CoreClient:
         self._to_core.close(linger=0)
         self._from_core.close(linger=0)
         self._ctx.term()
+        self._send_ctx.term()
         self._sockets.remove()
 
     # --- internals ----------------------------------------------------------------------------
@@ -149,8 +182,7 @@ class CoreClient:
         return msg.stats
 
     async def _ask_to_exit(self, process: multiprocessing.process.BaseProcess) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.send(CoreShutdown()), 1.0)
+        self.send(CoreShutdown())
         if not await _wait_exit_or(process, None, EXIT_TIMEOUT_S):
             process.kill()
             await _wait_exit_or(process, None, EXIT_TIMEOUT_S)
@@ -170,15 +202,46 @@ class CoreClient:
                 self._fail(msg.message)
                 return
 
+    @staticmethod
+    def _end_unsent(req: Req) -> None:
+        assert req.stream is not None
+        req.stream.finish("abort", prompt_tokens=len(req.origin_input_ids))
+
+    def _send_request(self, req: Req) -> None:
+        self.live[req.rid] = req
+        self.send(CoreRequest(
+            rid=req.rid,
+            input_ids=req.origin_input_ids,
+            sampling=req.sampling,
+            priority=req.priority,
+            routing_key=req.routing_key,
+            extra_key=req.extra_key,
+            return_logprob=req.return_logprob,
+            top_logprobs_num=req.top_logprobs_num,
+            logprob_start_len=req.logprob_start_len,
+            arrival_time=req.arrival_time,
+        ))
+
     def _deliver(self, msg: CoreOutputs) -> None:
-        streams = self.streams
+        """Detokenize a step's deltas and push each to its stream; then spend returned credits."""
+        live = self.live
         for delta in msg.deltas:
-            stream = streams.get(delta.rid)
-            if stream is None:
+            req = live.get(delta.rid)
+            if req is None:
                 continue  # already ended here (the frontend failed it)
+            detok = req.detokenizer
+            if detok is None and delta.output_ids:
+                detok = req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+            if detok is not None:
+                delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.sampling.no_stop_trim)
             if delta.finish_reason is not None:
-                del streams[delta.rid]
-            stream.push(delta)
+                del live[delta.rid]
+                req.detokenizer = None
+            assert req.stream is not None
+            req.stream.push(delta)
+        while self.backlog and len(live) < self.max_in_core:
+            rid = next(iter(self.backlog))
+            self._send_request(self.backlog.pop(rid))
 
     def _answer(self, ticket: int, result: Any) -> None:
         future = self._answers.get(ticket)
@@ -201,7 +264,8 @@ class CoreClient:
         if self._closing:
             return
         self._closing = True
-        self.streams.clear()  # the Engine ends every request it holds
+        self.live.clear()  # the Engine ends every request it holds (the Receiver has them all)
+        self.backlog.clear()
         self._answer_all(None)
         self.on_failure(message)
 
@@ -231,22 +295,7 @@ class CoreLink(Actor[Enqueue | Wake]):
         self.client = client
 
     async def handle(self, msg: Enqueue | Wake) -> None:
-        if isinstance(msg, Wake):
-            if msg.rid is not None:
-                await self.client.send(CoreAbort(msg.rid))
-            return
-        req = msg.req
-        assert req.stream is not None and isinstance(req.stream, RequestStream)
-        self.client.streams[req.rid] = req.stream
-        await self.client.send(CoreRequest(
-            rid=req.rid,
-            input_ids=req.origin_input_ids,
-            sampling=req.sampling,
-            priority=req.priority,
-            routing_key=req.routing_key,
-            extra_key=req.extra_key,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            logprob_start_len=req.logprob_start_len,
-            arrival_time=req.arrival_time,
-        ))
+        if isinstance(msg, Enqueue):
+            self.client.submit(msg.req)
+        elif msg.rid is not None:
+            self.client.abort(msg.rid)

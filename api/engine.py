@@ -82,6 +82,7 @@ class Engine:
         self.config = EngineConfig(**kwargs)
         self._actors: list[Actor] = []
         self._failure: str | None = None
+        self._failed = asyncio.Event()  # set with _failure
         self._started = False
         self._closed = False
         self._rid_counter = itertools.count()
@@ -124,7 +125,7 @@ class Engine:
     async def _start_core_process(self) -> None:
         self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-        client = CoreClient(self.config, self._core_failed)
+        client = CoreClient(self.config, self.tokenizer, self._core_failed)
         ready = await client.start()
         self.client, self.config, self.vocab_size = client, ready.config, ready.vocab_size
         cfg = self.config
@@ -244,6 +245,12 @@ class Engine:
             return self.stats()
         return {**await self.client.current_stats(), "failure": self._failure}
 
+    async def wait_failure(self) -> str:
+        """Returns once the engine has failed (a crashed actor, a dead core process): why."""
+        await self._failed.wait()
+        assert self._failure is not None
+        return self._failure
+
     # --- internals ----------------------------------------------------------------------------
     async def _submit(self, msg: Submit) -> None:
         if self._failure is not None:
@@ -268,6 +275,7 @@ class Engine:
         if self._failure is not None:
             return
         self._failure = message
+        self._failed.set()
         asyncio.get_running_loop().create_task(self._stop_actors(self._failure, status=500))
 
     async def _stop_actors(self, message: str, status: int, code: str | None = None) -> None:

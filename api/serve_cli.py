@@ -34,6 +34,7 @@ FIELD_HELP: dict[str, str] = {
     "random_seed": "seed of the scheduler's random choices",
     "inline_core": "run the engine core on the server's event loop instead of a process of its own (for debugging)",
     "core_threads": "torch threads of the engine core process (none: every core)",
+    "core_backlog": "requests the core process queues beyond max_running_requests + max_queued_requests; later ones wait in the server",
     "max_total_tokens": "KV pool size in tokens (none: from a memory budget)",
     "max_running_requests": "most requests decoding at once (none: what the pool holds, at most 256)",
     "page_size": "tokens per KV page",
@@ -103,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=served_model_names(args.served_model_name),
         max_body_bytes=int(args.max_body_mb * 2**20),
     )
-    uvloop.run(serve(kwargs, settings))
-    return 0
+    return uvloop.run(serve(kwargs, settings))
 
 
 def served_model_names(given: list[str]) -> tuple[str, ...]:

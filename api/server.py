@@ -508,8 +508,9 @@ def freeze_startup_objects() -> None:
     gc.freeze()
 
 
-async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> None:
-    """Run until SIGINT or SIGTERM."""
+async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> int:
+    """Run until SIGINT or SIGTERM (then 0), or until the engine fails (then 1, once every
+    client in flight has been answered with the error)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -522,11 +523,19 @@ async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> None
         server = Server(engine, settings)
         runner, port = await start_site(server, settings.host, settings.port)
         log.info("actorserve ready: http://%s:%d serving %s", settings.host, port, server.model_name)
-        await stop.wait()
-        log.info("shutting down")
+        failure = asyncio.ensure_future(engine.wait_failure())
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([failure, stopped], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        failure.cancel()
+        if failure.done() and not failure.cancelled():
+            log.error("the engine failed: %s; the server exits", failure.result())
+        else:
+            log.info("shutting down")
         # A second Ctrl-C during shutdown interrupts it the usual way.
         for sig in signals:
             loop.remove_signal_handler(sig)
         await stop_site(runner, engine)
     finally:
         await engine.close()
+    return 1 if engine.stats().get("failure") else 0

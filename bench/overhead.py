@@ -1,6 +1,6 @@
 """The runtime's own cost: the actors measured at scale with a simulated device.
 
-    python -m bench.overhead [--scenario all|decode|busy|prefill|real|profile] [--repeats 3] [--profile]
+    python -m bench.overhead [--scenario all|decode|split|busy|prefill|real|profile] [--repeats 3] [--profile]
 
 A `NullDevice` stands in for the model: every step sleeps `--step-ms` (a sleep releases the GIL,
 as a device computing would) and returns deterministic token ids (never EOS) without computing
@@ -23,6 +23,11 @@ machine do not inflate the numbers. Columns, per decode step:
 
 Scenarios:
 - decode: N requests (128-token prompts) decode together, at N = 64 / 256 / 1024.
+- split: the same decode with the engine core in its own process (the default way to run), the
+  null device installed there by a `CoreSetup`. The core reports its own counters: `sched` is its
+  actors' CPU (`Actor.cpu_s`), `loop` all CPU of its loop thread, `busy` the device's share of the
+  wall time; `frontend` is this process's loop thread (validating, detokenizing, streaming to
+  the `Engine.generate` callers). Each row is against the inline `decode` row of the same run.
 - busy: 256 running, overlap on and off.
 - prefill: 1,024 requests in 16 groups sharing 512-token system prompts (+64-token questions)
   are queued at once behind a hot cache (one request per group ran before); per prefill round
@@ -54,6 +59,7 @@ from typing import Any
 
 import uvloop
 
+from api.core import Core, CoreSetup
 from api.engine import Engine
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests
@@ -94,6 +100,12 @@ class NullDevice:
     def busy_between(self, t0: float, t1: float) -> float:
         with self.lock:
             return sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.busy)
+
+
+def install_null_device(core: Core, step_s: float) -> None:
+    """`CoreSetup` target: the core's model is replaced by a NullDevice (in the core process)."""
+    device = NullDevice(step_s, core.runner.vocab_size)
+    core.executor.run_step = device.run_step  # type: ignore[method-assign]
 
 
 # --- timing the actors from outside ----------------------------------------------------------------
@@ -276,6 +288,10 @@ class DecodeResult:
     generated: int
     gc_pauses: list[tuple[int, float]]
     profile: str = ""
+    frontend_cpu_s: float | None = None  # core process: this process's loop thread; inline: None
+
+    def frontend_ms(self) -> float | None:
+        return None if self.frontend_cpu_s is None else self.frontend_cpu_s / self.steps * 1e3
 
     def per_step_ms(self, what: str) -> float:
         if what == "loop":
@@ -339,6 +355,57 @@ async def run_decode(
         gc_pauses=probe.gc_pauses,
         profile=_profile_text(window.profiler) if profile else "",
     )
+
+
+async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128) -> DecodeResult:
+    """`running` requests decode together through a core process; the window opens once all of
+    them decode and `warmup` more steps have run, and closes `steps` steps later."""
+    max_new = warmup + steps + 64  # prefill rounds come first; everyone still decodes after the window
+    setup = CoreSetup("bench.overhead:install_null_device", {"step_s": step_ms / 1e3})
+    engine = Engine(
+        model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=setup,
+        max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
+    )
+    await engine.start()
+    gc.collect()
+    gc.freeze()
+    pauses: list[tuple[int, float]] = []
+    probe = Probe(active=True, gc_pauses=pauses)
+    gc.callbacks.append(probe.on_gc)
+    try:
+        tasks = submit(engine, decode_requests(running, prompt_len, max_new, engine.vocab_size))
+        s0 = await _stats_when(engine, lambda s: s["num_running"] == running)
+        s0 = await _stats_when(engine, lambda s: s["forward_steps"] >= s0["forward_steps"] + warmup)
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        s1 = await _stats_when(engine, lambda s: s["forward_steps"] >= s0["forward_steps"] + steps)
+        t1, cpu1 = time.perf_counter(), time.thread_time()
+        outs = await asyncio.gather(*tasks)
+    finally:
+        gc.callbacks.remove(probe.on_gc)
+        await engine.close()
+        gc.unfreeze()
+    core_cpu = {name: s1["actor_cpu_s"][name] - s0["actor_cpu_s"][name] for name in s1["actor_cpu_s"]}
+    return DecodeResult(
+        running=running,
+        steps=s1["forward_steps"] - s0["forward_steps"],
+        wall_s=t1 - t0,
+        loop_cpu_s=s1["loop_cpu_s"] - s0["loop_cpu_s"],
+        actor_cpu_s=core_cpu,
+        busy_s=s1["forward_s"] - s0["forward_s"],  # the null device's sleeps, as the core timed them
+        finished=len(outs),
+        generated=sum(outs),
+        gc_pauses=pauses,
+        frontend_cpu_s=cpu1 - cpu0,
+    )
+
+
+async def _stats_when(engine: Engine, ready: Callable[[dict[str, Any]], bool], timeout: float = 120.0) -> dict[str, Any]:
+    """The core's counters once `ready` holds (polled; each poll is one small message to the core)."""
+    deadline = time.monotonic() + timeout
+    while not ready(stats := await engine.current_stats()):
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.005)
+    return stats
 
 
 # --- prefill rounds under each policy ---------------------------------------------------------------------
@@ -523,6 +590,7 @@ def _decode_row(runs: list[DecodeResult]) -> dict[str, Any]:
         "busy": _median(r.busy_fraction for r in runs),
         "gc_ms": _median(sum(t for _, t in r.gc_pauses) / r.steps * 1e3 for r in runs),
         "gc_max_ms": max(max((t for _, t in r.gc_pauses), default=0.0) for r in runs) * 1e3,
+        "frontend_ms": None if runs[0].frontend_cpu_s is None else _median(r.frontend_ms() for r in runs),
         "finished": runs[0].finished,
         "generated": runs[0].generated,
     }
@@ -552,6 +620,33 @@ async def scenario_decode(args: argparse.Namespace, real: bool) -> list[dict[str
         runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, real_model=real) for _ in range(args.repeats)]
         rows.append({"scenario": "real" if real else "decode", **_decode_row(runs)})
         _print(_decode_line(rows[-1]))
+    return rows
+
+
+SPLIT_COLS = ("running", "core", "steps/s", "wall ms", "sched ms", "policy ms", "adder ms", "executor ms", "output ms", "loop ms", "frontend ms", "busy %")
+
+
+def _split_line(row: dict[str, Any]) -> str:
+    frontend = "(same loop)" if row["frontend_ms"] is None else f"{row['frontend_ms']:.3f}"
+    values = [row["running"], row["core"], f"{row['steps_per_s']:.1f}", f"{row['wall_ms']:.2f}"]
+    values += [f"{row[k + '_ms']:.3f}" for k in ("sched", "policy", "adder", "executor", "output", "loop")]
+    values += [frontend, f"{100 * row['busy']:.1f}"]
+    return "| " + " | ".join(str(v) for v in values) + " |"
+
+
+async def scenario_split(args: argparse.Namespace) -> list[dict[str, Any]]:
+    _print(f"\n### decode, null device, step {args.step_ms} ms, overlap on, streaming every token: inline core vs core process; "
+           f"per decode step, median of {args.repeats}\n")
+    _print(_header(SPLIT_COLS))
+    rows = []
+    for n in args.running:
+        for core in ("inline", "process"):
+            if core == "inline":
+                runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+            else:
+                runs = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+            rows.append({"scenario": "split", "core": core, **_decode_row(runs)})
+            _print(_split_line(rows[-1]))
     return rows
 
 
@@ -607,6 +702,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     chosen = set(args.scenario)
     if chosen & {"all", "decode"}:
         rows += await scenario_decode(args, real=False)
+    if chosen & {"all", "split"}:
+        rows += await scenario_split(args)
     if chosen & {"all", "busy"}:
         rows += await scenario_busy(args)
     if chosen & {"all", "prefill"}:
@@ -624,7 +721,7 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", type=lambda s: s.split(","), default=["all"], help="comma list of all, decode, busy, prefill, real, profile")
+    p.add_argument("--scenario", type=lambda s: s.split(","), default=["all"], help="comma list of all, decode, split, busy, prefill, real, profile")
     p.add_argument("--running", type=_ints, default=[64, 256, 1024], help="decode batch sizes (null device)")
     p.add_argument("--real-running", type=_ints, default=[16, 64, 256], help="decode batch sizes (real tiny model)")
     p.add_argument("--busy-running", type=int, default=256)

@@ -31,6 +31,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # so tokenization, detokenization, streaming and HTTP never share its loop.
     inline_core: bool = False
     core_threads: int | None = None  # torch threads of the engine core; None: torch's default (every core)
+    # Requests the core process holds beyond max_running_requests (+ max_queued_requests); later
+    # ones wait in the frontend, in arrival order, so the core's queue (and its cost) stays bounded.
+    core_backlog: int = 4096
 
     # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
@@ -96,6 +99,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
+            (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),
             (_positive_or_none(self.core_threads), f"core_threads must be positive, got {self.core_threads}"),
             (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
             (

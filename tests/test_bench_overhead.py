@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import Round, parse_args, rounds_from_log, run_decode, run_prefill
+from bench.overhead import Round, parse_args, rounds_from_log, run_decode, run_decode_split, run_prefill
 from tests.conftest import TinyModelFactory
 
 
@@ -23,6 +23,16 @@ async def test_decode_with_null_device(micro_model: Path, overlap: bool) -> None
     assert r.steps == 3 and r.wall_s > 0 and r.loop_cpu_s > 0
     assert r.actor_cpu_s["adder"] > 0 and r.actor_cpu_s["output"] > 0
     assert r.per_step_ms("sched") > 0
+    assert 0 < r.busy_fraction <= 1.0
+
+
+async def test_decode_through_a_core_process_with_null_device() -> None:
+    """The core's own counters measure it: its actors, its loop, the simulated device; the
+    frontend's loop is measured here."""
+    r = await run_decode_split(8, step_ms=1.0, steps=3, warmup=1, prompt_len=16)
+    assert r.finished == 8 and r.generated == 8 * (1 + 3 + 64)
+    assert r.steps >= 3 and r.wall_s > 0 and r.loop_cpu_s > 0 and r.frontend_cpu_s > 0
+    assert set(r.actor_cpu_s) == {"policy", "adder", "executor", "output"} and r.actor_cpu_s["adder"] > 0
     assert 0 < r.busy_fraction <= 1.0
 
 

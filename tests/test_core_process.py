@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from api.engine import Engine, EngineError, InvalidRequest
+from tests.engine_helpers import assert_idle_invariants
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -52,7 +53,7 @@ async def _outputs(engine: Engine) -> list[tuple[list[int], list[float], str]]:
 
 
 async def test_same_greedy_answers_as_inline_and_nothing_left_behind(model_path):
-    async with Engine(model_path=model_path, dtype="float32") as inline:
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as inline:
         expected = await _outputs(inline)
     engine = Engine(model_path=model_path, dtype="float32", inline_core=False)
     async with engine:
@@ -100,7 +101,38 @@ async def test_random_disconnects_free_every_slot(model_path, inline_core):
         stats = await _wait_stats(engine, lambda s: s["num_running"] == 0 and s["num_waiting"] == 0)
         stats = await _wait_stats(engine, lambda s: s["kv_free"] + s["kv_cached"] == s["kv_pool_size"])
         assert stats["rows_free"] == engine.config.max_running_requests
-        assert not engine.receiver.live and (inline_core or not engine.client.streams)
+        assert not engine.receiver.live and (inline_core or not engine.client.live)
+
+
+async def test_the_core_holds_at_most_its_credit_and_the_rest_wait_in_order(model_path):
+    """With one row and a backlog of one, the core holds two requests; the rest wait in the
+    frontend in arrival order, and an abort takes one out without reaching the core."""
+    engine = Engine(model_path=model_path, inline_core=False, max_running_requests=1, core_backlog=1)
+    async with engine:
+        assert engine.client.max_in_core == 2
+        finished: list[str] = []
+
+        async def run(rid: str) -> str:
+            out = await engine.generate(input_ids=[5, 6, 7], sampling_params={**GREEDY, "max_new_tokens": 8}, rid=rid)
+            finished.append(rid)
+            return out.finish_reason
+
+        tasks = {rid: asyncio.create_task(run(rid)) for rid in "abcdef"}
+        while len(engine.client.backlog) < 4:
+            await asyncio.sleep(0.005)
+        assert list(engine.client.backlog) == ["c", "d", "e", "f"]
+        aborted_before = (await engine.current_stats())["aborted"]
+        await engine.abort("e")
+        assert await asyncio.wait_for(tasks["e"], 5) == "abort"
+        held = []
+        while not all(t.done() for t in tasks.values()):
+            stats = await engine.current_stats()
+            held.append(stats["num_running"] + stats["num_waiting"])
+            await asyncio.sleep(0.005)
+        assert max(held) <= 2 and [t.result() for rid, t in tasks.items() if rid != "e"] == ["length"] * 5
+        assert [rid for rid in finished if rid != "e"] == ["a", "b", "c", "d", "f"]
+        assert (await engine.current_stats())["aborted"] == aborted_before  # "e" never reached the core
+        await assert_idle_invariants(engine)
 
 
 async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_path):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.detokenizer import IncrementalDetokenizer, check_finish, process_token
+from actors.detokenizer import IncrementalDetokenizer, check_finish, delta_text, process_token
 from runtime.req import FinishReason, Req
 from runtime.sampling_params import SamplingParams
 
@@ -489,3 +489,60 @@ def test_prompt_tail_ending_inside_a_character_is_not_emitted_again(tok: Any) ->
     full = decode(tok, ids)
     assert full.endswith("".join(stream(make(tok, tail=tail[-5:]), out)))
     assert "".join(stream(make(tok, tail=tail[-5:]), out)) == "".join(stream(make(tok, tail=tail[-5:], native=False), out))
+
+
+# --- the frontend's text for ids decided by the core process -----------------------------------
+
+
+def _decided_by_the_core(tok: Any, output: list[int], params: dict[str, Any]) -> tuple[list[int], FinishReason | None]:
+    """What the core process does: finish checks, and a detokenizer only to find stop strings."""
+    req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
+    detok = IncrementalDetokenizer.for_req(tok, req) if req.sampling.stop else None
+    for t in output:
+        req.output_ids.append(t)
+        reason = process_token(req, t, [EOS], detok)[1] if detok is not None else check_finish(req, t, [EOS])
+        if reason is not None:
+            return req.output_ids, reason
+    return req.output_ids, None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    output=st.lists(st.sampled_from([EOS, 11, 12, *range(30, 120)]), max_size=30),
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+    stop_words=st.lists(st.text("abcdefghijklmnopqrstuvwxyz ", min_size=1, max_size=3), max_size=2),
+    min_new=st.integers(0, 4),
+    max_new=st.integers(1, 40),
+    no_stop_trim=st.booleans(),
+    skip=st.booleans(),
+    ignore_eos=st.booleans(),
+)
+def test_frontend_text_of_core_decided_tokens_equals_inline_text(
+    tok: Any, output: list[int], sizes: list[int], stop_words: list[str], min_new: int, max_new: int,
+    no_stop_trim: bool, skip: bool, ignore_eos: bool,
+) -> None:
+    """`delta_text` over the core's deltas (any chunking, the finish on the last) gives exactly
+    the inline OutputProcessor's text; the core's finish checks give its finish."""
+    params = dict(
+        stop=stop_words, stop_token_ids=[11], min_new_tokens=min(min_new, max_new), max_new_tokens=max_new,
+        no_stop_trim=no_stop_trim, skip_special_tokens=skip, ignore_eos=ignore_eos,
+    )
+    inline_text, inline_reason, n = run_request(tok, output, **params)
+    ids, reason = _decided_by_the_core(tok, output, params)
+    assert (len(ids), reason) == (n, inline_reason)
+    req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
+    detok = IncrementalDetokenizer.for_req(tok, req)
+    text, start = "", 0
+    for size in _cycle(sizes):
+        chunk = ids[start : start + size]
+        start += size
+        last = start >= len(ids)
+        kind = reason.kind if last and reason is not None else None
+        matched = reason.matched if last and reason is not None else None
+        text += delta_text(detok, chunk, kind, matched, no_stop_trim)
+        if last:
+            break
+    if reason is not None:
+        assert text == inline_text
+    else:  # unfinished: pushed several ids at once, the native decoder may still hold some back
+        assert inline_text.startswith(text)

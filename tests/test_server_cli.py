@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -65,6 +66,33 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_llama: Path, sig: signal.Si
         assert rest[-1] == b"data: [DONE]" and b'"error"' in rest[-2]
         assert proc.wait(timeout=15) == 0
         assert time.monotonic() - started < 10
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_exits_non_zero_when_the_core_process_dies(tiny_llama: Path) -> None:
+    """kill -9 of the engine core mid-stream: the client gets an error event and [DONE], the
+    server exits with 1, and the core leaves nothing behind."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", str(tiny_llama), "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    try:
+        _wait_for_line(proc, "ready", 120)
+        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        cores = [int(c) for c in children if b"multiprocessing" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        core = next(c for c in cores if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+        body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: ")
+        os.kill(core, signal.SIGKILL)
+        rest = [line.strip() for line in response if line.startswith(b"data: ")]
+        assert rest[-1] == b"data: [DONE]" and b"engine core process exited" in rest[-2]
+        assert proc.wait(timeout=15) == 1
+        assert not Path(f"/proc/{core}").exists() or b"Z" in Path(f"/proc/{core}/stat").read_bytes().split(b") ")[1][:1]
     finally:
         if proc.poll() is None:
             proc.kill()
