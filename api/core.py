@@ -7,6 +7,7 @@ own (api/core_process.py). Its peers reach it through the Policy's and the Adder
 from __future__ import annotations
 
 import asyncio
+import importlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,22 @@ class Core:
             "forward_s": self.executor.forward_s,
             # CPU time of the thread running the core's loop (the whole process's loop when inline)
             "loop_cpu_s": time.thread_time(),
+            "time": time.monotonic(),  # when these counters were read
+            "actor_cpu_s": {actor.name: actor.cpu_s for actor in self.actors},
         }
+
+
+class CoreSetup(msgspec.Struct, frozen=True):
+    """A function run on the loaded core before its actors start, in the process that holds it:
+    how a benchmark puts a simulated device in place of the model. `function` is "module:name",
+    called as function(core, **kwargs)."""
+
+    function: str
+    kwargs: dict[str, Any] = {}
+
+    def apply(self, core: Core) -> None:
+        module, name = self.function.split(":", 1)
+        getattr(importlib.import_module(module), name)(core, **self.kwargs)
 
 
 async def load_core(config: EngineConfig) -> Core:

@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from api import core_process
+from api.core import CoreSetup
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.ipc import (
@@ -50,8 +51,9 @@ EXIT_TIMEOUT_S = 10.0
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, tokenizer: Any, on_failure: Callable[[str], None]):
+    def __init__(self, config: EngineConfig, tokenizer: Any, on_failure: Callable[[str], None], setup: CoreSetup | None = None):
         self.config = config
+        self.setup = setup
         self.tokenizer = tokenizer
         self.on_failure = on_failure
         self.live: dict[str, Req] = {}  # sent to the core, not ended
@@ -82,7 +84,8 @@ class CoreClient:
         self._to_core.bind(self._sockets.to_core)
         self._from_core.bind(self._sockets.from_core)
         spawn = multiprocessing.get_context("spawn")
-        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid())
+        setup = None if self.setup is None else msgspec.msgpack.encode(self.setup)
+        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid(), setup)
         self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
         self._process.start()
         try:

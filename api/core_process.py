@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from api.core import Core, load_core
+from api.core import Core, CoreSetup, load_core
 from gpu.prefix_cache import token_array
 from runtime.actor import Actor
 from runtime.config import EngineConfig
@@ -47,7 +47,7 @@ STATS_PERIOD_S = 0.05  # how often the frontend's view of the core's counters is
 PARENT_CHECK_PERIOD_S = 0.2
 
 
-def main(config_bytes: bytes, sockets_dir: str, parent_pid: int) -> None:
+def main(config_bytes: bytes, sockets_dir: str, parent_pid: int, setup_bytes: bytes | None = None) -> None:
     """Process entry point (spawned: nothing is inherited but these arguments)."""
     import uvloop
 
@@ -57,10 +57,11 @@ def main(config_bytes: bytes, sockets_dir: str, parent_pid: int) -> None:
         import torch
 
         torch.set_num_threads(config.core_threads)
-    uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid))
+    setup = None if setup_bytes is None else msgspec.msgpack.decode(setup_bytes, type=CoreSetup)
+    uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid, setup))
 
 
-async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int) -> None:
+async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setup: CoreSetup | None) -> None:
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(sockets.to_core)
@@ -74,6 +75,8 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int) -> N
     try:
         try:
             core = await load_core(config)
+            if setup is not None:
+                setup.apply(core)
         except Exception as exc:  # the frontend shows this line instead of a bare exit code
             outbox.send(encoder.encode(CoreFailed(f"the engine core could not start: {exc}")))
             return

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from actors.receiver import ModelLimits, Receiver
-from api.core import Core, load_core
+from api.core import Core, CoreSetup, load_core
 from api.core_client import CoreClient, CoreLink
 from gpu.loader import load_tokenizer, resolve_model_dir
 from gpu.model_runner import ModelRunner
@@ -78,8 +78,11 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
 
 
 class Engine:
-    def __init__(self, **kwargs: Any):
+    def __init__(self, *, core_setup: CoreSetup | None = None, **kwargs: Any):
+        """`kwargs`: EngineConfig fields. `core_setup`: run on the loaded core before it starts
+        (benchmarks: a simulated device in place of the model)."""
         self.config = EngineConfig(**kwargs)
+        self.core_setup = core_setup
         self._actors: list[Actor] = []
         self._failure: str | None = None
         self._failed = asyncio.Event()  # set with _failure
@@ -115,6 +118,8 @@ class Engine:
 
     async def _start_inline(self) -> None:
         core = await load_core(self.config)
+        if self.core_setup is not None:
+            self.core_setup.apply(core)
         self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
         self.prefix_cache = core.prefix_cache
         self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output
@@ -125,7 +130,7 @@ class Engine:
     async def _start_core_process(self) -> None:
         self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-        client = CoreClient(self.config, self.tokenizer, self._core_failed)
+        client = CoreClient(self.config, self.tokenizer, self._core_failed, self.core_setup)
         ready = await client.start()
         self.client, self.config, self.vocab_size = client, ready.config, ready.vocab_size
         cfg = self.config
