@@ -18,7 +18,7 @@ from actors.detokenizer import IncrementalDetokenizer, check_finish, process_tok
 from runtime.actor import Actor
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
 from runtime.req import FinishReason, Req
-from runtime.stream import Delta
+from runtime.stream import Delta, RemoteStream
 
 
 class OutputProcessor(Actor[StepOut]):
@@ -34,12 +34,21 @@ class OutputProcessor(Actor[StepOut]):
     async def handle(self, msg: StepOut) -> None:
         batch = msg.batch
         finished: list[Req] = []
+        # In the core process a request past its first token, with nothing held back and no
+        # logprobs, needs only its token sent: the common decode case takes the short path.
+        ids_only = not self.detokenize and self.stream_interval == 1
         for i, req in enumerate(batch.reqs):
             if req.finished or req.abort_requested:
                 continue
             if msg.input_logprobs is not None and msg.input_logprobs[i] is not None:
                 self._add_input_logprobs(req, msg.input_logprobs[i])
-            if batch.produces_token[i] and self._append(req, i, msg):
+            if not batch.produces_token[i]:
+                continue
+            if ids_only and req.output_ids and req.unsent is None and not req.return_logprob:
+                done = self._append_token(req, msg.token_ids[i])
+            else:
+                done = self._append(req, i, msg)
+            if done:
                 finished.append(req)
         assert self.adder is not None
         await self.adder.send(StepDone(step=batch.step, finished=finished))
@@ -74,6 +83,20 @@ class OutputProcessor(Actor[StepOut]):
         if reason is None and len(req.output_ids) % self.stream_interval:
             return False
         return self._push(req, delta, reason)
+
+    def _append_token(self, req: Req, token: int) -> bool:
+        """`_append` for a request whose stream is a RemoteStream and whose step adds only a token."""
+        req.output_ids.append(token)
+        self.generated_tokens += 1
+        if req.detokenizer is not None:  # it has stop strings to look for
+            reason = process_token(req, token, self.eos_token_ids, req.detokenizer)[1]
+        else:
+            reason = check_finish(req, token, self.eos_token_ids)
+        if reason is not None:
+            return self._push(req, Delta(rid=req.rid, output_ids=[token]), reason)
+        if isinstance(req.stream, RemoteStream):
+            req.stream.push_token(token)
+        return False
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
         """Send the request's unsent delta, the final one when `reason` is set; True if it is."""

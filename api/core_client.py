@@ -45,6 +45,7 @@ from runtime.ipc import (
 from actors.detokenizer import IncrementalDetokenizer, delta_text
 from runtime.messages import Enqueue, Wake
 from runtime.req import Req
+from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10.0
@@ -100,7 +101,11 @@ class CoreClient:
         assert cfg.max_running_requests is not None
         # Room for the core's running batch, its queue limit, and requests it is about to refuse.
         self.max_in_core = cfg.max_running_requests + (cfg.max_queued_requests or 0) + cfg.core_backlog
-        self.stats = await self._first_stats()
+        try:
+            self.stats = await self._first_stats()
+        except BaseException:
+            await self.close()
+            raise
         self._reader = asyncio.create_task(self._read(), name="core-client.read")
         asyncio.get_running_loop().add_reader(self._process.sentinel, self._process_exited)
         return first
@@ -180,9 +185,19 @@ class CoreClient:
 
     async def _first_stats(self) -> dict[str, Any]:
         """The core publishes its counters right after CoreReady; stats() has them from the start."""
-        while not isinstance(msg := self._decoder.decode(await self._from_core.recv()), CoreStats):
-            pass
-        return msg.stats
+        assert self._process is not None
+        while True:
+            recv = asyncio.ensure_future(self._from_core.recv())
+            exited = not recv.done() and await _wait_exit_or(self._process, recv, STARTUP_TIMEOUT_S)
+            if not recv.done():
+                recv.cancel()
+                why = f"exited with code {self._process.exitcode}" if exited else f"sent nothing for {STARTUP_TIMEOUT_S:.0f} s"
+                raise RuntimeError(f"the engine core process {why} while starting")
+            msg = self._decoder.decode(await recv)
+            if isinstance(msg, CoreFailed):
+                raise RuntimeError(msg.message)
+            if isinstance(msg, CoreStats):
+                return msg.stats
 
     async def _ask_to_exit(self, process: multiprocessing.process.BaseProcess) -> None:
         self.send(CoreShutdown())
@@ -226,19 +241,28 @@ class CoreClient:
         ))
 
     def _deliver(self, msg: CoreOutputs) -> None:
-        """Detokenize a step's deltas and push each to its stream; then spend returned credits."""
+        """Detokenize a step's outputs and push each to its stream; then spend returned credits."""
         live = self.live
-        for delta in msg.deltas:
-            req = live.get(delta.rid)
+        deltas = iter(msg.deltas)
+        for rid, token in zip(msg.rids, msg.tokens):
+            delta = next(deltas) if token == StepOutbox.RICH else None
+            req = live.get(rid)
             if req is None:
                 continue  # already ended here (the frontend failed it)
+            if delta is None:
+                delta = self._plain_delta(req, token)
+            else:
+                req.output_ids.extend(delta.output_ids)
+                req.cached_tokens = delta.cached_tokens
+                if delta.queue_time is not None:
+                    req.admitted_time = req.arrival_time + delta.queue_time
             detok = req.detokenizer
             if detok is None and delta.output_ids:
                 detok = req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
             if detok is not None:
                 delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.sampling.no_stop_trim)
             if delta.finish_reason is not None:
-                del live[delta.rid]
+                del live[rid]
                 req.detokenizer = None
             assert req.stream is not None
             req.stream.push(delta)
@@ -255,6 +279,16 @@ class CoreClient:
         for future in list(self._answers.values()):
             if not future.done():
                 future.set_result(result)
+
+    @staticmethod
+    def _plain_delta(req: Req, token: int) -> Delta:
+        """A plain token's delta, with what the core's first delta said about the request."""
+        req.output_ids.append(token)
+        queue_time = None if req.admitted_time is None else req.admitted_time - req.arrival_time
+        return Delta(
+            rid=req.rid, output_ids=[token], prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens, queue_time=queue_time,
+        )
 
     def _process_exited(self) -> None:
         assert self._process is not None

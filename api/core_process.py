@@ -39,7 +39,7 @@ from runtime.ipc import (
 )
 from runtime.messages import Enqueue, FlushCache, Wake
 from runtime.req import Req
-from runtime.stream import Delta, RemoteStream
+from runtime.stream import RemoteStream, StepOutbox
 
 log = logging.getLogger("actorserve.core")
 
@@ -102,7 +102,7 @@ class CoreServer:
         self.encoder = encoder
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.live: dict[str, Req] = {}
-        self.pending: list[Delta] = []  # deltas pushed this loop iteration, sent together
+        self.outputs = StepOutbox(self._schedule_send)  # this loop iteration's outputs, sent together
         self._failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def run(self, parent_pid: int) -> bool:
@@ -110,9 +110,15 @@ class CoreServer:
         for actor in self.core.actors:
             actor.start(self._actor_exited)
         parent_gone = asyncio.create_task(_parent_gone(parent_pid))
-        watchers = [asyncio.create_task(self._read()), asyncio.create_task(self._publish_stats()), parent_gone]
+        watchers = [
+            asyncio.create_task(self._read(), name="reader"), asyncio.create_task(self._publish_stats(), name="stats publisher"), parent_gone,
+        ]
         try:
             await asyncio.wait([*watchers, self._failure], return_when=asyncio.FIRST_COMPLETED)
+            for task in watchers:
+                if task.done() and task.exception() is not None and not self._failure.done():
+                    log.error("the engine core's %s failed", task.get_name(), exc_info=task.exception())
+                    self._failure.set_result(f"the engine core's {task.get_name()} failed: {task.exception()!r}")
         finally:
             for task in watchers:
                 task.cancel()
@@ -141,7 +147,7 @@ class CoreServer:
                 return
 
     async def _enqueue(self, msg: CoreRequest) -> None:
-        stream = RemoteStream(msg.rid, self.pending, self._schedule_send)
+        stream = RemoteStream(msg.rid, self.outputs)
         req = Req(
             rid=msg.rid,
             origin_input_ids=msg.input_ids,
@@ -179,10 +185,8 @@ class CoreServer:
         asyncio.get_running_loop().call_soon(self._send_now)
 
     def _send_now(self) -> None:
-        if self.pending:
-            deltas = list(self.pending)
-            self.pending.clear()
-            self._send(CoreOutputs(deltas))
+        if self.outputs.rids:
+            self._send(CoreOutputs(*self.outputs.take()))
 
     def _send(self, msg: FromCore) -> None:
         self.outbox.send(self.encoder.encode(msg))

@@ -76,6 +76,11 @@ class CoreFailed(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class CoreOutputs(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """A loop iteration's outputs, in order (see `StepOutbox`): entry i is request rids[i]'s
+    plain new token tokens[i], or (tokens[i] == StepOutbox.RICH) the next delta of `deltas`."""
+
+    rids: list[str]
+    tokens: list[int]
     deltas: list[Delta]
 
 

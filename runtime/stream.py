@@ -51,14 +51,16 @@ class Delta(msgspec.Struct, kw_only=True):
         self.cached_tokens = later.cached_tokens or self.cached_tokens
 
 
-class RequestStream:
+class _Producer:
+    """The producer side every stream shares: the final delta goes out once, whoever ends the
+    request, and tells the owner's registry (`on_final`) to forget it."""
+
+    __slots__ = ("rid", "_finished", "on_final")
+
     def __init__(self, rid: str):
         self.rid = rid
-        self._pending: Delta | None = None
-        self._ready = asyncio.Event()
         self._finished = False  # a final delta was pushed
-        self._closed = False  # the reader took the final delta
-        self.on_final: Callable[[], object] | None = None  # the owner's registry forgets the request
+        self.on_final: Callable[[], object] | None = None
 
     @property
     def finished(self) -> bool:
@@ -71,15 +73,33 @@ class RequestStream:
         self._finished = delta.finish_reason is not None
         if self._finished and self.on_final is not None:
             self.on_final()
+        self._queue(delta)
+        return True
+
+    def finish(self, reason: str, *, error: str | None = None, status: int | None = None, **meta) -> bool:
+        return self.push(Delta(rid=self.rid, finish_reason=reason, error=error, status=status, **meta))
+
+    def _queue(self, delta: Delta) -> None:
+        raise NotImplementedError
+
+
+class RequestStream(_Producer):
+    """A caller's stream: at most one pending (merged) delta, taken by `next`."""
+
+    __slots__ = ("_pending", "_ready", "_closed")
+
+    def __init__(self, rid: str):
+        super().__init__(rid)
+        self._pending: Delta | None = None
+        self._ready = asyncio.Event()
+        self._closed = False  # the reader took the final delta
+
+    def _queue(self, delta: Delta) -> None:
         if self._pending is None:
             self._pending = delta
         else:
             self._pending.merge(delta)
         self._ready.set()
-        return True
-
-    def finish(self, reason: str, *, error: str | None = None, status: int | None = None, **meta) -> bool:
-        return self.push(Delta(rid=self.rid, finish_reason=reason, error=error, status=status, **meta))
 
     async def next(self) -> Delta | None:
         """The next (merged) delta, or None after the final one was taken."""
@@ -93,34 +113,54 @@ class RequestStream:
         return delta
 
 
-class RemoteStream:
-    """A request's stream inside the engine core process: the same producer side as
-    `RequestStream` (push, finish, on_final), but every delta goes into `outbox`, which the core
-    sends to the frontend once per loop iteration, all requests together."""
+class StepOutbox:
+    """What the engine core process sends next, in the order it was pushed: an entry is either
+    one plain token of a request (`tokens[i] >= 0`) or a whole `Delta` (`tokens[i] == RICH`,
+    the next of `deltas`). Plain tokens are the common case, a decode step's one new token of a
+    request with nothing else to say; they cross as two flat lists instead of a Delta each."""
 
-    __slots__ = ("rid", "outbox", "_finished", "on_final", "_on_first")
+    RICH = -1
+    __slots__ = ("rids", "tokens", "deltas", "on_first")
 
-    def __init__(self, rid: str, outbox: list[Delta], on_first: Callable[[], object]):
-        self.rid = rid
+    def __init__(self, on_first: Callable[[], object]):
+        self.rids: list[str] = []
+        self.tokens: list[int] = []
+        self.deltas: list[Delta] = []
+        self.on_first = on_first  # the owner schedules one send for this loop iteration
+
+    def add_token(self, rid: str, token: int) -> None:
+        if not self.rids:
+            self.on_first()
+        self.rids.append(rid)
+        self.tokens.append(token)
+
+    def add_delta(self, delta: Delta) -> None:
+        if not self.rids:
+            self.on_first()
+        self.rids.append(delta.rid)
+        self.tokens.append(self.RICH)
+        self.deltas.append(delta)
+
+    def take(self) -> tuple[list[str], list[int], list[Delta]]:
+        taken = self.rids, self.tokens, self.deltas
+        self.rids, self.tokens, self.deltas = [], [], []
+        return taken
+
+
+class RemoteStream(_Producer):
+    """A request's stream inside the engine core process: deltas and plain tokens go into the
+    core's `StepOutbox`, sent to the frontend once per loop iteration, all requests together."""
+
+    __slots__ = ("outbox",)
+
+    def __init__(self, rid: str, outbox: StepOutbox):
+        super().__init__(rid)
         self.outbox = outbox
-        self._finished = False
-        self.on_final: Callable[[], object] | None = None
-        self._on_first = on_first
 
-    @property
-    def finished(self) -> bool:
-        return self._finished
+    def push_token(self, token: int) -> None:
+        """One new token and nothing else (the request goes on): the cheap path."""
+        if not self._finished:
+            self.outbox.add_token(self.rid, token)
 
-    def push(self, delta: Delta) -> bool:
-        if self._finished:
-            return False
-        self._finished = delta.finish_reason is not None
-        if self._finished and self.on_final is not None:
-            self.on_final()
-        if not self.outbox:
-            self._on_first()  # the owner schedules one send for this loop iteration
-        self.outbox.append(delta)
-        return True
-
-    def finish(self, reason: str, *, error: str | None = None, status: int | None = None, **meta) -> bool:
-        return self.push(Delta(rid=self.rid, finish_reason=reason, error=error, status=status, **meta))
+    def _queue(self, delta: Delta) -> None:
+        self.outbox.add_delta(delta)
