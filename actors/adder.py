@@ -297,18 +297,24 @@ class Adder(Actor[AdderMsg]):
 
     # --- decode ---------------------------------------------------------------------------------
     def _form_decode(self) -> Batch | None:
-        reqs = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        reqs = self._decoding()
         if not reqs:
             return None
+        running = len(self.running)
         if not self._ensure_decode_memory(reqs):
             return None
-        reqs = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
-        if not reqs:
-            return None
+        if len(self.running) != running:  # some were retracted
+            reqs = self._decoding()
+            if not reqs:
+                return None
         slots = self._grow_decode(reqs)
         assert all(s is not None for s in slots), "decode memory was checked"
         self.ratio.decay()
         return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [None] * len(reqs), slots, [True] * len(reqs))
+
+    def _decoding(self) -> list[Req]:
+        """The running requests that still need a step (the others' last token is launched)."""
+        return [r for r in self.running if r.launched_outputs < r.sampling.max_new_tokens]
 
     def _ensure_decode_memory(self, reqs: list[Req]) -> bool:
         """Make room for one more token per request: evict cache, else retract (never the last)."""
@@ -324,7 +330,7 @@ class Adder(Actor[AdderMsg]):
         if victims:
             self.ratio.set(new_ratio)
             self._release_done()
-        remaining = [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        remaining = self._decoding()
         need = self._decode_slots_needed(remaining)
         if self._free_after_evict(need) >= need:
             return True
@@ -335,6 +341,8 @@ class Adder(Actor[AdderMsg]):
         return False
 
     def _decode_slots_needed(self, reqs: list[Req]) -> int:
+        if self.page_size == 1:
+            return len(reqs)
         return sum(self.page_size for r in reqs if r.computed_len % self.page_size == 0)
 
     def _available_after_release(self, victims) -> int:
@@ -368,6 +376,11 @@ class Adder(Actor[AdderMsg]):
         rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
         positions = torch.tensor([r.computed_len for r in reqs], dtype=torch.int64)
         page = self.page_size
+        if page == 1:  # every position starts a page of its own
+            slots = self.allocator.alloc(len(reqs))
+            assert slots is not None, "decode memory was checked"
+            table[rows, positions] = slots.to(table.dtype)
+            return [slots]
         fresh = positions % page == 0
         num_fresh = int(fresh.sum())
         pages = self.allocator.alloc(num_fresh * page)
@@ -390,16 +403,20 @@ class Adder(Actor[AdderMsg]):
         produces_token: list[bool],
     ) -> Batch:
         step = self.next_step
-        prefix_lens = []
+        prefix_lens: list[int] = []
+        rows: list[int] = []
+        # A request whose last token is now launched needs no more steps: it leaves the running
+        # set now and is released once this step has reported (no wasted step for "length").
+        done: list[Req] = []
         for req, n, makes_token in zip(reqs, extend_lens, produces_token):
             prefix_lens.append(req.computed_len)
+            rows.append(req.req_row)
             req.computed_len += n
             req.last_step = step
             if makes_token:
                 req.launched_outputs += 1
-        # A request whose last token is now launched needs no more steps: it leaves the running
-        # set now and is released once this step has reported (no wasted step for "length").
-        done = [r for r in reqs if r.launched_outputs >= r.max_new_tokens]
+            if req.launched_outputs >= req.sampling.max_new_tokens:
+                done.append(req)
         if done:
             running = {id(r) for r in self.running}
             self._leave_all([r for r in done if id(r) in running], "finish")
@@ -407,7 +424,7 @@ class Adder(Actor[AdderMsg]):
             step=step,
             mode=mode,
             reqs=reqs,
-            rows=[r.req_row for r in reqs],
+            rows=rows,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             extend_ids=extend_ids,

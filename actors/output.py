@@ -88,15 +88,26 @@ class OutputProcessor(Actor[StepOut]):
         """`_append` for a request whose stream is a RemoteStream and whose step adds only a token."""
         req.output_ids.append(token)
         self.generated_tokens += 1
-        if req.detokenizer is not None:  # it has stop strings to look for
-            reason = process_token(req, token, self.eos_token_ids, req.detokenizer)[1]
-        else:
-            reason = check_finish(req, token, self.eos_token_ids)
-        if reason is not None:
-            return self._push(req, Delta(rid=req.rid, output_ids=[token]), reason)
+        ends = req.end_token_ids
+        if ends is None:
+            ends = req.end_token_ids = self._end_token_ids(req)
+        # Most tokens end nothing: only an end token, the last allowed token or a possible stop
+        # string (a request with stop strings keeps a detokenizer) needs the full check.
+        if token in ends or len(req.output_ids) >= req.sampling.max_new_tokens or req.detokenizer is not None:
+            if req.detokenizer is not None:
+                reason = process_token(req, token, self.eos_token_ids, req.detokenizer)[1]
+            else:
+                reason = check_finish(req, token, self.eos_token_ids)
+            if reason is not None:
+                return self._push(req, Delta(rid=req.rid, output_ids=[token]), reason)
         if isinstance(req.stream, RemoteStream):
             req.stream.push_token(token)
         return False
+
+    def _end_token_ids(self, req: Req) -> frozenset[int]:
+        """The tokens that may end `req` (from its min_new_tokens-th token on)."""
+        eos = () if req.sampling.ignore_eos else self.eos_token_ids
+        return frozenset((*req.sampling.stop_token_ids, *eos))
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
         """Send the request's unsent delta, the final one when `reason` is set; True if it is."""

@@ -213,6 +213,8 @@ def format_table(m: dict[str, Any], header: dict[str, Any]) -> str:
     if "goodput" in m:
         rows.append((f"Goodput (req/s, TTFT<={m['slo_ttft_ms']} ms, TPOT<={m['slo_tpot_ms']} ms)", f"{m['goodput']:.2f}"))
         rows.append(("Requests meeting the SLOs", f"{m['slo_attained']:.1%}"))
+    if "device_busy" in m:
+        rows.append(("Device busy (server forward_s / wall)", f"{m['device_busy']:.1%}"))
     lines += [f"{k + ':':<46}{str(v):>20}" for k, v in rows]
     lines.append("{s:-^66}".format(s=" Latency (ms) "))
     lines.append(f"{'':<8}" + "".join(f"{c:>11}" for c in ("mean", "median", "p90", "p95", "p99")))
@@ -466,13 +468,27 @@ async def run_once(
     if needs_tokenizer:
         info.tokenizer()  # loaded before the clock starts
     progress = Progress(dataset.num_requests, args.disable_tqdm, desc)
+    before = await backend.server_info()
     try:
         outputs, duration = await run_dataset(backend, dataset, max_concurrency=args.max_concurrency, progress=progress,
                                               tokenizer=info.tokenizer if needs_tokenizer else None)
     finally:
         progress.close()
     metrics = compute_metrics(outputs, duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
-    return RunResult(rate, outputs, duration, metrics, await backend.server_info())
+    after = await backend.server_info()
+    busy = device_busy(before, after, duration)
+    if busy is not None:
+        metrics["device_busy"] = busy
+    return RunResult(rate, outputs, duration, metrics, after)
+
+
+def device_busy(before: dict[str, Any], after: dict[str, Any], duration_s: float) -> float | None:
+    """The server's forward time over the run's wall time (actorserve reports `forward_s`; other
+    servers do not, then None): how much of the run the device was computing."""
+    start, end = (info.get("stats", {}).get("forward_s") for info in (before, after))
+    if start is None or end is None or duration_s <= 0:
+        return None
+    return (end - start) / duration_s
 
 
 async def amain(args: argparse.Namespace) -> list[RunResult]:

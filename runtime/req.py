@@ -9,7 +9,7 @@ it, and only after a message handed the request over:
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
-| output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+| output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 `fill_ids` (prompt + generated tokens) is derived, never stored.
 """
@@ -91,6 +91,7 @@ class Req:
     finish_reason: FinishReason | None = None
     # Per-request output state lives on the request, so it ends with it whoever ends it.
     detokenizer: Any = None
+    end_token_ids: frozenset[int] | None = None  # stop token ids and EOS, gathered once
     unsent: Delta | None = None  # tokens/text held back by stream_interval
 
     def __repr__(self) -> str:

@@ -331,6 +331,7 @@ def test_engine_mode_and_rate_sweep(tiny_llama: Path, tmp_path: Path, capsys: py
         assert record["completed"] == 3 and record["failed"] == 0
         assert record["total_output_tokens"] == record["requested_output_tokens"] == expected
         assert record["engine_config"]["max_running_requests"] == 8
+        assert record["device_busy"] > 0  # the engine's forward time over the run's wall time
     stdout = capsys.readouterr().out
     assert "| 40 | 3 | 0 |" in stdout and "| inf | 3 | 0 |" in stdout and "DistServe goodput" in stdout
     _check_png(tmp_path / "sweep.png")
@@ -354,3 +355,9 @@ def test_plot_draws_a_valid_png(tmp_path: Path) -> None:
     outs = [RequestOutput(success=True, output_len=3, ttft=0.01 * i, e2e=0.05 * i + 0.1, itl=[0.01, 0.02], start=0.1 * i,
                           chunk_times=[0.1 * i + 0.01, 0.1 * i + 0.02]) for i in range(1, 20)]
     _check_png(plot_runs(tmp_path / "p.png", [("a", outs), ("b", outs[:5]), ("empty", [])]))
+
+
+def test_device_busy_comes_from_the_servers_forward_time() -> None:
+    before, after = {"stats": {"forward_s": 1.0}}, {"stats": {"forward_s": 3.5}}
+    assert serving.device_busy(before, after, 5.0) == 0.5
+    assert serving.device_busy({}, after, 5.0) is None  # a server that does not report it
