@@ -394,3 +394,17 @@ async def test_a_running_requests_prompt_is_already_cached(core_mode, model_path
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)
         await assert_idle_invariants(engine)
+
+
+async def test_stream_interval_batches_tokens_and_keeps_the_text(core_mode, model_path):
+    """stream_interval=4: a delta every 4 tokens (and the last), the same ids and text as 1."""
+    prompt, sampling = [5, 6, 7, 8], {**GREEDY, "max_new_tokens": 10}
+    async with Engine(model_path=model_path, **core_mode) as engine:
+        expected = await engine.generate(input_ids=prompt, sampling_params=sampling)
+    async with Engine(model_path=model_path, stream_interval=4, **core_mode) as engine:
+        deltas = [d async for d in engine.stream(input_ids=prompt, sampling_params=sampling)]
+        await assert_idle_invariants(engine)
+    assert [len(d.output_ids) for d in deltas] == [4, 4, 2]
+    assert [t for d in deltas for t in d.output_ids] == expected.output_ids
+    assert "".join(d.text for d in deltas) == expected.text
+    assert deltas[-1].completion_tokens == 10 and deltas[-1].finish_reason == "length"
