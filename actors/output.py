@@ -72,14 +72,8 @@ class OutputProcessor(Actor[StepOut]):
         if msg.top_logprobs is not None and req.top_logprobs_num:
             req.output_top_logprobs.append(msg.top_logprobs[i])
             delta.top_logprobs.append(msg.top_logprobs[i])
-        if self.detokenize or req.sampling.stop:
-            if req.detokenizer is None:
-                req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
-            text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
-            if self.detokenize:
-                delta.text += text
-        else:
-            reason = check_finish(req, token, self.eos_token_ids)
+        text, reason = self._decide(req, token)
+        delta.text += text
         if reason is None and len(req.output_ids) % self.stream_interval:
             return False
         return self._push(req, delta, reason)
@@ -91,18 +85,25 @@ class OutputProcessor(Actor[StepOut]):
         ends = req.end_token_ids
         if ends is None:
             ends = req.end_token_ids = self._end_token_ids(req)
-        # Most tokens end nothing: only an end token, the last allowed token or a possible stop
-        # string (a request with stop strings keeps a detokenizer) needs the full check.
-        if token in ends or len(req.output_ids) >= req.sampling.max_new_tokens or req.detokenizer is not None:
-            if req.detokenizer is not None:
-                reason = process_token(req, token, self.eos_token_ids, req.detokenizer)[1]
-            else:
-                reason = check_finish(req, token, self.eos_token_ids)
+        # Most tokens end nothing: only an end token, the last allowed token or a request with
+        # stop strings needs the full check.
+        if token in ends or len(req.output_ids) >= req.sampling.max_new_tokens or req.sampling.stop:
+            reason = self._decide(req, token)[1]
             if reason is not None:
                 return self._push(req, Delta(rid=req.rid, output_ids=[token]), reason)
         if isinstance(req.stream, RemoteStream):
             req.stream.push_token(token)
         return False
+
+    def _decide(self, req: Req, token: int) -> tuple[str, FinishReason | None]:
+        """The text to stream ("" in the core process) and the finish reason for `token`, just
+        appended. Text is decoded where it is streamed, or to look for stop strings."""
+        if not (self.detokenize or req.sampling.stop):
+            return "", check_finish(req, token, self.eos_token_ids)
+        if req.detokenizer is None:
+            req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+        text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
+        return (text if self.detokenize else ""), reason
 
     def _end_token_ids(self, req: Req) -> frozenset[int]:
         """The tokens that may end `req` (from its min_new_tokens-th token on)."""

@@ -11,6 +11,9 @@ it, and only after a message handed the request over:
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
 | output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
+In the frontend of a core process (api/core_client.py) the core's actors are elsewhere: the
+`CoreClient` writes output_ids, cached_tokens, admitted_time and detokenizer from the core's outputs.
+
 `fill_ids` (prompt + generated tokens) is derived, never stored.
 """
 
