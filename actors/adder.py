@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from actors.running_set import RunningSet
 from actors.prefill_adder import (
     AddResult,
     Admission,
@@ -59,7 +60,7 @@ class Adder(Actor[AdderMsg]):
         self.executor = executor
         self.policy: Actor[PolicyMsg] | None = None  # set by the Engine (the actors form a cycle)
         self.page_size = config.page_size
-        self.running: list[Req] = []  # prompt fully launched: one decode token per step
+        self.running = RunningSet()  # prompt fully launched: one decode token per step
         self.chunked: Req | None = None  # prompt partly launched
         self.ending: list[_Ending] = []
         self.ratio = NewTokenRatio(config.schedule_conservativeness)
@@ -132,7 +133,7 @@ class Adder(Actor[AdderMsg]):
 
     # --- one scheduling round -----------------------------------------------------------------
     async def _round(self, candidates: list[Req]) -> None:
-        self._collect_aborts()
+        # Running requests that an abort reaches are collected on the Wake that follows it.
         candidates = self._drop_aborted(candidates)
         batch, leftover = self._form_prefill(candidates)
         if batch is None and leftover and self._idle():
@@ -170,16 +171,16 @@ class Adder(Actor[AdderMsg]):
         if not candidates and self.chunked is None:
             return None, []
         self._cache_chunked_prefix()
-        mixed = self._mixed_decode_reqs()
+        mixed = self._mixed_decode()
         adder = PrefillAdder(
             page_size=self.page_size,
             cache=self.cache,
             free_slots=self.allocator.available_size(),
-            running=self.running,
+            running=self.running.synced(),
             new_token_ratio=self.ratio.value,
             max_prefill_tokens=self.config.max_prefill_tokens,
             chunked_prefill_size=self.config.chunked_prefill_size if self.config.chunking_enabled else None,
-            mixed_decode_tokens=len(mixed),
+            mixed_decode_tokens=len(self.running) if mixed else 0,
         )
         if self.chunked is not None:
             adder.add_chunked_req(self.chunked)
@@ -238,45 +239,56 @@ class Adder(Actor[AdderMsg]):
         req.last_node = result.last_node
         req.prefix_len = result.length  # the call rewrote the row with the tree's slots
 
-    def _mixed_decode_reqs(self) -> list[Req]:
-        """Mixed chunk: running requests decode inside the prefill batch (not when logprobs are wanted)."""
+    def _mixed_decode(self) -> bool:
+        """Mixed chunk: the running requests decode inside the prefill batch (not when logprobs are wanted)."""
         cfg = self.config
-        if not (cfg.enable_mixed_chunk and cfg.chunking_enabled) or any(r.return_logprob for r in self.running):
-            return []
-        return [r for r in self.running if r.launched_outputs < r.max_new_tokens]
+        return cfg.enable_mixed_chunk and cfg.chunking_enabled and bool(self.running) and not any(r.return_logprob for r in self.running)
 
-    def _prefill_batch(self, adder: PrefillAdder, mixed: list[Req]) -> Batch:
+    def _prefill_batch(self, adder: PrefillAdder, mixed: bool) -> Batch:
+        step = self.next_step
         reqs: list[Req] = []
+        rows: list[int] = []
+        prefix_lens: list[int] = []
         lens: list[int] = []
         ids: list[list[int] | None] = []
         slots: list[torch.Tensor] = []
         produces: list[bool] = []
+        done: list[Req] = []
         for adm in adder.admitted:
-            new_slots = self._allocate_admission(adm)
-            reqs.append(adm.req)
+            req = adm.req
+            slots.append(self._allocate_admission(adm))
+            reqs.append(req)
+            rows.append(req.req_row)  # type: ignore[arg-type]
+            prefix_lens.append(req.computed_len)
             lens.append(adm.extend_len)
-            ids.append(adm.req.fill_ids[adm.prefix_len : adm.prefix_len + adm.extend_len])
-            slots.append(new_slots)
+            ids.append(req.fill_ids[adm.prefix_len : adm.prefix_len + adm.extend_len])
             produces.append(not adm.truncated)
+            req.computed_len += adm.extend_len
+            req.last_step = step
+            if not adm.truncated:
+                req.launched_outputs += 1
+                if req.launched_outputs >= req.sampling.max_new_tokens:
+                    done.append(req)
         was_chunked, self.chunked = self.chunked, adder.new_chunked_req
-        for adm in adder.admitted:
-            if not adm.truncated and (adm.req is was_chunked or adm.match is not None):
-                self.running.append(adm.req)
         mode = ForwardMode.EXTEND
-        if mixed and self._free_after_evict(self._decode_slots_needed(mixed)) >= self._decode_slots_needed(mixed):
-            for req in mixed:
-                reqs.append(req)
-                lens.append(1)
-                ids.append(None)
-                slots.append(self._grow(req, 1))
-                produces.append(True)
+        if mixed and self._free_after_evict(self._decode_slots_needed()) >= self._decode_slots_needed():
+            n = len(self.running)
+            slots.append(self._grow_decode())
+            reqs += self.running.reqs
+            rows += self.running.rows_list
+            prefix_lens += self.running.positions.tolist()
+            lens += [1] * n
+            ids += [None] * n
+            produces += [True] * n
+            done += self.running.advance(step)
             mode = ForwardMode.MIXED
+        self.running.add(adm.req for adm in adder.admitted if not adm.truncated and (adm.req is was_chunked or adm.match is not None))
         # As SGLang does after a prefill: prompts are cached now, not when they finish. Last, so
         # that duplicate slots it frees are not handed to another row of this same step.
         for adm in adder.admitted:
             if not adm.truncated:
                 self._cache_prefix(adm.req, adm.prefix_len + adm.extend_len)
-        return self._batch(mode, reqs, lens, ids, slots, produces)
+        return self._batch(mode, reqs, rows, prefix_lens, lens, ids, slots, produces, done)
 
     def _allocate_admission(self, adm: Admission) -> torch.Tensor:
         """A row (for a new admission, with its cached prefix) and KV slots for the extend.
@@ -297,53 +309,46 @@ class Adder(Actor[AdderMsg]):
 
     # --- decode ---------------------------------------------------------------------------------
     def _form_decode(self) -> Batch | None:
-        reqs = self._decoding()
-        if not reqs:
+        """One token for every running request (each still needs one: a request leaves the
+        running set when its last token is launched)."""
+        if not self.running or not self._ensure_decode_memory() or not self.running:
             return None
-        running = len(self.running)
-        if not self._ensure_decode_memory(reqs):
-            return None
-        if len(self.running) != running:  # some were retracted
-            reqs = self._decoding()
-            if not reqs:
-                return None
-        slots = self._grow_decode(reqs)
-        assert all(s is not None for s in slots), "decode memory was checked"
+        running = self.running
+        n = len(running)
+        slots = self._grow_decode()
+        prefix_lens = running.positions.tolist()
+        reqs, rows = running.reqs, running.rows_list
+        done = running.advance(self.next_step)
         self.ratio.decay()
-        return self._batch(ForwardMode.DECODE, reqs, [1] * len(reqs), [None] * len(reqs), slots, [True] * len(reqs))
+        return self._batch(ForwardMode.DECODE, reqs, rows, prefix_lens, [1] * n, [None] * n, [slots], [True] * n, done)
 
-    def _decoding(self) -> list[Req]:
-        """The running requests that still need a step (the others' last token is launched)."""
-        return [r for r in self.running if r.launched_outputs < r.sampling.max_new_tokens]
-
-    def _ensure_decode_memory(self, reqs: list[Req]) -> bool:
+    def _ensure_decode_memory(self) -> bool:
         """Make room for one more token per request: evict cache, else retract (never the last)."""
-        need = self._decode_slots_needed(reqs)
+        need = self._decode_slots_needed()
         if self._free_after_evict(need) >= need:
             return True
         if self.in_flight > 0 or self.ending:
             return False  # memory comes back when in-flight steps report; wait for them
-        victims, new_ratio = select_retraction_victims(reqs, self._available_after_release)
-        for victim in victims:
-            self._leave(victim, "retract")
-            self.counters["retractions"] += 1
+        victims, new_ratio = select_retraction_victims(self.running.synced(), self._available_after_release)
+        self._leave_all(victims, "retract")
+        self.counters["retractions"] += len(victims)
         if victims:
             self.ratio.set(new_ratio)
             self._release_done()
-        remaining = self._decoding()
-        need = self._decode_slots_needed(remaining)
+        need = self._decode_slots_needed()
         if self._free_after_evict(need) >= need:
             return True
         # One request alone cannot fit: it cannot finish, so it ends now (SGLang aborts it too).
-        for req in remaining:
+        for req in list(self.running):
             self._finish_with_error(req, "the KV pool is too small for this request to continue")
         self._release_done()
         return False
 
-    def _decode_slots_needed(self, reqs: list[Req]) -> int:
+    def _decode_slots_needed(self) -> int:
+        """Fresh KV slots one more token for every running request takes."""
         if self.page_size == 1:
-            return len(reqs)
-        return sum(self.page_size for r in reqs if r.computed_len % self.page_size == 0)
+            return len(self.running)
+        return self.page_size * int((self.running.positions % self.page_size == 0).sum())
 
     def _available_after_release(self, victims) -> int:
         owned = sum(r.computed_len - r.last_node.depth for r in victims)
@@ -368,97 +373,74 @@ class Adder(Actor[AdderMsg]):
         self.req_to_token.write(req.req_row, held, slots)
         return slots
 
-    def _grow_decode(self, reqs: list[Req]) -> list[torch.Tensor]:
-        """One slot per request for a decode step: one allocation and one indexed write for the
-        whole batch instead of one per request. With pages of several slots, a request whose
-        last page has room takes the slot after its last one; the others start a fresh page."""
+    def _grow_decode(self) -> torch.Tensor:
+        """One slot per running request for its next token: one allocation and one indexed
+        write for the whole set. With pages of several slots, a request whose last page has room
+        takes the slot after its last one; the others start a fresh page."""
         table = self.req_to_token.table
-        rows = torch.tensor([r.req_row for r in reqs], dtype=torch.int64)
-        positions = torch.tensor([r.computed_len for r in reqs], dtype=torch.int64)
+        rows, positions = self.running.rows, self.running.positions
         page = self.page_size
         if page == 1:  # every position starts a page of its own
-            slots = self.allocator.alloc(len(reqs))
+            slots = self.allocator.alloc(len(rows))
             assert slots is not None, "decode memory was checked"
-            table[rows, positions] = slots.to(table.dtype)
-            return [slots]
-        fresh = positions % page == 0
-        num_fresh = int(fresh.sum())
-        pages = self.allocator.alloc(num_fresh * page)
-        assert pages is not None, "decode memory was checked"
-        if num_fresh == len(reqs):
-            slots = pages.view(-1, page)[:, 0] if page > 1 else pages
-        else:  # positions are never 0 in a decode, so every request has a last slot
+        else:
+            fresh = positions % page == 0
+            pages = self.allocator.alloc(int(fresh.sum()) * page)
+            assert pages is not None, "decode memory was checked"
+            # positions are never 0 in a decode, so every request has a last slot
             slots = table[rows, positions - 1].to(torch.int64) + 1
             slots[fresh] = pages.view(-1, page)[:, 0]
         table[rows, positions] = slots.to(table.dtype)
-        return [slots]
+        return slots
 
     def _batch(
         self,
         mode: ForwardMode,
         reqs: list[Req],
+        rows: list[int],
+        prefix_lens: list[int],
         extend_lens: list[int],
         extend_ids: list[list[int] | None],
         slots: list[torch.Tensor],
         produces_token: list[bool],
+        done: list[Req],
     ) -> Batch:
-        step = self.next_step
-        prefix_lens: list[int] = []
-        rows: list[int] = []
-        # A request whose last token is now launched needs no more steps: it leaves the running
-        # set now and is released once this step has reported (no wasted step for "length").
-        done: list[Req] = []
-        for req, n, makes_token in zip(reqs, extend_lens, produces_token):
-            prefix_lens.append(req.computed_len)
-            rows.append(req.req_row)
-            req.computed_len += n
-            req.last_step = step
-            if makes_token:
-                req.launched_outputs += 1
-            if req.launched_outputs >= req.sampling.max_new_tokens:
-                done.append(req)
+        """The step's batch; `done` are the requests whose last token it launches: they leave
+        the running set now and are released once the step has reported (no wasted step)."""
         if done:
-            running = {id(r) for r in self.running}
-            self._leave_all([r for r in done if id(r) in running], "finish")
+            self._leave_all(done, "finish")
         return Batch(
-            step=step,
+            step=self.next_step,
             mode=mode,
             reqs=reqs,
             rows=rows,
             prefix_lens=prefix_lens,
             extend_lens=extend_lens,
             extend_ids=extend_ids,
-            out_cache_loc=torch.cat(slots),
+            out_cache_loc=slots[0] if len(slots) == 1 else torch.cat(slots),
             produces_token=produces_token,
         )
 
     # --- leaving and releasing ------------------------------------------------------------------
     def _leave_all(self, reqs: list[Req], kind: str) -> None:
-        """`_leave` for many requests, with one pass over the running set instead of one each
-        (hundreds can finish in one step)."""
-        if len(reqs) < 8:
-            for req in reqs:
-                self._leave(req, kind)
+        """Take requests out of the running set (or the chunked slot); their KV is released
+        after their last step is done. A request already leaving, or listed twice, leaves once."""
+        if not reqs:
             return
-        gone = {id(r) for r in reqs}
-        leaving = {id(r) for r in self.running if id(r) in gone}
-        self.running = [r for r in self.running if id(r) not in gone]
+        left = self.running.remove(reqs)
+        leaving = {e.req for e in self.ending}
         for req in reqs:
-            if id(req) in leaving:
-                leaving.discard(id(req))  # listed twice: it leaves once
-                self.ending.append(_Ending(req, kind))
-            else:
-                self._leave(req, kind)  # the chunked request, or one already leaving
+            if req in left:
+                left.discard(req)
+            elif self.chunked is req:
+                self.chunked = None
+            elif req in leaving:
+                continue
+            leaving.add(req)
+            self.ending.append(_Ending(req, kind))
 
     def _leave(self, req: Req, kind: str) -> None:
-        """Take `req` out of the running set; its KV is released after its last step is done."""
-        if req in self.running:
-            self.running.remove(req)
-        elif self.chunked is req:
-            self.chunked = None
-        elif any(e.req is req for e in self.ending):
-            return
-        self.ending.append(_Ending(req, kind))
+        self._leave_all([req], kind)
 
     def _release_done(self) -> None:
         keep: list[_Ending] = []

@@ -1,0 +1,127 @@
+"""RunningSet: the Adder's requests whose prompt is fully launched, kept as columns.
+
+Every decode step, and the decode rows of a mixed step, adds one token to each of them: their
+progress is one shared count. So the set keeps their rows and next positions as tensors and
+counts rounds; a round is a few tensor operations, not a Python pass over hundreds of requests.
+
+A request's own counters (`computed_len`, `launched_outputs`, `last_step`) lag behind while it
+runs: `sync` brings them up to date, and the set syncs a request when it leaves. Only the Adder
+reads them; it calls `synced()` before any decision that reads them (prefill budgets,
+retraction, preemption).
+
+A request whose last token a round launches is returned by `advance`, found through buckets
+keyed by that round; the caller takes it out with `remove`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from runtime.req import Req
+
+
+class RunningSet:
+    def __init__(self) -> None:
+        self._reqs: list[Req] = []  # never mutated in place: a Batch may hold it
+        self._rows_list: list[int] = []  # likewise
+        self._rows = torch.empty(0, dtype=torch.int64)
+        self._positions = torch.empty(0, dtype=torch.int64)  # each request's computed_len, now
+        self._round = 0  # rounds advanced so far
+        self._round_step = -1  # the step of the latest round
+        self._synced_round: dict[Req, int] = {}  # the members, and the round their counters show
+        self._last_round: dict[Req, int] = {}  # the round that launches a member's last token
+        self._ending_at: dict[int, list[Req]] = {}  # round -> members whose last token it launches
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._reqs)
+
+    def __iter__(self) -> Iterator[Req]:
+        return iter(self._reqs)
+
+    def __contains__(self, req: Req) -> bool:
+        return req in self._synced_round
+
+    @property
+    def reqs(self) -> list[Req]:
+        """The members in order (counters possibly behind: see `synced`). Do not mutate."""
+        return self._reqs
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self._rows
+
+    @property
+    def rows_list(self) -> list[int]:
+        return self._rows_list
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position each member's next token goes to (its computed_len). Do not mutate."""
+        return self._positions
+
+    def add(self, reqs: Iterable[Req]) -> None:
+        """New members, in order, with their counters up to date."""
+        added = [r for r in reqs if r not in self._synced_round]
+        if not added:
+            return
+        for req in added:
+            assert req.req_row is not None, "a running request holds a row"
+            self._synced_round[req] = self._round
+            last = self._round + req.sampling.max_new_tokens - req.launched_outputs
+            if last > self._round:
+                self._last_round[req] = last
+                self._ending_at.setdefault(last, []).append(req)
+        self._reqs = self._reqs + added
+        self._rows_list = self._rows_list + [r.req_row for r in added]  # type: ignore[misc]
+        self._rows = torch.tensor(self._rows_list, dtype=torch.int64)
+        self._positions = torch.cat([self._positions, torch.tensor([r.computed_len for r in added], dtype=torch.int64)])
+
+    def remove(self, reqs: Iterable[Req]) -> set[Req]:
+        """Take these requests out (the others in `reqs` are ignored); returns the ones that were
+        members, their counters synced."""
+        gone = {r for r in reqs if r in self._synced_round}
+        if not gone:
+            return gone
+        for req in gone:
+            self.sync(req)
+            del self._synced_round[req]
+            self._last_round.pop(req, None)
+        keep = [r not in gone for r in self._reqs]
+        self._reqs = [r for r, k in zip(self._reqs, keep) if k]
+        self._rows_list = [row for row, k in zip(self._rows_list, keep) if k]
+        mask = torch.tensor(keep, dtype=torch.bool)
+        self._rows, self._positions = self._rows[mask], self._positions[mask]
+        return gone
+
+    def advance(self, step: int) -> list[Req]:
+        """Every member gets one more token, launched by `step`; returns the members whose last
+        token that is (still members: the caller removes them)."""
+        self._positions += 1
+        self._round += 1
+        self._round_step = step
+        done = []
+        for req in self._ending_at.pop(self._round, []):
+            if self._last_round.get(req) == self._round:  # not an entry from an earlier stay
+                del self._last_round[req]
+                done.append(req)
+        return done
+
+    def sync(self, req: Req) -> None:
+        """Bring a member's counters up to date with the rounds it took part in."""
+        behind = self._round - self._synced_round[req]
+        if behind:
+            req.computed_len += behind
+            req.launched_outputs += behind
+            req.last_step = self._round_step
+            self._synced_round[req] = self._round
+
+    def synced(self) -> list[Req]:
+        """The members, every one's counters up to date."""
+        for req in self._reqs:
+            self.sync(req)
+        return self._reqs
