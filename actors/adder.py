@@ -3,7 +3,10 @@
 The loop, driven by messages:
 
 1. While fewer than `overlap_depth` steps are launched and unreported, it pulls ranked candidates
-   from the Policy (`Pull` -> `Ranked`).
+   from the Policy (`Pull` -> `Ranked`). When the Policy's queue was empty, the Pull blocks: the
+   Policy holds it until a request arrives, and meanwhile the Adder forms rounds without asking
+   (a decode step then costs no round trip). Candidates that arrive while the pipeline is full
+   wait for the next round.
 2. It forms one batch: a prefill (chunked request first, then candidates under the PrefillAdder
    budgets, with priority preemption), else a decode of the running set (evicting cache, then
    retracting, when KV is short). Candidates it does not admit go back to the Policy.
@@ -67,7 +70,10 @@ class Adder(Actor[AdderMsg]):
         self.in_flight = 0
         self.next_step = 0
         self.done_step = -1
-        self._pull_outstanding = False
+        self._pull_sent = False  # a Pull the Policy has not answered yet
+        self._pull_parked = False  # ... and it blocks until a request waits: rounds go on without it
+        self._queue_empty = True  # the Policy's last answer said nothing else waits
+        self._candidates: list[Req] | None = None  # an answer (maybe empty) not yet used by a round
         self._stalled = False  # the last round launched nothing: wait for a StepDone
         self._to_requeue: list[Req] = []  # retracted / preempted, released, not yet sent back
         self.counters: Counter[str] = Counter()
@@ -81,8 +87,9 @@ class Adder(Actor[AdderMsg]):
     async def handle(self, msg: AdderMsg) -> None:
         start = time.perf_counter()
         if isinstance(msg, Ranked):
-            self._pull_outstanding = False
-            await self._round(msg.reqs)
+            self._pull_sent = self._pull_parked = False
+            self._queue_empty = msg.num_waiting == 0
+            self._candidates = (self._candidates or []) + msg.reqs
         elif isinstance(msg, StepDone):
             self.in_flight -= 1
             self.done_step = msg.step
@@ -94,29 +101,40 @@ class Adder(Actor[AdderMsg]):
             self._stalled = False
         elif isinstance(msg, FlushCache):
             msg.done.set_result(self._flush_cache())
+        await self._schedule()
+        await self._requeue_released()
         self.scheduler_s += time.perf_counter() - start
-        if self._to_requeue:
-            reqs, self._to_requeue = self._to_requeue, []
-            await self._requeue(reqs, front=False)
-        await self._pull_if_ready()
 
-    async def _pull_if_ready(self) -> None:
-        if self._pull_outstanding or self.in_flight >= self.config.overlap_depth:
-            return
-        if self._stalled and self.in_flight > 0:
-            return
+    async def _schedule(self) -> None:
+        """Launch rounds while the pipeline has room: with candidates in hand, or while the
+        Policy holds a blocking Pull; otherwise ask the Policy and wait for its answer."""
+        while self.in_flight < self.config.overlap_depth and not (self._stalled and self.in_flight > 0):
+            if self._candidates is not None or self._pull_parked:
+                candidates, self._candidates = self._candidates or [], None
+                if not await self._round(candidates):
+                    return
+            elif self._pull_sent:
+                return
+            else:
+                await self._requeue_released()  # before the Pull: the Policy ranks them too
+                await self._pull()
+                if not self._pull_parked:
+                    return
+
+    async def _pull(self) -> None:
         assert self.policy is not None
-        self._pull_outstanding = True
         rows = self.req_to_token.available()
         preempt_priority = self._least_important_running() if rows == 0 else None
         if preempt_priority is not None:
             rows = 1  # the best waiting request, if it may preempt a running one
+        block = self._idle() or self._queue_empty
+        self._pull_sent, self._pull_parked = True, block
         await self.policy.send(Pull(
-            max_reqs=rows, running_routing_keys=self._routing_keys(), block=self._idle(), preempt_priority=preempt_priority
+            max_reqs=rows, running_routing_keys=self._routing_keys(), block=block, preempt_priority=preempt_priority
         ))
 
     def _idle(self) -> bool:
-        return not self.running and self.chunked is None and self.in_flight == 0 and not self.ending
+        return not (self.running or self._candidates) and self.chunked is None and self.in_flight == 0 and not self.ending
 
     def _least_important_running(self) -> int | None:
         """With every row taken, the priority a waiting request must beat to preempt (None: no
@@ -132,7 +150,8 @@ class Adder(Actor[AdderMsg]):
         return dict(Counter(r.routing_key for r in self.running if r.routing_key is not None))
 
     # --- one scheduling round -----------------------------------------------------------------
-    async def _round(self, candidates: list[Req]) -> None:
+    async def _round(self, candidates: list[Req]) -> bool:
+        """Form and launch one batch; False if there was nothing to launch."""
         # Running requests that an abort reaches are collected on the Wake that follows it.
         candidates = self._drop_aborted(candidates)
         batch, leftover = self._form_prefill(candidates)
@@ -148,8 +167,9 @@ class Adder(Actor[AdderMsg]):
             self._stalled = True
             if self._idle():
                 self.ratio.reset()
-            return
+            return False
         await self._launch(batch)
+        return True
 
     async def _launch(self, batch: Batch) -> None:
         self.in_flight += 1
@@ -158,6 +178,12 @@ class Adder(Actor[AdderMsg]):
         await self.executor.send(batch)
         # Requests retracted or preempted while forming this batch go back to the queue only
         # after their last step is done (see _release_done).
+
+    async def _requeue_released(self) -> None:
+        """Retracted and preempted requests whose last step is done go back to the queue's end."""
+        if self._to_requeue:
+            reqs, self._to_requeue = self._to_requeue, []
+            await self._requeue(reqs, front=False)
 
     async def _requeue(self, reqs: list[Req], front: bool) -> None:
         if reqs:
@@ -378,7 +404,7 @@ class Adder(Actor[AdderMsg]):
         write for the whole set. With pages of several slots, a request whose last page has room
         takes the slot after its last one; the others start a fresh page."""
         table = self.req_to_token.table
-        rows, positions = self.running.rows, self.running.positions
+        rows, positions = self.running.rows, torch.from_numpy(self.running.positions)
         page = self.page_size
         if page == 1:  # every position starts a page of its own
             slots = self.allocator.alloc(len(rows))

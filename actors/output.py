@@ -3,9 +3,10 @@
 It appends tokens, checks max_new_tokens, EOS, min_new_tokens, stop token ids and stop strings,
 detokenizes incrementally (never half a UTF-8 character), streams deltas every
 `stream_interval` tokens, and reports the requests that finished to the Adder with `StepDone`.
-In the engine core process (`detokenize=False`) it decides only: deltas carry token ids, and the
+In the engine core process (with an `outbox`) it decides only: deltas carry token ids, and the
 frontend turns them into text (api/core_client.py); only a request with stop strings is
-detokenized here, to find them.
+detokenized here, to find them. There a decode step's tokens that end nothing and carry nothing
+else go into the outbox as one (rid, token) column pair for the whole step.
 Under overlap a request finished at step N is also in step N+1: that extra token is dropped here.
 """
 
@@ -16,42 +17,64 @@ from typing import Any
 
 from actors.detokenizer import IncrementalDetokenizer, check_finish, process_token
 from runtime.actor import Actor
+from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
 from runtime.req import FinishReason, Req
-from runtime.stream import Delta, RemoteStream
+from runtime.stream import Delta, StepOutbox
 
 
 class OutputProcessor(Actor[StepOut]):
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int, detokenize: bool = True):
+    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int, outbox: StepOutbox | None = None):
         super().__init__("output")
         self.tokenizer = tokenizer
-        self.detokenize = detokenize
+        self.outbox = outbox  # in the core process: where plain tokens go
+        self.detokenize = outbox is None
         self.eos_token_ids = tuple(eos_token_ids)
         self.stream_interval = stream_interval
         self.adder: Actor[AdderMsg] | None = None  # set by the Engine (the actors form a cycle)
         self.generated_tokens = 0
 
     async def handle(self, msg: StepOut) -> None:
+        if self.outbox is not None and msg.batch.mode is ForwardMode.DECODE:
+            finished = self._decode_step(msg, self.outbox)
+        else:
+            finished = self._step(msg)
+        assert self.adder is not None
+        await self.adder.send(StepDone(step=msg.batch.step, finished=finished))
+
+    def _step(self, msg: StepOut) -> list[Req]:
         batch = msg.batch
         finished: list[Req] = []
-        # In the core process a request past its first token, with nothing held back and no
-        # logprobs, needs only its token sent: the common decode case takes the short path.
-        ids_only = not self.detokenize and self.stream_interval == 1
         for i, req in enumerate(batch.reqs):
             if req.finished or req.abort_requested:
                 continue
             if msg.input_logprobs is not None and msg.input_logprobs[i] is not None:
                 self._add_input_logprobs(req, msg.input_logprobs[i])
-            if not batch.produces_token[i]:
-                continue
-            if ids_only and req.output_ids and req.unsent is None and not req.return_logprob:
-                done = self._append_token(req, msg.token_ids[i])
-            else:
-                done = self._append(req, i, msg)
-            if done:
+            if batch.produces_token[i] and self._append(req, i, msg):
                 finished.append(req)
-        assert self.adder is not None
-        await self.adder.send(StepDone(step=batch.step, finished=finished))
+        return finished
+
+    def _decode_step(self, msg: StepOut, outbox: StepOutbox) -> list[Req]:
+        """A decode step in the core process. A token below the request's `plain_below` count that
+        is not one of its end tokens ends nothing and needs no text: it is appended and sent as
+        (rid, token); only the others take the full path. The common case, kept to a few
+        operations per request."""
+        finished: list[Req] = []
+        rids: list[str] = []
+        plain: list[int] = []
+        for i, (req, token) in enumerate(zip(msg.batch.reqs, msg.token_ids)):
+            if req.finish_reason is not None or req.abort_requested:
+                continue
+            ids = req.output_ids
+            if len(ids) < req.plain_below and token not in req.end_token_ids:  # type: ignore[operator]
+                ids.append(token)
+                rids.append(req.rid)
+                plain.append(token)
+            elif self._append(req, i, msg):
+                finished.append(req)
+        self.generated_tokens += len(plain)
+        outbox.add_tokens(rids, plain)
+        return finished
 
     def _append(self, req: Req, i: int, msg: StepOut) -> bool:
         if req.unsent is None:
@@ -63,6 +86,8 @@ class OutputProcessor(Actor[StepOut]):
             # part of the answer, as in SGLang.
             return self._push(req, delta, FinishReason("length"))
         token = msg.token_ids[i]
+        if req.end_token_ids is None:
+            self._prepare_plain_tokens(req)
         req.output_ids.append(token)
         self.generated_tokens += 1
         delta.output_ids.append(token)
@@ -78,22 +103,15 @@ class OutputProcessor(Actor[StepOut]):
             return False
         return self._push(req, delta, reason)
 
-    def _append_token(self, req: Req, token: int) -> bool:
-        """`_append` for a request whose stream is a RemoteStream and whose step adds only a token."""
-        req.output_ids.append(token)
-        self.generated_tokens += 1
-        ends = req.end_token_ids
-        if ends is None:
-            ends = req.end_token_ids = self._end_token_ids(req)
-        # Most tokens end nothing: only an end token, the last allowed token or a request with
-        # stop strings needs the full check.
-        if token in ends or len(req.output_ids) >= req.sampling.max_new_tokens or req.sampling.stop:
-            reason = self._decide(req, token)[1]
-            if reason is not None:
-                return self._push(req, Delta(rid=req.rid, output_ids=[token]), reason)
-        if isinstance(req.stream, RemoteStream):
-            req.stream.push_token(token)
-        return False
+    def _prepare_plain_tokens(self, req: Req) -> None:
+        """At a request's first token: which later tokens `_decode_step` may pass as plain. Only
+        in the core process with every token streamed, and not for requests that want
+        logprobs or have stop strings (those always take the full path)."""
+        eos = () if req.sampling.ignore_eos else self.eos_token_ids
+        req.end_token_ids = frozenset((*req.sampling.stop_token_ids, *eos))
+        plain = self.outbox is not None and self.stream_interval == 1 and not (req.return_logprob or req.sampling.stop)
+        # Below max_new_tokens - 1 outputs, one more token cannot reach the length limit.
+        req.plain_below = req.sampling.max_new_tokens - 1 if plain else 0
 
     def _decide(self, req: Req, token: int) -> tuple[str, FinishReason | None]:
         """The text to stream ("" in the core process) and the finish reason for `token`, just
@@ -104,11 +122,6 @@ class OutputProcessor(Actor[StepOut]):
             req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
         text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
         return (text if self.detokenize else ""), reason
-
-    def _end_token_ids(self, req: Req) -> frozenset[int]:
-        """The tokens that may end `req` (from its min_new_tokens-th token on)."""
-        eos = () if req.sampling.ignore_eos else self.eos_token_ids
-        return frozenset((*req.sampling.stop_token_ids, *eos))
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
         """Send the request's unsent delta, the final one when `reason` is set; True if it is."""

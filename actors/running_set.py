@@ -2,7 +2,8 @@
 
 Every decode step, and the decode rows of a mixed step, adds one token to each of them: their
 progress is one shared count. So the set keeps their rows and next positions as tensors and
-counts rounds; a round is a few tensor operations, not a Python pass over hundreds of requests.
+counts rounds; a round is a few array operations, not a Python pass over hundreds of requests.
+(Positions are a numpy array: on the scheduling loop a numpy call costs less than a torch call.)
 
 A request's own counters (`computed_len`, `launched_outputs`, `last_step`) lag behind while it
 runs: `sync` brings them up to date, and the set syncs a request when it leaves. Only the Adder
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from runtime.req import Req
@@ -27,7 +29,7 @@ class RunningSet:
         self._reqs: list[Req] = []  # never mutated in place: a Batch may hold it
         self._rows_list: list[int] = []  # likewise
         self._rows = torch.empty(0, dtype=torch.int64)
-        self._positions = torch.empty(0, dtype=torch.int64)  # each request's computed_len, now
+        self._positions = np.empty(0, dtype=np.int64)  # each request's computed_len, now
         self._round = 0  # rounds advanced so far
         self._round_step = -1  # the step of the latest round
         self._synced_round: dict[Req, int] = {}  # the members, and the round their counters show
@@ -60,7 +62,7 @@ class RunningSet:
         return self._rows_list
 
     @property
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> np.ndarray:
         """The position each member's next token goes to (its computed_len). Do not mutate."""
         return self._positions
 
@@ -79,7 +81,7 @@ class RunningSet:
         self._reqs = self._reqs + added
         self._rows_list = self._rows_list + [r.req_row for r in added]  # type: ignore[misc]
         self._rows = torch.tensor(self._rows_list, dtype=torch.int64)
-        self._positions = torch.cat([self._positions, torch.tensor([r.computed_len for r in added], dtype=torch.int64)])
+        self._positions = np.concatenate([self._positions, np.array([r.computed_len for r in added], dtype=np.int64)])
 
     def remove(self, reqs: Iterable[Req]) -> set[Req]:
         """Take these requests out (the others in `reqs` are ignored); returns the ones that were
@@ -94,8 +96,7 @@ class RunningSet:
         keep = [r not in gone for r in self._reqs]
         self._reqs = [r for r, k in zip(self._reqs, keep) if k]
         self._rows_list = [row for row, k in zip(self._rows_list, keep) if k]
-        mask = torch.tensor(keep, dtype=torch.bool)
-        self._rows, self._positions = self._rows[mask], self._positions[mask]
+        self._rows, self._positions = self._rows[torch.tensor(keep)], self._positions[np.array(keep)]
         return gone
 
     def advance(self, step: int) -> list[Req]:

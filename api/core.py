@@ -24,6 +24,7 @@ from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
+from runtime.stream import StepOutbox
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
@@ -78,8 +79,9 @@ class CoreSetup(msgspec.Struct, frozen=True):
         getattr(importlib.import_module(module), name)(core, **self.kwargs)
 
 
-async def load_core(config: EngineConfig) -> Core:
-    """Load the model (in a thread: it takes seconds) and wire the core's actors (not started)."""
+async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> Core:
+    """Load the model (in a thread: it takes seconds) and wire the core's actors (not started).
+    `outbox`: in a process of its own, where the core's outputs go to the frontend."""
     runner = await asyncio.to_thread(ModelRunner, runner_config(config))
     tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
     cfg = msgspec.structs.replace(
@@ -88,7 +90,7 @@ async def load_core(config: EngineConfig) -> Core:
     )
     prefix_cache = _prefix_cache(cfg, runner)
     # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
-    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, detokenize=cfg.inline_core)
+    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox)
     executor = Executor(runner, output)
     adder = Adder(cfg, runner, prefix_cache, executor)
     policy = Policy(cfg, prefix_cache, adder)

@@ -72,9 +72,10 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setu
     outbox.setsockopt(zmq.SNDHWM, 0)
     outbox.connect(sockets.from_core)
     encoder = msgspec.msgpack.Encoder()
+    outputs = StepOutbox(lambda rids, tokens, deltas: outbox.send(encoder.encode(CoreOutputs(rids, tokens, deltas))))
     try:
         try:
-            core = await load_core(config)
+            core = await load_core(config, outputs)
             if setup is not None:
                 setup.apply(core)
         except Exception as exc:  # the frontend shows this line instead of a bare exit code
@@ -82,7 +83,7 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setu
             return
         runner = core.runner
         outbox.send(encoder.encode(CoreReady(core.config, runner.vocab_size, list(runner.model_config.eos_token_ids))))
-        orphaned = await CoreServer(core, inbox, outbox, encoder).run(parent_pid)
+        orphaned = await CoreServer(core, inbox, outbox, encoder, outputs).run(parent_pid)
         if orphaned:
             sockets.remove()  # the frontend that owned the socket files cannot remove them now
     finally:
@@ -95,14 +96,16 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setu
 class CoreServer:
     """Owns the core side of the channel: the live requests by rid and the outgoing deltas."""
 
-    def __init__(self, core: Core, inbox: zmq.asyncio.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder):
+    def __init__(
+        self, core: Core, inbox: zmq.asyncio.Socket, outbox: zmq.Socket, encoder: msgspec.msgpack.Encoder, outputs: StepOutbox
+    ):
         self.core = core
         self.inbox = inbox
         self.outbox = outbox
         self.encoder = encoder
         self.decoder = msgspec.msgpack.Decoder(ToCore)
         self.live: dict[str, Req] = {}
-        self.outputs = StepOutbox(self._schedule_send)  # this loop iteration's outputs, sent together
+        self.outputs = outputs  # this loop iteration's outputs, sent together
         self._failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def run(self, parent_pid: int) -> bool:
@@ -127,7 +130,7 @@ class CoreServer:
                 await actor.stop(drain=False)
             self.core.executor.shutdown()
             if self._failure.done():
-                self._send_now()
+                self.outputs.flush()
                 self._send(CoreFailed(self._failure.result()))
         return parent_gone.done() and not parent_gone.cancelled()
 
@@ -181,13 +184,6 @@ class CoreServer:
         self._send(CoreFlushed(ticket, await done))
 
     # --- core -> frontend -------------------------------------------------------------------
-    def _schedule_send(self) -> None:
-        asyncio.get_running_loop().call_soon(self._send_now)
-
-    def _send_now(self) -> None:
-        if self.outputs.rids:
-            self._send(CoreOutputs(*self.outputs.take()))
-
     def _send(self, msg: FromCore) -> None:
         self.outbox.send(self.encoder.encode(msg))
 

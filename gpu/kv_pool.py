@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -78,11 +79,13 @@ class TokenSlotAllocator:
         self.num_pages = num_pages
         self.size = num_pages * page_size
         self.device = device
-        self._page_is_free = torch.ones(num_pages + 1, dtype=torch.bool)
+        self._on_host = torch.device(device).type == "cpu"
+        # Host bookkeeping in numpy arrays: taking or returning n pages is one slice, not n Python
+        # operations, and a numpy call costs less than a torch call on the scheduling loop.
+        self._page_is_free = np.ones(num_pages + 1, dtype=np.bool_)
         self._page_is_free[0] = False
-        # A stack of free pages: _free_stack[:_num_free], the next page to hand out last. A tensor
-        # (not a list) so that taking or returning n pages is one slice, not n Python operations.
-        self._free_stack = torch.arange(num_pages, 0, -1, dtype=torch.int64)
+        # A stack of free pages: _free_stack[:_num_free], the next page to hand out last.
+        self._free_stack = np.arange(num_pages, 0, -1, dtype=np.int64)
         self._num_free = num_pages
 
     @property
@@ -106,11 +109,13 @@ class TokenSlotAllocator:
         if pages_needed > self._num_free:
             return None
         top = self._num_free
-        page_ids = self._free_stack[top - pages_needed : top].flip(0)  # a copy: the stack moves on
+        page_ids = self._free_stack[top - pages_needed : top][::-1].copy()  # a copy: the stack moves on
         self._num_free = top - pages_needed
         self._page_is_free[page_ids] = False
-        slots = page_ids if self.page_size == 1 else self._page_slots(page_ids)[:num_tokens]
-        return slots.to(self.device)
+        if self.page_size > 1:
+            page_ids = (page_ids[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)[:num_tokens]
+        slots = torch.from_numpy(page_ids)
+        return slots if self._on_host else slots.to(self.device)
 
     def alloc_extend(self, cur_len: int, last_slot: int | None, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` more tokens of a request that already holds `cur_len` tokens.
@@ -134,25 +139,21 @@ class TokenSlotAllocator:
         """Return the pages that hold `slots`. Freeing a page that is already free is refused."""
         if slots.numel() == 0:
             return
-        page_ids = torch.unique(slots.detach().to("cpu", torch.int64) // self.page_size)
-        if int(page_ids.min()) < 1 or int(page_ids.max()) > self.num_pages:
+        page_ids = np.unique(slots.detach().to("cpu", torch.int64).numpy() // self.page_size)
+        if page_ids[0] < 1 or page_ids[-1] > self.num_pages:
             raise ValueError(f"slots outside the pool (pages 1..{self.num_pages}): {page_ids.tolist()}")
-        if bool(self._page_is_free[page_ids].any()):
+        if self._page_is_free[page_ids].any():
             already = page_ids[self._page_is_free[page_ids]].tolist()
             raise ValueError(f"double free of KV pages {already}")
         self._page_is_free[page_ids] = True
         top = self._num_free
-        self._free_stack[top : top + page_ids.numel()] = page_ids
-        self._num_free = top + page_ids.numel()
+        self._free_stack[top : top + len(page_ids)] = page_ids
+        self._num_free = top + len(page_ids)
 
     def reset(self) -> None:
         self._page_is_free[1:] = True
-        self._free_stack = torch.arange(self.num_pages, 0, -1, dtype=torch.int64)
+        self._free_stack = np.arange(self.num_pages, 0, -1, dtype=np.int64)
         self._num_free = self.num_pages
-
-    def _page_slots(self, page_ids: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        return (page_ids[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
 
 @dataclass(slots=True)

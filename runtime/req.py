@@ -9,7 +9,7 @@ it, and only after a message handed the request over:
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
-| output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+| output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, plain_below, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 
 In the frontend of a core process (api/core_client.py) the core's actors are elsewhere: the
 `CoreClient` writes output_ids, cached_tokens, admitted_time and detokenizer from the core's outputs.
@@ -94,7 +94,10 @@ class Req:
     finish_reason: FinishReason | None = None
     # Per-request output state lives on the request, so it ends with it whoever ends it.
     detokenizer: Any = None
-    end_token_ids: frozenset[int] | None = None  # stop token ids and EOS, gathered once
+    end_token_ids: frozenset[int] | None = None  # stop token ids and EOS, gathered at the first token
+    # Core process: while fewer outputs than this, a token that is not an end token ends
+    # nothing and carries nothing but itself (see OutputProcessor._decode_step); 0: never.
+    plain_below: int = 0
     unsent: Delta | None = None  # tokens/text held back by stream_interval
 
     def __repr__(self) -> str:

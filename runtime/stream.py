@@ -117,50 +117,52 @@ class StepOutbox:
     """What the engine core process sends next, in the order it was pushed: an entry is either
     one plain token of a request (`tokens[i] >= 0`) or a whole `Delta` (`tokens[i] == RICH`,
     the next of `deltas`). Plain tokens are the common case, a decode step's one new token of a
-    request with nothing else to say; they cross as two flat lists instead of a Delta each."""
+    request with nothing else to say; they cross as two flat lists instead of a Delta each.
+    The first entry schedules `send` for the end of this loop iteration: one message for all
+    that the iteration pushed."""
 
     RICH = -1
-    __slots__ = ("rids", "tokens", "deltas", "on_first")
+    __slots__ = ("rids", "tokens", "deltas", "send")
 
-    def __init__(self, on_first: Callable[[], object]):
+    def __init__(self, send: Callable[[list[str], list[int], list[Delta]], object]):
         self.rids: list[str] = []
         self.tokens: list[int] = []
         self.deltas: list[Delta] = []
-        self.on_first = on_first  # the owner schedules one send for this loop iteration
+        self.send = send
 
-    def add_token(self, rid: str, token: int) -> None:
-        if not self.rids:
-            self.on_first()
-        self.rids.append(rid)
-        self.tokens.append(token)
+    def add_tokens(self, rids: list[str], tokens: list[int]) -> None:
+        if rids:
+            self._schedule()
+            self.rids += rids
+            self.tokens += tokens
 
     def add_delta(self, delta: Delta) -> None:
-        if not self.rids:
-            self.on_first()
+        self._schedule()
         self.rids.append(delta.rid)
         self.tokens.append(self.RICH)
         self.deltas.append(delta)
 
-    def take(self) -> tuple[list[str], list[int], list[Delta]]:
-        taken = self.rids, self.tokens, self.deltas
-        self.rids, self.tokens, self.deltas = [], [], []
-        return taken
+    def flush(self) -> None:
+        """Send what is pushed (nothing if empty)."""
+        if self.rids:
+            taken = self.rids, self.tokens, self.deltas
+            self.rids, self.tokens, self.deltas = [], [], []
+            self.send(*taken)
+
+    def _schedule(self) -> None:
+        if not self.rids:
+            asyncio.get_running_loop().call_soon(self.flush)
 
 
 class RemoteStream(_Producer):
-    """A request's stream inside the engine core process: deltas and plain tokens go into the
-    core's `StepOutbox`, sent to the frontend once per loop iteration, all requests together."""
+    """A request's stream inside the engine core process: its deltas go into the core's
+    `StepOutbox` (plain tokens are put there by the OutputProcessor, a step's all together)."""
 
     __slots__ = ("outbox",)
 
     def __init__(self, rid: str, outbox: StepOutbox):
         super().__init__(rid)
         self.outbox = outbox
-
-    def push_token(self, token: int) -> None:
-        """One new token and nothing else (the request goes on): the cheap path."""
-        if not self._finished:
-            self.outbox.add_token(self.rid, token)
 
     def _queue(self, delta: Delta) -> None:
         self.outbox.add_delta(delta)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -64,7 +64,8 @@ class RunningSetMachine(RuleBasedStateMachine):
             counters[2] = self.step
             if counters[1] >= req.sampling.max_new_tokens:
                 expected.append(req)
-        assert done == expected
+        # In any order (a request added back may precede one that stayed), each one once.
+        assert sorted(r.rid for r in done) == sorted(r.rid for r in expected)
         self._remove(done)  # as the Adder does: a request whose last token launched leaves
 
     @rule(data=st.data())
@@ -93,7 +94,7 @@ class RunningSetMachine(RuleBasedStateMachine):
         assert self.running.rows_list == [r.req_row for r in self.members]
         assert self.running.rows.tolist() == self.running.rows_list
         assert self.running.positions.tolist() == [self.model[r][0] for r in self.members]
-        assert self.running.positions.dtype == torch.int64
+        assert self.running.positions.dtype == np.int64
         assert all(r in self.running for r in self.members)
         assert not any(r in self.running for r in self.outside)
 

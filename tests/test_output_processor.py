@@ -1,0 +1,121 @@
+"""The OutputProcessor in the core process (plain tokens into a StepOutbox, a decode step's all
+together) decides exactly what the inline one decides, step by step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.output import OutputProcessor
+from runtime.forward_mode import ForwardMode
+from runtime.messages import Batch, StepDone, StepOut
+from runtime.req import Req
+from runtime.sampling_params import SamplingParams
+from runtime.stream import Delta, RemoteStream, RequestStream, StepOutbox
+
+EOS = 2  # <|im_end|> in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_llama: Path) -> Any:
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(tiny_llama)
+
+
+class _Adder:
+    def __init__(self) -> None:
+        self.done: list[StepDone] = []
+
+    async def send(self, msg: StepDone) -> bool:
+        self.done.append(msg)
+        return True
+
+
+class _Run:
+    """One OutputProcessor (inline, or core-process with an outbox) and its copies of the requests."""
+
+    def __init__(self, tok: Any, params: list[dict[str, Any]], logprobs: list[bool], outbox: StepOutbox | None):
+        self.output = OutputProcessor(tok, [EOS], 1, outbox)
+        self.adder = _Adder()
+        self.output.adder = self.adder  # type: ignore[assignment]
+        self.reqs = [
+            Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp)
+            for i, (p, lp) in enumerate(zip(params, logprobs))
+        ]
+        for req in self.reqs:
+            req.stream = RemoteStream(req.rid, outbox) if outbox is not None else RequestStream(req.rid)
+
+    async def step(self, n: int, mode: ForwardMode, reqs: list[Req], tokens: list[int]) -> list[str]:
+        k = len(reqs)
+        batch = Batch(
+            step=n, mode=mode, reqs=reqs, rows=list(range(1, k + 1)), prefix_lens=[3] * k, extend_lens=[1] * k,
+            extend_ids=[None] * k, out_cache_loc=torch.zeros(k, dtype=torch.int64), produces_token=[True] * k,
+        )
+        logprobs = [-0.5] * k if any(r.return_logprob for r in reqs) else None
+        await self.output.handle(StepOut(batch=batch, token_ids=tokens, logprobs=logprobs, top_logprobs=None, forward_s=0.0))
+        return [r.rid for r in self.adder.done[-1].finished]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), num_reqs=st.integers(1, 6))
+async def test_core_process_decisions_equal_inline_decisions(tok: Any, data: st.DataObject, num_reqs: int) -> None:
+    """Several requests through a prefill step then decode steps (a request that finished is in
+    one more step, as under overlap): both OutputProcessors keep the same output ids, finish the
+    same requests at the same step for the same reason, and the outbox carries every id once,
+    in order, with the finish on the last delta."""
+    params, logprobs = [], []
+    for _ in range(num_reqs):
+        max_new = data.draw(st.integers(1, 12))
+        params.append(dict(
+            max_new_tokens=max_new,
+            min_new_tokens=data.draw(st.integers(0, max_new)),
+            stop_token_ids=data.draw(st.lists(st.sampled_from([11, 12]), max_size=1)),
+            stop=data.draw(st.lists(st.sampled_from(["ab", "x"]), max_size=1)),
+            ignore_eos=data.draw(st.booleans()),
+        ))
+        logprobs.append(data.draw(st.booleans()))
+    sent: list[tuple[list[str], list[int], list[Delta]]] = []
+    outbox = StepOutbox(lambda *msg: sent.append(msg))
+    inline, core = _Run(tok, params, logprobs, None), _Run(tok, params, logprobs, outbox)
+    token = st.sampled_from([EOS, 11, 12, *range(30, 80)])
+    live = list(range(num_reqs))
+    last_finished: list[int] = []
+    for n in range(14):
+        if not live and not last_finished:
+            break
+        rows = live + last_finished  # requests that finished last step come once more
+        tokens = [data.draw(token) for _ in rows]
+        mode = ForwardMode.EXTEND if n == 0 else ForwardMode.DECODE
+        a = await inline.step(n, mode, [inline.reqs[i] for i in rows], tokens)
+        b = await core.step(n, mode, [core.reqs[i] for i in rows], tokens)
+        outbox.flush()
+        assert a == b
+        last_finished = [i for i in live if f"r{i}" in b]
+        live = [i for i in live if f"r{i}" not in b]
+    for x, y in zip(inline.reqs, core.reqs):
+        assert x.output_ids == y.output_ids
+        assert (x.finish_reason and (x.finish_reason.kind, x.finish_reason.matched)) == (
+            y.finish_reason and (y.finish_reason.kind, y.finish_reason.matched)
+        )
+    got: dict[str, list[int]] = {r.rid: [] for r in core.reqs}
+    finish: dict[str, str | None] = {}
+    for rids, tokens, deltas in sent:
+        rich = iter(deltas)
+        for rid, t in zip(rids, tokens):
+            assert rid not in finish, "nothing after a request's final delta"
+            if t == StepOutbox.RICH:
+                delta = next(rich)
+                got[rid] += delta.output_ids
+                if delta.finish_reason is not None:
+                    finish[rid] = delta.finish_reason
+            else:
+                got[rid].append(t)
+    for req in core.reqs:
+        assert got[req.rid] == req.output_ids
+        assert finish.get(req.rid) == (req.finish_reason.kind if req.finish_reason else None)
