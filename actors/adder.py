@@ -188,6 +188,9 @@ class Adder(Actor[AdderMsg]):
     async def _requeue(self, reqs: list[Req], front: bool) -> None:
         if reqs:
             assert self.policy is not None
+            # The queue is not empty now: the next Pull waits for its answer (a prefill of them
+            # comes before another decode-only round).
+            self._queue_empty = False
             await self.policy.send(Requeue(reqs=reqs, front=front))
 
     # --- prefill --------------------------------------------------------------------------------

@@ -53,9 +53,14 @@ class Policy(Actor[PolicyMsg]):
             # Aborts and the timeout ticker send a Wake; a Pull must not hand out what is gone.
             # Not per Enqueue: a burst of n arrivals would rescan the queue n times.
             self._drop_aborted_and_expired()
-        if self._parked is not None and (self.waiting or not self._parked.block):
+        if self._parked is not None and self._may_answer(self._parked):
             pull, self._parked = self._parked, None
             await self._answer(pull)
+
+    def _may_answer(self, pull: Pull) -> bool:
+        """A blocking Pull waits for a request, and then for the rest of a burst that is already
+        in the mailbox: answering the first arrival alone would split one burst into many rounds."""
+        return not pull.block or (bool(self.waiting) and self.mailbox.empty())
 
     async def on_stop(self) -> None:
         for req in self.waiting:
