@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     from api import serve_cli
 
     serve_cli.add_parser(commands)
+    from api import http_router
+
+    http_router.add_parser(commands)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint for tests")
     from gpu import tiny_model
 

@@ -2,8 +2,7 @@
 
 `CoreClient` spawns api/core_process.py, owns the two IPC sockets and the requests the core
 holds, detokenizes the token ids of each `CoreOutputs` and hands every delta to its stream, all
-of a step in one pass. `CoreLink` is the actor the Receiver sends to in place of the in-process
-Policy and Adder: it turns `Enqueue` and abort `Wake`s into messages for the core.
+of a step in one pass. api/replicas.py holds one per data-parallel replica.
 
 Bounded both ways: at most `max_in_core` requests are in the core at once (a credit returned
 with each final delta: its running batch, its queue limit and `core_backlog` more); later ones
@@ -25,7 +24,6 @@ import zmq.asyncio
 
 from api import core_process
 from api.core import CoreSetup
-from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.ipc import (
     CoreAbort,
@@ -43,7 +41,6 @@ from runtime.ipc import (
     ToCore,
 )
 from actors.detokenizer import IncrementalDetokenizer, delta_text
-from runtime.messages import Enqueue, Wake
 from runtime.req import Req
 from runtime.stream import Delta, StepOutbox
 
@@ -52,11 +49,24 @@ EXIT_TIMEOUT_S = 10.0
 
 
 class CoreClient:
-    def __init__(self, config: EngineConfig, tokenizer: Any, on_failure: Callable[[str], None], setup: CoreSetup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        tokenizer: Any,
+        on_failure: Callable[[str], None],
+        setup: CoreSetup | None = None,
+        *,
+        on_tokens: Callable[[int], None] = lambda n: None,
+        on_end: Callable[[Req], None] = lambda req: None,
+    ):
+        """`on_failure(why)`: the core died or failed (its requests are ended already);
+        `on_tokens(n)`: a step produced n tokens; `on_end(req)`: a request left this client."""
         self.config = config
         self.setup = setup
         self.tokenizer = tokenizer
         self.on_failure = on_failure
+        self.on_tokens = on_tokens
+        self.on_end = on_end
         self.live: dict[str, Req] = {}  # sent to the core, not ended
         self.backlog: dict[str, Req] = {}  # waiting for a credit (insertion order: arrival)
         self.max_in_core = 0  # set once the core has resolved its limits
@@ -74,6 +84,7 @@ class CoreClient:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
 
     @property
     def pid(self) -> int | None:
@@ -151,7 +162,13 @@ class CoreClient:
         return if_gone if result is None else result
 
     async def close(self) -> None:
-        """Stop the core (asking first, then killing), close the sockets, remove their directory."""
+        """Stop the core (asking first, then killing), close the sockets, remove their directory.
+        Callers at once share one close: a second `Context.term()` would block the loop."""
+        if self._close_task is None:
+            self._close_task = asyncio.get_running_loop().create_task(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
         self._closing = True
         process = self._process
         if process is not None:
@@ -220,10 +237,10 @@ class CoreClient:
                 self._fail(msg.message)
                 return
 
-    @staticmethod
-    def _end_unsent(req: Req) -> None:
+    def _end_unsent(self, req: Req) -> None:
         assert req.stream is not None
         req.stream.finish("abort", prompt_tokens=len(req.origin_input_ids))
+        self.on_end(req)
 
     def _send_request(self, req: Req) -> None:
         self.live[req.rid] = req
@@ -244,6 +261,7 @@ class CoreClient:
         """Detokenize a step's outputs and push each to its stream; then spend returned credits."""
         live = self.live
         deltas = iter(msg.deltas)
+        tokens = 0
         for rid, token in zip(msg.rids, msg.tokens):
             delta = next(deltas) if token == StepOutbox.RICH else None
             req = live.get(rid)
@@ -256,6 +274,7 @@ class CoreClient:
                 req.cached_tokens = delta.cached_tokens
                 if delta.queue_time is not None:
                     req.admitted_time = req.arrival_time + delta.queue_time
+            tokens += len(delta.output_ids)
             detok = req.detokenizer
             if detok is None and delta.output_ids:
                 detok = req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
@@ -264,8 +283,10 @@ class CoreClient:
             if delta.finish_reason is not None:
                 del live[rid]
                 req.detokenizer = None
+                self.on_end(req)
             assert req.stream is not None
             req.stream.push(delta)
+        self.on_tokens(tokens)
         while self.backlog and len(live) < self.max_in_core:
             rid = next(iter(self.backlog))
             self._send_request(self.backlog.pop(rid))
@@ -301,8 +322,13 @@ class CoreClient:
         if self._closing:
             return
         self._closing = True
-        self.live.clear()  # the Engine ends every request it holds (the Receiver has them all)
+        held = [*self.live.values(), *self.backlog.values()]
+        self.live.clear()
         self.backlog.clear()
+        for req in held:
+            assert req.stream is not None
+            req.stream.finish("abort", error=message, status=500, prompt_tokens=len(req.origin_input_ids))
+            self.on_end(req)
         self._answer_all(None)
         self.on_failure(message)
 
@@ -322,17 +348,3 @@ async def _wait_exit_or(process: multiprocessing.process.BaseProcess, other: asy
         process.join()
         return True
     return False
-
-
-class CoreLink(Actor[Enqueue | Wake]):
-    """Where the Receiver's requests and aborts leave for the core process."""
-
-    def __init__(self, client: CoreClient):
-        super().__init__("core-link")
-        self.client = client
-
-    async def handle(self, msg: Enqueue | Wake) -> None:
-        if isinstance(msg, Enqueue):
-            self.client.submit(msg.req)
-        elif msg.rid is not None:
-            self.client.abort(msg.rid)

@@ -25,7 +25,8 @@ import msgspec
 
 from actors.receiver import ModelLimits, Receiver
 from api.core import Core, CoreSetup, load_core
-from api.core_client import CoreClient, CoreLink
+from api.core_client import CoreClient
+from api.replicas import CoreLink, Replicas
 from gpu.loader import load_tokenizer, resolve_model_dir
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
@@ -86,6 +87,7 @@ class Engine:
         self._actors: list[Actor] = []
         self._failure: str | None = None
         self._failed = asyncio.Event()  # set with _failure
+        self._failing: asyncio.Task[None] | None = None  # the stop a failure started
         self._started = False
         self._closed = False
         self._rid_counter = itertools.count()
@@ -95,7 +97,12 @@ class Engine:
         # Inline: the core's parts, for tests and benchmarks that look inside. Core process: None.
         self.core: Core | None = None
         self.runner: ModelRunner | None = None
-        self.client: CoreClient | None = None  # the core process's link, when there is one
+        self.replicas: Replicas | None = None  # the core processes (one per dp replica), when not inline
+
+    @property
+    def client(self) -> CoreClient | None:
+        """The first (with dp_size 1, the only) core process's client."""
+        return None if self.replicas is None else self.replicas.clients[0]
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
@@ -130,18 +137,22 @@ class Engine:
     async def _start_core_process(self) -> None:
         self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
-        client = CoreClient(self.config, self.tokenizer, self._core_failed, self.core_setup)
-        ready = await client.start()
-        self.client, self.config, self.vocab_size = client, ready.config, ready.vocab_size
+        replicas = Replicas(self.config, self.tokenizer, self._core_failed, self.core_setup)
+        ready = await replicas.start()
+        # The config the first core resolved (limits, dtype), with the frontend's dp settings.
+        self.replicas, self.vocab_size = replicas, ready.vocab_size
+        self.config = msgspec.structs.replace(ready.config, dp_size=self.config.dp_size, core_threads=self.config.core_threads, device=self.config.device)
         cfg = self.config
         assert cfg.context_length is not None and cfg.max_total_tokens is not None
         limits = ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
-        link = CoreLink(client)
+        link = CoreLink(replicas)
         self.receiver = Receiver(cfg, self.tokenizer, limits, link, link)
         self._actors = [self.receiver, link]
 
     async def close(self) -> None:
         """Abort what is in flight, stop every actor and its tasks."""
+        if self._failing is not None:  # a failure is already stopping everything: wait for it
+            await asyncio.shield(self._failing)
         if not self._started:
             return
         self._closed = True
@@ -230,8 +241,8 @@ class Engine:
         engine is not running."""
         if not self._started:
             return False
-        if self.client is not None:
-            return await self.client.flush_cache()
+        if self.replicas is not None:
+            return await self.replicas.flush_cache()
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         if not await self.adder.send(FlushCache(done)):
             return False
@@ -242,13 +253,13 @@ class Engine:
         `STATS_PERIOD_S` old). `current_stats` waits for the core's counters as they are now."""
         if not self._started:
             return {"running": False, "failure": self._failure}
-        core_stats = self.client.stats if self.client is not None else self.core.stats()
+        core_stats = self.replicas.stats() if self.replicas is not None else self.core.stats()
         return {**core_stats, "failure": self._failure}
 
     async def current_stats(self) -> dict[str, Any]:
-        if self.client is None or not self._started:
+        if self.replicas is None or not self._started:
             return self.stats()
-        return {**await self.client.current_stats(), "failure": self._failure}
+        return {**await self.replicas.current_stats(), "failure": self._failure}
 
     async def wait_failure(self) -> str:
         """Returns once the engine has failed (a crashed actor, a dead core process): why."""
@@ -281,7 +292,7 @@ class Engine:
             return
         self._failure = message
         self._failed.set()
-        asyncio.get_running_loop().create_task(self._stop_actors(self._failure, status=500))
+        self._failing = asyncio.get_running_loop().create_task(self._stop_actors(self._failure, status=500))
 
     async def _stop_actors(self, message: str, status: int, code: str | None = None) -> None:
         """Stop every actor, then end every request still held (live, in validation or in the
@@ -290,8 +301,8 @@ class Engine:
         for actor in self._actors:
             await actor.stop(drain=False)
         self.receiver.fail_all(message, status=status, code=code)
-        if self.client is not None:
-            await self.client.close()
+        if self.replicas is not None:
+            await self.replicas.close()
         else:
             self.core.executor.shutdown()
 

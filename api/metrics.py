@@ -141,6 +141,7 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{p}:{name}", doc, value=value)
         for name, doc, key in counters:
             yield CounterMetricFamily(f"{p}:{name}", doc, value=s.get(key, 0))
+        yield from _per_replica(s.get("replicas", []))
 
     def _throughput(self, s: dict[str, Any]) -> float:
         now, tokens = time.monotonic(), s.get("generated_tokens", 0)
@@ -148,3 +149,19 @@ class _EngineCollector:
         if last is None or now <= last[0]:
             return 0.0
         return (tokens - last[1]) / (now - last[0])
+
+
+def _per_replica(replicas: list[dict[str, Any]]) -> Iterator[Metric]:
+    """With dp_size > 1: each replica's health and load, labelled by its index."""
+    if not replicas:
+        return
+    families = [
+        (GaugeMetricFamily(f"{PREFIX}:replica_up", "1 while the replica serves", labels=["replica"]), lambda r: float(r["up"])),
+        (GaugeMetricFamily(f"{PREFIX}:replica_num_running_reqs", "Requests in the replica's running batch", labels=["replica"]), lambda r: r.get("num_running", 0)),
+        (GaugeMetricFamily(f"{PREFIX}:replica_num_queue_reqs", "Requests waiting in the replica's queue", labels=["replica"]), lambda r: r.get("num_waiting", 0)),
+        (CounterMetricFamily(f"{PREFIX}:replica_generated_tokens", "Tokens the replica generated", labels=["replica"]), lambda r: r.get("generated_tokens", 0)),
+    ]
+    for family, value in families:
+        for r in replicas:
+            family.add_metric([str(r["replica"])], value(r))
+        yield family

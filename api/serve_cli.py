@@ -14,13 +14,14 @@ from typing import Any, Union, get_args, get_origin
 
 import msgspec
 
-from runtime.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, SCHEDULE_POLICIES, EngineConfig
+from runtime.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": SCHEDULE_POLICIES,
     "radix_eviction_policy": EVICTION_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "dtype": DTYPES,
+    "router_policy": ROUTER_POLICIES,
 }
 
 FIELD_HELP: dict[str, str] = {
@@ -35,6 +36,11 @@ FIELD_HELP: dict[str, str] = {
     "inline_core": "run the engine core on the server's event loop instead of a process of its own (for debugging)",
     "core_threads": "torch threads of the engine core process (none: every core)",
     "core_backlog": "requests the core process queues beyond max_running_requests + max_queued_requests; later ones wait in the server",
+    "dp_size": "data-parallel replicas: engine core processes, each with its own KV pool and scheduler",
+    "router_policy": "how a request's replica is picked when dp_size > 1",
+    "cache_threshold": "cache_aware: route by the cache when the best match covers more than this share of the prompt",
+    "balance_abs_threshold": "cache_aware: the load is imbalanced when the busiest replica has more than this many requests more than the idlest...",
+    "balance_rel_threshold": "...and more than this many times as many; then the idlest gets the request",
     "max_total_tokens": "KV pool size in tokens (none: from a memory budget)",
     "max_running_requests": "most requests decoding at once (none: what the pool holds, at most 256)",
     "page_size": "tokens per KV page",

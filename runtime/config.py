@@ -15,6 +15,7 @@ CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -34,6 +35,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Requests the core process holds beyond max_running_requests (+ max_queued_requests); later
     # ones wait in the frontend, in arrival order, so the core's queue (and its cost) stays bounded.
     core_backlog: int = 4096
+
+    # data parallelism: dp_size engine cores, each a process with its own KV pool, prefix cache
+    # and scheduler, behind this frontend's router (api/routing.py)
+    dp_size: int = 1
+    router_policy: str = "cache_aware"
+    cache_threshold: float = 0.3  # cache_aware: the match share above which the cache decides
+    balance_abs_threshold: int = 64  # cache_aware: imbalanced when the busiest has this many
+    balance_rel_threshold: float = 1.5  # requests more than the idlest, and this many times as many
 
     # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
@@ -101,6 +110,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
             (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),
             (_positive_or_none(self.core_threads), f"core_threads must be positive, got {self.core_threads}"),
+            (self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"),
+            (not (self.dp_size > 1 and self.inline_core), "dp_size > 1 runs each replica in its own core process: drop inline_core"),
+            (self.router_policy in ROUTER_POLICIES, f"router_policy {self.router_policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}"),
+            (0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}"),
+            (self.balance_abs_threshold >= 0, f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}"),
+            (self.balance_rel_threshold >= 1.0, f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"),
             (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
             (
                 not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,

@@ -32,13 +32,16 @@ async def assert_idle_invariants(engine: Engine) -> None:
     assert stats["rows_free"] == stats["rows_total"], stats
     assert stats["num_waiting"] == 0 and stats["num_running"] == 0, stats
     assert not engine.receiver.live, list(engine.receiver.live)
-    assert engine.client is None or not (engine.client.live or engine.client.backlog), list(engine.client.live)
+    for client in engine.replicas.clients if engine.replicas is not None else []:
+        assert not (client.live or client.backlog), list(client.live)
+    assert engine.replicas is None or not engine.replicas.owner, engine.replicas.owner
+    if engine.replicas is not None:  # the router's accounting of what it sent is back to zero
+        assert all(load.requests == 0 and load.tokens == 0 for load in engine.replicas.router.loads), engine.replicas.router.loads
 
 
 async def close_and_check_tasks(engine: Engine) -> None:
     actors = list(engine._actors)
-    client = engine.client
+    clients = engine.replicas.clients if engine.replicas is not None else []
     await engine.close()
     assert all(not actor.alive for actor in actors)
-    if client is not None:
-        assert client.pid is None, "the core process was not reaped"
+    assert all(client.pid is None for client in clients), "a core process was not reaped"

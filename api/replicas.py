@@ -1,0 +1,194 @@
+"""The frontend's engine cores: one per data-parallel replica (`dp_size`), each a process with
+its own KV pool, prefix cache and scheduler, and the router that picks one per request.
+
+`Replicas` owns the `CoreClient`s, the `Router` and which replica holds each request. A replica
+that dies ends its own requests with an error and is taken out of the rotation; the others keep
+serving. The engine fails only when no replica is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from api.core import CoreSetup
+from api.core_client import CoreClient
+from api.routing import NoHealthyReplica, Router, RouterConfig
+from runtime.actor import Actor
+from runtime.config import EngineConfig
+from runtime.ipc import CoreReady
+from runtime.messages import Enqueue, Wake
+from runtime.req import Req
+
+# Counters that are not summed over replicas: taken as the mean or the latest.
+_MEAN_STATS = frozenset({"new_token_ratio"})
+_MAX_STATS = frozenset({"time"})
+
+
+class Replicas:
+    def __init__(self, config: EngineConfig, tokenizer: Any, on_failure: Callable[[str], None], setup: CoreSetup | None = None):
+        self.config = config
+        self.on_failure = on_failure
+        self.router = Router(
+            RouterConfig(
+                policy=config.router_policy,
+                cache_threshold=config.cache_threshold,
+                balance_abs_threshold=config.balance_abs_threshold,
+                balance_rel_threshold=config.balance_rel_threshold,
+            ),
+            config.dp_size,
+        )
+        self.clients = [
+            CoreClient(
+                _replica_config(config, i), tokenizer, self._failed_callback(i), setup,
+                on_tokens=self._tokens_callback(i), on_end=self._end_callback(i),
+            )
+            for i in range(config.dp_size)
+        ]
+        self.owner: dict[str, int] = {}  # rid -> the replica that holds it
+        self.failures: dict[int, str] = {}  # replica -> why it is down
+        self._closing: list[asyncio.Task[None]] = []
+
+    async def start(self) -> CoreReady:
+        """Start every replica at once; all must come up (a failure closes the others)."""
+        results = await asyncio.gather(*(c.start() for c in self.clients), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+            prefix = "" if len(self.clients) == 1 else f"replica {results.index(errors[0])}: "
+            raise RuntimeError(f"{prefix}{errors[0]}") from errors[0]
+        first = results[0]
+        assert isinstance(first, CoreReady)
+        # The replicas resolved the same model and limits; only core_threads and device differ.
+        return first
+
+    @property
+    def live(self) -> dict[str, Req]:
+        return {rid: req for c in self.clients for rid, req in c.live.items()}
+
+    def submit(self, req: Req) -> None:
+        try:
+            replica = self.router.choose(req.origin_input_ids, req.routing_key)
+        except NoHealthyReplica:
+            assert req.stream is not None
+            req.stream.finish("abort", error="no engine replica is serving", status=500, prompt_tokens=len(req.origin_input_ids))
+            return
+        self.owner[req.rid] = replica
+        self.router.started(replica, len(req.origin_input_ids))
+        self.clients[replica].submit(req)
+
+    def abort(self, rid: str) -> None:
+        replica = self.owner.get(rid)
+        if replica is not None:
+            self.clients[replica].abort(rid)
+
+    async def flush_cache(self) -> bool:
+        """Every live replica drops its prefix cache; False if any was busy."""
+        done = await asyncio.gather(*(c.flush_cache() for c in self._up()))
+        if all(done):
+            for i in self._up_indices():
+                self.router.tree.drop_replica(i)
+        return all(done)
+
+    def stats(self) -> dict[str, Any]:
+        return self._merge([c.stats for c in self.clients])
+
+    async def current_stats(self) -> dict[str, Any]:
+        fresh = await asyncio.gather(*(c.current_stats() for c in self._up()))
+        latest = dict(zip(self._up_indices(), fresh))
+        return self._merge([latest.get(i, c.stats) for i, c in enumerate(self.clients)])
+
+    async def close(self) -> None:
+        await asyncio.gather(*self._closing, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _up_indices(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self.failures]
+
+    def _up(self) -> list[CoreClient]:
+        return [self.clients[i] for i in self._up_indices()]
+
+    def _merge(self, per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+        if len(per_replica) == 1:
+            return per_replica[0]
+        up = [s for i, s in enumerate(per_replica) if i not in self.failures]
+        merged = merge_stats(up) if up else {}
+        merged["dp_size"] = len(per_replica)
+        merged["replicas"] = [
+            {"replica": i, "up": i not in self.failures, "failure": self.failures.get(i), **s} for i, s in enumerate(per_replica)
+        ]
+        return merged
+
+    def _failed_callback(self, replica: int) -> Callable[[str], None]:
+        def failed(message: str) -> None:
+            self.failures[replica] = message
+            self.router.set_healthy(replica, False)
+            if len(self.failures) == len(self.clients):
+                self.on_failure(message if len(self.clients) == 1 else f"every replica is down; replica {replica}: {message}")
+            else:  # reap it now; the others keep serving
+                self._closing.append(asyncio.get_running_loop().create_task(self.clients[replica].close()))
+
+        return failed
+
+    def _tokens_callback(self, replica: int) -> Callable[[int], None]:
+        return lambda n: self.router.progressed(replica, n)
+
+    def _end_callback(self, replica: int) -> Callable[[Req], None]:
+        def ended(req: Req) -> None:
+            if self.owner.pop(req.rid, None) is not None:
+                self.router.finished(replica, len(req.origin_input_ids) + len(req.output_ids))
+
+        return ended
+
+
+class CoreLink(Actor[Enqueue | Wake]):
+    """Where the Receiver's requests and aborts leave for the core processes."""
+
+    def __init__(self, replicas: Replicas):
+        super().__init__("core-link")
+        self.replicas = replicas
+
+    async def handle(self, msg: Enqueue | Wake) -> None:
+        if isinstance(msg, Enqueue):
+            self.replicas.submit(msg.req)
+        elif msg.rid is not None:
+            self.replicas.abort(msg.rid)
+
+
+def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters summed over replicas (nested dicts key by key); ratios averaged; flags all()."""
+    merged: dict[str, Any] = {}
+    for key in per_replica[0]:
+        values = [s[key] for s in per_replica if key in s]
+        first = values[0]
+        if isinstance(first, bool):
+            merged[key] = all(values)
+        elif isinstance(first, (int, float)):
+            if key in _MEAN_STATS:
+                merged[key] = sum(values) / len(values)
+            elif key in _MAX_STATS:
+                merged[key] = max(values)
+            else:
+                merged[key] = sum(values)
+        elif isinstance(first, dict):
+            merged[key] = merge_stats(values)
+        else:
+            merged[key] = first
+    return merged
+
+
+def _replica_config(config: EngineConfig, replica: int) -> EngineConfig:
+    """One replica's config: its share of the CPU's threads, its own GPU."""
+    if config.dp_size == 1:
+        return config
+    changes: dict[str, Any] = {}
+    if config.core_threads is None:
+        changes["core_threads"] = max(1, (os.cpu_count() or 1) // config.dp_size)
+    if config.device == "cuda":
+        changes["device"] = f"cuda:{replica}"
+    return msgspec.structs.replace(config, **changes)

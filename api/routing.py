@@ -1,0 +1,249 @@
+"""Which replica serves a request: the router's policies, shared by `--dp-size` (one frontend, N
+engine core processes) and `actorserve router` (one proxy, N servers over HTTP).
+
+Policies (`--router-policy`):
+- `round_robin`: the next healthy replica in turn.
+- `shortest_queue`: the fewest outstanding tokens (of the requests this router sent there and
+  that have not finished: prompt and output in the frontend, prompt only in the HTTP router; its
+  own accounting, so it is never stale).
+- `cache_aware` (SGLang's router): an approximate radix tree holds the prompts sent to each
+  replica. When the load is imbalanced (the busiest replica has more than `balance_abs_threshold`
+  requests more than the idlest, and more than `balance_rel_threshold` times as many) the request
+  goes to the idlest. Otherwise it goes to the replica whose cached prompts match it longest, if
+  the match covers more than `cache_threshold` of it, else to the replica with the smallest tree
+  (the most room left in its cache). Either way its prompt is added to that replica's tree.
+- `routing_key`: a request's `routing_key` picks the replica by rendezvous hashing, so a key
+  stays on one replica while that replica is healthy and only the keys of a replica that goes
+  down move; requests without a key go to the fewest outstanding tokens.
+
+A prompt is any sequence of ints: token ids in the frontend, UTF-8 bytes of the text in the HTTP
+router (which does not tokenize).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from runtime.config import ROUTER_POLICIES
+
+
+class NoHealthyReplica(RuntimeError):
+    """Every replica is down."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: str = "cache_aware"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = 1 << 22  # per replica; least recently used prefixes are dropped beyond it
+
+    def __post_init__(self) -> None:
+        if self.policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy {self.policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}")
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
+            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
+        if self.max_tree_tokens < 1:
+            raise ValueError(f"router max_tree_tokens must be positive, got {self.max_tree_tokens}")
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    requests: int = 0
+    tokens: int = 0
+
+
+class Router:
+    """Picks a healthy replica per request and keeps the load it has sent to each."""
+
+    def __init__(self, config: RouterConfig, num_replicas: int):
+        if num_replicas < 1:
+            raise ValueError(f"the router needs at least one replica, got {num_replicas}")
+        self.config = config
+        self.loads = [ReplicaLoad() for _ in range(num_replicas)]
+        self.healthy = [True] * num_replicas
+        self.tree = PrefixTree(num_replicas, config.max_tree_tokens)
+        self._turn = itertools.count()
+
+    def choose(self, prompt: Sequence[int], routing_key: str | None = None) -> int:
+        """The replica for a request; raises NoHealthyReplica when every replica is down."""
+        live = [i for i, ok in enumerate(self.healthy) if ok]
+        if not live:
+            raise NoHealthyReplica("every replica is down")
+        policy = self.config.policy
+        if policy == "round_robin":
+            return live[next(self._turn) % len(live)]
+        if policy == "routing_key" and routing_key is not None:
+            return max(live, key=lambda i: _rendezvous_weight(routing_key, i))
+        if policy == "cache_aware":
+            replica = self._cache_aware(prompt, live)
+            self.tree.insert(prompt, replica)
+            return replica
+        return min(live, key=lambda i: (self.loads[i].tokens, i))
+
+    def _cache_aware(self, prompt: Sequence[int], live: list[int]) -> int:
+        cfg = self.config
+        counts = [self.loads[i].requests for i in live]
+        busiest, idlest = max(counts), min(counts)
+        if busiest - idlest > cfg.balance_abs_threshold and busiest > idlest * cfg.balance_rel_threshold:
+            return live[counts.index(idlest)]
+        matched = self.tree.match(prompt)
+        best = max(live, key=lambda i: (matched[i], -self.loads[i].requests, -i))
+        if prompt and matched[best] / len(prompt) > cfg.cache_threshold:
+            return best
+        return min(live, key=lambda i: (self.tree.size[i], self.loads[i].requests, i))
+
+    def started(self, replica: int, tokens: int) -> None:
+        load = self.loads[replica]
+        load.requests += 1
+        load.tokens += tokens
+
+    def progressed(self, replica: int, tokens: int) -> None:
+        self.loads[replica].tokens += tokens
+
+    def finished(self, replica: int, tokens: int) -> None:
+        load = self.loads[replica]
+        load.requests -= 1
+        load.tokens -= tokens
+
+    def set_healthy(self, replica: int, healthy: bool) -> None:
+        self.healthy[replica] = healthy
+        if not healthy:  # what it cached is gone with it, or will be stale when it returns
+            self.tree.drop_replica(replica)
+
+
+def _rendezvous_weight(key: str, replica: int) -> int:
+    digest = hashlib.blake2b(f"{replica}\0{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+@dataclass(eq=False, slots=True)
+class _Node:
+    key: tuple[int, ...]  # the edge from the parent
+    parent: _Node | None
+    children: dict[int, _Node] = field(default_factory=dict)
+    # Replicas whose tree holds this node, with when they last used it. A replica that holds a
+    # node holds all its ancestors (insert marks whole paths; eviction takes leaves first).
+    last_used: dict[int, int] = field(default_factory=dict)
+
+
+class PrefixTree:
+    """An approximate radix tree of the prompts routed to each replica, at most `max_tokens`
+    tokens per replica (least recently used leaves are dropped first). Approximate: it does not
+    know what a replica's own cache evicted, only what was sent there."""
+
+    def __init__(self, num_replicas: int, max_tokens: int):
+        self.root = _Node((), None)
+        self.max_tokens = max_tokens
+        self.size = [0] * num_replicas  # tokens held per replica
+        self._clock = itertools.count(1)
+        self._ids = itertools.count()
+        # Per replica: (last used, tiebreak, node) candidates for eviction, checked when popped.
+        self._lru: list[list[tuple[int, int, _Node]]] = [[] for _ in range(num_replicas)]
+
+    def match(self, tokens: Sequence[int]) -> list[int]:
+        """Per replica, how many leading tokens of `tokens` its tree holds."""
+        matched = [0] * len(self.size)
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = _common_prefix(child.key, tokens, pos)
+            for replica in child.last_used:
+                matched[replica] = pos + common
+            if common < len(child.key):
+                break
+            node, pos = child, pos + common
+        return matched
+
+    def insert(self, tokens: Sequence[int], replica: int) -> None:
+        now = next(self._clock)
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                child = _Node(tuple(tokens[pos:]), node)
+                node.children[tokens[pos]] = child
+            else:
+                common = _common_prefix(child.key, tokens, pos)
+                if common < len(child.key):
+                    child = self._split(child, common)
+            self._mark(child, replica, now)
+            node, pos = child, pos + len(child.key)
+        self._evict(replica)
+
+    def drop_replica(self, replica: int) -> None:
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            node.last_used.pop(replica, None)
+            stack.extend(node.children.values())
+        self._prune(self.root)
+        self.size[replica] = 0
+        self._lru[replica] = []
+
+    def _mark(self, node: _Node, replica: int, now: int) -> None:
+        if replica not in node.last_used:
+            self.size[replica] += len(node.key)
+        node.last_used[replica] = now
+        heapq.heappush(self._lru[replica], (now, next(self._ids), node))
+
+    def _split(self, child: _Node, at: int) -> _Node:
+        """Cut `child`'s edge after `at` tokens; the new upper half holds what the child held."""
+        assert child.parent is not None
+        upper = _Node(child.key[:at], child.parent, last_used=dict(child.last_used))
+        child.parent.children[child.key[0]] = upper
+        child.key, child.parent = child.key[at:], upper
+        upper.children[child.key[0]] = child
+        return upper
+
+    def _evict(self, replica: int) -> None:
+        heap = self._lru[replica]
+        while self.size[replica] > self.max_tokens and heap:
+            used, _, node = heapq.heappop(heap)
+            if node.last_used.get(replica) != used or any(replica in c.last_used for c in node.children.values()):
+                continue  # used again since, or not a leaf of this replica's tree
+            del node.last_used[replica]
+            self.size[replica] -= len(node.key)
+            parent = node.parent
+            if not node.last_used and not node.children and parent is not None:
+                del parent.children[node.key[0]]
+            if parent is not None and parent is not self.root and replica in parent.last_used:
+                heapq.heappush(heap, (parent.last_used[replica], next(self._ids), parent))
+        if len(heap) > 4 * max(self.size[replica], 1024):  # stale entries pile up: rebuild
+            self._rebuild_lru(replica)
+
+    def _rebuild_lru(self, replica: int) -> None:
+        entries = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if replica in node.last_used:
+                entries.append((node.last_used[replica], next(self._ids), node))
+                stack.extend(node.children.values())
+        heapq.heapify(entries)
+        self._lru[replica] = entries
+
+    def _prune(self, node: _Node) -> None:
+        for first, child in list(node.children.items()):
+            self._prune(child)
+            if not child.last_used and not child.children:
+                del node.children[first]
+
+
+def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+    n = min(len(key), len(tokens) - pos)
+    if tuple(tokens[pos : pos + n]) == key[:n]:  # the common case, at C speed
+        return n
+    i = 0
+    while i < n and key[i] == tokens[pos + i]:
+        i += 1
+    return i

@@ -1,0 +1,188 @@
+"""`actorserve router` (api/http_router.py) over live `actorserve serve` workers on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import aiohttp
+import pytest
+
+from api.http_router import HttpRouter, RouterSettings, start_router
+from api.routing import RouterConfig
+
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("qwen3", max_position_embeddings=1024))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def workers(model_path: str, n: int) -> Iterator[list[tuple[subprocess.Popen, str]]]:
+    """n `actorserve serve` processes (inline core, one torch thread each), healthy on return."""
+    procs = []
+    try:
+        for _ in range(n):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", model_path, "--port", str(port), "--inline-core",
+                   "--dtype", "float32", "--log-level", "warning"]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+            procs.append((subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"))
+        for proc, url in procs:
+            _wait_healthy(proc, url)
+        yield procs
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc, _ in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, f"worker {url} exited with {proc.returncode}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"worker {url} did not start"
+        time.sleep(0.1)
+
+
+async def _router(urls: list[str], policy: str = "round_robin", interval: float = 0.2, timeout: float = 0.5):
+    settings = RouterSettings(
+        worker_urls=tuple(urls), routing=RouterConfig(policy=policy), port=0,
+        health_check_interval_s=interval, health_check_timeout_s=timeout,
+    )
+    router = HttpRouter(settings)
+    runner, port = await start_router(router)
+    return router, runner, f"http://127.0.0.1:{port}"
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(url, json=body) as r:
+        return r.status, await r.json()
+
+
+async def _sse(session: aiohttp.ClientSession, url: str, body: dict) -> list[str]:
+    async with session.post(url, json={**body, "stream": True}) as r:
+        assert r.status == 200
+        return [line.decode().strip()[6:] async for line in r.content if line.startswith(b"data: ")]
+
+
+async def test_requests_pass_through_to_every_worker_with_the_same_answers(model_path):
+    with workers(model_path, 2) as procs:
+        urls = [url for _, url in procs]
+        router, runner, base = await _router(urls)
+        try:
+            async with aiohttp.ClientSession() as session:
+                prompts = [[5, 6, 7], [9, 9, 9, 9], [11, 12], [3, 1, 4, 1, 5]]
+                direct = [await _post(session, f"{urls[0]}/generate", {"input_ids": p, "sampling_params": GREEDY}) for p in prompts]
+                routed = await asyncio.gather(*[_post(session, f"{base}/generate", {"input_ids": p, "sampling_params": GREEDY}) for p in prompts])
+                assert [(s, b["output_ids"]) for s, b in routed] == [(s, b["output_ids"]) for s, b in direct]
+                # round_robin: each worker served two of them (plus the direct four on worker 0).
+                infos = [await (await session.get(f"{u}/get_server_info")).json() for u in urls]
+                assert [i["stats"]["generated_tokens"] for i in infos] == [6 * 8, 2 * 8]
+                # A stream passes through event by event, ending as the worker ends it.
+                events = await _sse(session, f"{base}/generate", {"input_ids": prompts[0], "sampling_params": GREEDY})
+                assert events[-1] == "[DONE]" and len(events) >= 3
+                assert json.loads(events[-2])["output_ids"] == direct[0][1]["output_ids"]
+                chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "ignore_eos": True}
+                status, body = await _post(session, f"{base}/v1/chat/completions", chat)
+                assert status == 200 and body["usage"]["completion_tokens"] == 4
+                status, body = await _post(session, f"{base}/generate", {"input_ids": "nonsense"})
+                assert status == 400  # the worker's own validation answers
+                async with session.post(f"{base}/flush_cache") as r:
+                    assert r.status == 200 and [w["status"] for w in (await r.json())["workers"]] == [200, 200]
+                info = await (await session.get(f"{base}/get_server_info")).json()
+                assert [w["healthy"] for w in info["workers"]] == [True, True]
+                assert all(w["requests"] == 0 for w in info["workers"])
+        finally:
+            await runner.cleanup()
+
+
+async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_other_keeps_serving(model_path):
+    with workers(model_path, 2) as procs:
+        urls = [url for _, url in procs]
+        router, runner, base = await _router(urls)
+        try:
+            async with aiohttp.ClientSession() as session:
+                long = {**GREEDY, "max_new_tokens": 900}
+                responses = [await session.post(f"{base}/generate", json={"input_ids": [5 + i, 6], "sampling_params": long, "stream": True}) for i in range(2)]
+                for r in responses:
+                    assert r.status == 200
+                    await r.content.readline()  # the first event: both are streaming, one per worker
+                procs[0][0].kill()
+                start = time.monotonic()
+                tails = await asyncio.wait_for(asyncio.gather(*[r.content.read() for r in responses]), 30)
+                lost = [t for t in tails if b"worker_unavailable" in t]
+                assert len(lost) == 1 and lost[0].endswith(b"data: [DONE]\n\n"), tails
+                assert time.monotonic() - start < 10
+                info = await (await session.get(f"{base}/get_server_info")).json()
+                assert [w["healthy"] for w in info["workers"]] == [False, True]
+                async with session.get(f"{base}/health") as r:
+                    assert r.status == 200  # one worker is enough
+                for i in range(3):  # every new request goes to the live one
+                    status, body = await _post(session, f"{base}/generate", {"input_ids": [7, i], "sampling_params": GREEDY})
+                    assert status == 200 and len(body["output_ids"]) == 8
+        finally:
+            await runner.cleanup()
+
+
+async def test_a_worker_that_never_answers_is_taken_out_and_none_left_is_503():
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)  # accepts connections, never answers
+    router, runner, base = await _router([f"http://127.0.0.1:{silent.getsockname()[1]}"], timeout=0.3)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{base}/health") as r:
+                assert r.status == 503
+            status, body = await _post(session, f"{base}/generate", {"input_ids": [1, 2]})
+            assert status == 503 and body["error"]["code"] == "worker_unavailable"
+            info = await (await session.get(f"{base}/get_server_info")).json()
+            assert "health" in info["workers"][0]["down_reason"]
+    finally:
+        await runner.cleanup()
+        silent.close()
+
+
+async def test_router_that_cannot_bind_says_why():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        settings = RouterSettings(worker_urls=("http://127.0.0.1:1",), port=port)
+        with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+            await start_router(HttpRouter(settings))
+        cli = subprocess.run(
+            [sys.executable, "-m", "api.cli", "router", "--worker-urls", "http://127.0.0.1:1", "--port", str(port)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert cli.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in cli.stderr, cli.stderr
