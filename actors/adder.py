@@ -419,7 +419,7 @@ class Adder(Actor[AdderMsg]):
             # positions are never 0 in a decode, so every request has a last slot
             slots = table[rows, positions - 1].to(torch.int64) + 1
             slots[fresh] = pages.view(-1, page)[:, 0]
-        table[rows, positions] = slots.to(table.dtype)
+        self.req_to_token.write_at(rows, positions, slots)
         return slots
 
     def _batch(

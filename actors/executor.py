@@ -65,9 +65,10 @@ class Executor(Actor[Batch]):
         future = asyncio.get_running_loop().run_in_executor(self._worker, step, msg)
         self._launched.put_nowait((msg, future))
 
-    def shutdown(self) -> None:
-        """Stop the worker thread (after the actor stopped); a running step is not interrupted."""
-        self._worker.shutdown(wait=False, cancel_futures=True)
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop the worker thread (after the actor stopped); a running step is not interrupted,
+        and with `wait` it has ended on return."""
+        self._worker.shutdown(wait=wait, cancel_futures=True)
         if self.streams is not None:
             self.streams.close()
 

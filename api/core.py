@@ -7,8 +7,10 @@ own (api/core_process.py). Its peers reach it through the Policy's and the Adder
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +21,12 @@ from actors.executor import Executor
 from actors.output import OutputProcessor
 from actors.policy import Policy
 from actors.receiver import ModelLimits
-from gpu.loader import load_tokenizer
+from gpu.loader import load_tokenizer, resolve_model_dir
+from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
+from gpu.tensor_parallel import TPLayout
+from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.stream import StepOutbox
@@ -39,6 +44,7 @@ class Core:
     adder: Adder
     executor: Executor
     output: OutputProcessor
+    tp_ranks: TPRanks | None = None  # tensor parallelism: ranks 1.. beside this one (rank 0)
 
     @property
     def actors(self) -> list[Actor]:
@@ -82,7 +88,10 @@ class CoreSetup(msgspec.Struct, frozen=True):
 async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> Core:
     """Load the model (in a thread: it takes seconds) and wire the core's actors (not started).
     `outbox`: in a process of its own, where the core's outputs go to the frontend."""
-    runner = await asyncio.to_thread(ModelRunner, runner_config(config))
+    if config.tp_size == 1:
+        runner, tp_ranks = await asyncio.to_thread(ModelRunner, runner_config(config)), None
+    else:
+        runner, tp_ranks = await _load_tensor_parallel(config)
     tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
     cfg = msgspec.structs.replace(
         config, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
@@ -96,7 +105,32 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> C
     policy = Policy(cfg, prefix_cache, adder)
     adder.policy = policy
     output.adder = adder
-    return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output)
+    return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output, tp_ranks)
+
+
+async def _load_tensor_parallel(config: EngineConfig) -> tuple[ModelRunner, TPRanks]:
+    """Start ranks 1.. and load rank 0's shard; a rank that dies meanwhile fails the start at once."""
+    model_dir = await asyncio.to_thread(resolve_model_dir, config.model_path)  # a GGUF file converts once, here
+    unsplittable = TPLayout.check(ModelConfig.from_dir(model_dir), config.tp_size)
+    if unsplittable:
+        raise ValueError(unsplittable)
+    rendezvous = Rendezvous.choose(config.dist_init_addr, config.tp_size, config.device, config.dist_timeout_s)
+    ranks = TPRanks(rendezvous, dataclasses.replace(runner_config(config), model_path=str(model_dir)), config.core_threads)
+    loop = asyncio.get_running_loop()
+    # Not the loop's default executor: if a rank dies, rank 0 stays blocked joining the group,
+    # and the default executor's threads are joined when the loop closes.
+    loading = loop.run_in_executor(ThreadPoolExecutor(1, thread_name_prefix="actorserve-tp-load"), ranks.load)
+    exited = asyncio.ensure_future(ranks.wait_exit())
+    await asyncio.wait([loading, exited], return_when=asyncio.FIRST_COMPLETED)
+    if exited.done():
+        ranks.close(graceful=False)
+        raise RuntimeError(f"{exited.result()} while the model was loading (its error is in the log above)")
+    exited.cancel()
+    try:
+        return loading.result(), ranks
+    except BaseException:
+        ranks.close(graceful=False)
+        raise
 
 
 def runner_config(cfg: EngineConfig) -> RunnerConfig:

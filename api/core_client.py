@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import multiprocessing
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,8 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
         self._sockets = CoreSockets.create()
+        # A process that exits without close() still removes the directory (the core, a daemon, is killed then).
+        weakref.finalize(self, self._sockets.remove)
         self._ctx = zmq.asyncio.Context()
         # A plain socket: a send never waits (no high-water mark), so it can happen anywhere.
         self._send_ctx = zmq.Context()
@@ -98,9 +101,9 @@ class CoreClient:
         spawn = multiprocessing.get_context("spawn")
         setup = None if self.setup is None else msgspec.msgpack.encode(self.setup)
         args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid(), setup)
-        self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
-        self._process.start()
         try:
+            self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
+            self._process.start()
             first = await self._first_message()
         except BaseException:
             await self.close()
@@ -172,10 +175,11 @@ class CoreClient:
         self._closing = True
         process = self._process
         if process is not None:
-            asyncio.get_running_loop().remove_reader(process.sentinel)
-            if process.is_alive():
-                await self._ask_to_exit(process)
-            process.join(0)
+            if process.pid is not None:  # it was started
+                asyncio.get_running_loop().remove_reader(process.sentinel)
+                if process.is_alive():
+                    await self._ask_to_exit(process)
+                process.join(0)
             process.close()
             self._process = None
         if self._reader is not None:

@@ -20,6 +20,7 @@ import zmq.asyncio
 
 from api.core import Core, CoreSetup, load_core
 from gpu.prefix_cache import token_array
+from gpu.tp_ranks import TPRanks
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.ipc import (
@@ -59,6 +60,11 @@ def main(config_bytes: bytes, sockets_dir: str, parent_pid: int, setup_bytes: by
         torch.set_num_threads(config.core_threads)
     setup = None if setup_bytes is None else msgspec.msgpack.decode(setup_bytes, type=CoreSetup)
     uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid, setup))
+    if config.tp_size > 1:
+        # Everything is sent and the other ranks are stopped; a thread may still be blocked in a
+        # collective with a rank that died, and the interpreter would join it before exiting.
+        logging.shutdown()
+        os._exit(0)
 
 
 async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setup: CoreSetup | None) -> None:
@@ -116,6 +122,8 @@ class CoreServer:
         watchers = [
             asyncio.create_task(self._read(), name="reader"), asyncio.create_task(self._publish_stats(), name="stats publisher"), parent_gone,
         ]
+        if self.core.tp_ranks is not None:
+            watchers.append(asyncio.create_task(self._watch_ranks(self.core.tp_ranks), name="tensor-parallel watcher"))
         try:
             await asyncio.wait([*watchers, self._failure], return_when=asyncio.FIRST_COMPLETED)
             for task in watchers:
@@ -128,7 +136,10 @@ class CoreServer:
             await asyncio.gather(*watchers, return_exceptions=True)
             for actor in self.core.actors:
                 await actor.stop(drain=False)
-            self.core.executor.shutdown()
+            healthy = not self._failure.done()
+            self.core.executor.shutdown(wait=healthy and self.core.tp_ranks is not None)
+            if self.core.tp_ranks is not None:
+                self.core.tp_ranks.close(graceful=healthy)
             if self._failure.done():
                 self.outputs.flush()
                 self._send(CoreFailed(self._failure.result()))
@@ -195,6 +206,12 @@ class CoreServer:
                 self._send(CoreStats(stats))
                 last = stats
             await asyncio.sleep(STATS_PERIOD_S)
+
+    async def _watch_ranks(self, ranks: TPRanks) -> None:
+        why = await ranks.wait_exit()
+        if not self._failure.done():
+            log.error("%s: the engine core stops", why)
+            self._failure.set_result(why)
 
     def _actor_exited(self, actor: Actor, error: BaseException | None) -> None:
         if error is not None and not self._failure.done():

@@ -66,10 +66,6 @@ class Replicas:
         # The replicas resolved the same model and limits; only core_threads and device differ.
         return first
 
-    @property
-    def live(self) -> dict[str, Req]:
-        return {rid: req for c in self.clients for rid, req in c.live.items()}
-
     def submit(self, req: Req) -> None:
         try:
             replica = self.router.choose(req.origin_input_ids, req.routing_key)
@@ -183,12 +179,17 @@ def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _replica_config(config: EngineConfig, replica: int) -> EngineConfig:
-    """One replica's config: its share of the CPU's threads, its own GPU."""
-    if config.dp_size == 1:
+    """One replica's config: its processes' share of the CPU's threads, its own GPUs (tp_size of
+    them, from cuda:replica*tp_size), its own rendezvous port."""
+    processes = config.dp_size * config.tp_size
+    if processes == 1:
         return config
     changes: dict[str, Any] = {}
     if config.core_threads is None:
-        changes["core_threads"] = max(1, (os.cpu_count() or 1) // config.dp_size)
+        changes["core_threads"] = max(1, (os.cpu_count() or 1) // processes)
     if config.device == "cuda":
-        changes["device"] = f"cuda:{replica}"
+        changes["device"] = f"cuda:{replica * config.tp_size}"
+    if config.dist_init_addr is not None and replica:
+        host, _, port = config.dist_init_addr.rpartition(":")
+        changes["dist_init_addr"] = f"{host}:{int(port) + replica}"
     return msgspec.structs.replace(config, **changes)

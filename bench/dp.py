@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -90,6 +92,12 @@ def router_cost(workload: Workload, policy: str, replicas: int, repeats: int) ->
     return statistics.median(samples)
 
 
+def _shuffled(workload: Workload, seed: int) -> Workload:
+    requests = list(workload.requests)
+    random.Random(seed).shuffle(requests)
+    return dataclasses.replace(workload, requests=requests)
+
+
 def _table(results: list[RunResult]) -> str:
     lines = [
         "| workload | dp | policy | requests | hit rate % | output tok/s | wall s |",
@@ -107,9 +115,15 @@ def main() -> None:
     parser.add_argument("--max-total-tokens", type=int, default=12288, help="KV pool per replica, in tokens")
     parser.add_argument("--max-running-requests", type=int, default=16)
     parser.add_argument("--router-only", action="store_true")
+    parser.add_argument(
+        "--shuffle-seed", type=int, default=None,
+        help="send the requests in a shuffled order (W2's own order, group i %% 16, lets round_robin partition the groups by chance)",
+    )
     args = parser.parse_args()
     vocab = 4096
     workloads = [make_workload(name, vocab_size=vocab) for name in args.workloads.split(",")]
+    if args.shuffle_seed is not None:
+        workloads = [_shuffled(wl, args.shuffle_seed) for wl in workloads]
     if args.router_only:
         print("| workload | policy | replicas | us per request |\n| --- | --- | --- | --- |")
         for wl in workloads:

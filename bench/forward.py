@@ -1,6 +1,6 @@
 """Forward-pass speed: the engine's paged model runner against transformers' contiguous cache.
 
-    python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5]
+    python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5] [--tp-size N]
 
 Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request, then at batch 64 / 128
 with contexts drawn uniformly from 33..768 (W1-mixed's spread, which uniform batches hide: padding
@@ -9,6 +9,8 @@ static batching does, left-padded to the longest context with an attention mask.
 does not change the cost, so both sides start from random KV instead of a slow real prefill.
 Prefill: one 512-token prompt; both sides compute logits for the last token only.
 Times are medians over --repeats runs of --steps decode steps each.
+--tp-size N adds a column: the same runner split over N tensor-parallel ranks (gloo on a CPU), each
+with cpu_count / N torch threads; the other columns use every thread.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.tp_ranks import Rendezvous, TPRanks
 
 CONTEXT = 256
 MIXED_CONTEXT = (33, 768)
@@ -36,20 +39,49 @@ def main() -> None:
     model_path = _model_path(args.model)
     max_bs = max(args.batches + args.mixed_batches)
     pool = max_bs * (max(CONTEXT, MIXED_CONTEXT[1]) + args.steps + 1) + PREFILL
-    runner = ModelRunner(RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool))
+    config = RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool)
+    runner = ModelRunner(config)
     hf = _hf_model(runner.model_dir, runner.dtype)
-    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} repeats={args.repeats}")
-    print(f"{'case':<30}{'engine ms':>12}{'transformers ms':>18}{'engine speedup':>16}")
+    threads = torch.get_num_threads()
+    split = _split_runner(config, args.tp_size, threads) if args.tp_size > 1 else None
+    print(f"model={args.model} dtype={args.dtype} threads={threads} steps={args.steps} repeats={args.repeats}")
+    tp_column = f"{f'engine tp={args.tp_size} ms':>18}" if split else ""
+    print(f"{'case':<30}{'engine ms':>12}{tp_column}{'transformers ms':>18}{'engine speedup':>16}")
     cases = [(f"decode bs={bs} ctx={CONTEXT}", [CONTEXT] * bs) for bs in args.batches]
     lo, hi = MIXED_CONTEXT
     cases += [(f"decode bs={bs} ctx={lo}..{hi}", torch.randint(lo, hi + 1, (bs,)).tolist()) for bs in args.mixed_batches]
-    for case, contexts in cases:
-        engine = _median(lambda: _engine_decode(runner, contexts, args.steps), args.repeats) / args.steps
-        baseline = _median(lambda: _hf_decode(hf, contexts, args.steps), args.repeats) / args.steps
-        _row(case, engine, baseline)
-    engine = _median(lambda: _engine_prefill(runner), args.repeats)
-    baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
-    _row(f"prefill {PREFILL} tokens", engine, baseline)
+    try:
+        for case, contexts in cases:
+            engine = _median(lambda: _engine_decode(runner, contexts, args.steps), args.repeats) / args.steps
+            tp = _on_split(split, lambda r: _median(lambda: _engine_decode(r, contexts, args.steps), args.repeats) / args.steps)
+            baseline = _median(lambda: _hf_decode(hf, contexts, args.steps), args.repeats) / args.steps
+            _row(case, engine, tp, baseline)
+        engine = _median(lambda: _engine_prefill(runner), args.repeats)
+        tp = _on_split(split, lambda r: _median(lambda: _engine_prefill(r), args.repeats))
+        baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
+        _row(f"prefill {PREFILL} tokens", engine, tp, baseline)
+    finally:
+        if split is not None:
+            split[0].close(graceful=True)
+
+
+def _split_runner(config: RunnerConfig, tp_size: int, threads: int) -> tuple[TPRanks, ModelRunner, int]:
+    """Ranks 1.. in their own processes; this process is rank 0 (its threads set per measurement)."""
+    per_rank = max(1, threads // tp_size)
+    ranks = TPRanks(Rendezvous.choose(None, tp_size, config.device, 300.0), config, per_rank)
+    return ranks, ranks.load(), per_rank
+
+
+def _on_split(split: tuple[TPRanks, ModelRunner, int] | None, measure: Callable[[ModelRunner], float]) -> float | None:
+    if split is None:
+        return None
+    _, runner, per_rank = split
+    threads = torch.get_num_threads()
+    torch.set_num_threads(per_rank)
+    try:
+        return measure(runner)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _args() -> argparse.Namespace:
@@ -61,6 +93,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--mixed-batches", type=sizes, default=[64, 128], help="decode batch sizes, contexts 33..768 ('' for none)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--tp-size", type=int, default=1, help="also time the runner split over this many tensor-parallel ranks")
     return p.parse_args()
 
 
@@ -88,8 +121,9 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def _row(case: str, engine_s: float, baseline_s: float) -> None:
-    print(f"{case:<30}{engine_s * 1e3:>12.2f}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
+def _row(case: str, engine_s: float, tp_s: float | None, baseline_s: float) -> None:
+    tp = "" if tp_s is None else f"{tp_s * 1e3:>18.2f}"
+    print(f"{case:<30}{engine_s * 1e3:>12.2f}{tp}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
 
 
 def _engine_decode(runner: ModelRunner, contexts: list[int], steps: int) -> float:

@@ -13,6 +13,9 @@
 3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
    submitted at t=0 through `api.Engine`, with graphs on / off and overlap on / off, flashinfer
    and torch: output tokens per second from the first submit to the last answer.
+4. Tensor parallelism (with --tp-size N, default 2 where there are two GPUs): the same workload
+   through `Engine(tp_size=N)` (NCCL, flashinfer + graphs, overlap on) against tp_size=1, and
+   whether every greedy answer equals tp_size=1's.
 
 Writes a Markdown report to --out and prints it. Without CUDA it says so and exits with status 2;
 it exits 1 when the tests failed, 0 otherwise. bfloat16 throughout (FlashInfer needs half types).
@@ -73,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     models = {name: _model_dir(name) for name in args.models}
     sections.append(_decode_table({k: v for k, v in models.items() if v}, args.batches, _variants()))
     sections.append(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(), args.requests))
+    if args.tp_size > 1:
+        sections.append(_tp_table({k: v for k, v in models.items() if v}, args.tp_size, args.requests))
     missing = [k for k, v in models.items() if v is None]
     if missing:
         sections.append(f"Not measured (model not available here): {', '.join(missing)}.\n")
@@ -90,6 +95,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer batch sizes and requests (a smoke run)")
     p.add_argument("--models", type=_csv, default=["tiny-llama", "tiny-qwen3", "smollm2"])
     p.add_argument("--batches", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8, 16, 32, 64, 128, 256])
+    two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    p.add_argument("--tp-size", type=int, default=2 if two_gpus else 1, help="tensor-parallel ranks for section 4 (1: skip it)")
     args = p.parse_args(argv)
     args.concurrency = (1, 16) if args.quick else CONCURRENCY
     args.requests = 32 if args.quick else REQUESTS
@@ -164,8 +171,25 @@ def _engine_table(models: dict[str, str], concurrency: tuple[int, ...], variants
         for v in variants:
             for overlap in (True, False):
                 for running in concurrency:
-                    tok_s, wall = asyncio.run(_engine_run(path, v, overlap, running, requests))
+                    tok_s, wall, _ = asyncio.run(_engine_run(path, v, overlap, running, requests))
                     lines.append(f"| {name} | {v.name} | {'on' if overlap else 'off'} | {running} | {tok_s:,.0f} | {wall:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tp_table(models: dict[str, str], tp_size: int, requests: int) -> str:
+    lines = [
+        f"## Tensor parallelism (tp_size {tp_size} against 1)\n",
+        f"{requests} requests as above, flashinfer + CUDA graphs, overlap on, 64 running.\n",
+        "| model | tp_size | tok/s | wall s | answers equal tp_size 1 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    variant = RUNNER_VARIANTS[0]
+    for name, path in models.items():
+        reference: list[list[int]] = []
+        for tp in (1, tp_size):
+            tok_s, wall, answers = asyncio.run(_engine_run(path, variant, True, 64, requests, tp_size=tp))
+            reference = reference or answers
+            lines.append(f"| {name} | {tp} | {tok_s:,.0f} | {wall:.2f} | {'yes' if answers == reference else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -252,7 +276,9 @@ def _agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
     return float((tokens == reference).float().mean())
 
 
-async def _engine_run(path: str, variant: Variant, overlap: bool, running: int, requests: int) -> tuple[float, float]:
+async def _engine_run(
+    path: str, variant: Variant, overlap: bool, running: int, requests: int, tp_size: int = 1
+) -> tuple[float, float, list[list[int]]]:
     from api.engine import Engine
 
     gen = torch.Generator().manual_seed(0)
@@ -260,6 +286,7 @@ async def _engine_run(path: str, variant: Variant, overlap: bool, running: int, 
         model_path=path, device=DEVICE, dtype=DTYPE, attention_backend=variant.backend, disable_cuda_graph=not variant.graphs,
         disable_overlap_schedule=not overlap, max_running_requests=running, cuda_graph_max_bs=running,
         max_total_tokens=requests * (PROMPT_LEN + NEW_TOKENS) + 1024,  # all of them fit: no retraction
+        tp_size=tp_size,
     )
     async with Engine(**config) as engine:
         vocab = engine.vocab_size
@@ -271,7 +298,7 @@ async def _engine_run(path: str, variant: Variant, overlap: bool, running: int, 
         wall = time.perf_counter() - start
     del engine
     _free_cached()
-    return sum(len(o.output_ids) for o in outs) / wall, wall
+    return sum(len(o.output_ids) for o in outs) / wall, wall, [o.output_ids for o in outs]
 
 
 def _model_dir(name: str) -> str | None:

@@ -13,6 +13,7 @@ The Adder owns allocation (rows and slots); the Executor owns the buffers.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 class ReqToTokenPool:
     """Request rows of KV slot indices: `[max_requests + 1, context_len]` int32; row 0 is the dummy."""
 
-    def __init__(self, max_requests: int, context_len: int, device: str | torch.device = "cpu"):
+    def __init__(self, max_requests: int, context_len: int, device: str | torch.device = "cpu", record_writes: bool = False):
         if max_requests < 1 or context_len < 1:
             raise ValueError(f"ReqToTokenPool needs max_requests >= 1 and context_len >= 1, got {max_requests}, {context_len}")
         self.max_requests = max_requests
@@ -31,6 +32,10 @@ class ReqToTokenPool:
         # Pop from the end: lowest rows first, which keeps small tests easy to read.
         self._free_rows: list[int] = list(range(max_requests, 0, -1))
         self._is_free = [False] + [True] * max_requests
+        # (rows, positions) of every write since the last `take_writes` when recording: the
+        # entries the other tensor-parallel ranks' copies of the table still lack (gpu/tp_batch.py).
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if record_writes else None
+        self._writes_lock = threading.Lock()  # written on the scheduling loop, taken by the forward thread
 
     def available(self) -> int:
         return len(self._free_rows)
@@ -57,6 +62,31 @@ class ReqToTokenPool:
         if end > self.context_len:
             raise ValueError(f"positions up to {end} exceed the context length {self.context_len}")
         self.table[row, start:end] = slots.to(self.table.dtype)
+        if self._writes is not None:
+            n = slots.numel()
+            self._record(torch.full((n,), row, dtype=torch.int64), torch.arange(start, end, dtype=torch.int64))
+
+    def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Entry (rows[i], positions[i]) becomes slots[i], for every i (a decode step's new tokens)."""
+        self.table[rows, positions] = slots.to(self.table.dtype)
+        if self._writes is not None:
+            self._record(rows.to(torch.int64), positions.to(torch.int64))
+
+    def _record(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        assert self._writes is not None
+        # Copies: a caller's index tensor may be a view it changes later (the running positions).
+        rows, positions = rows.to("cpu", copy=True), positions.to("cpu", copy=True)
+        with self._writes_lock:  # after the write: whoever takes the entry finds its value in place
+            self._writes.append((rows, positions))
+
+    def take_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, positions) of the entries written since the last call, in write order."""
+        with self._writes_lock:
+            taken, self._writes = self._writes or [], [] if self._writes is not None else None
+        if not taken:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        return torch.cat([r for r, _ in taken]), torch.cat([p for _, p in taken])
 
     def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         return self.table[row, start:end]

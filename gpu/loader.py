@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from gpu.model_config import ModelConfig
 from gpu.models import CausalLM
+from gpu.tensor_parallel import SliceReader, TPGroup, TPLayout
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -99,15 +100,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device, tp: TPGroup = TPGroup()) -> CausalLM:
+    """The model on `device`; under tensor parallelism, this rank's shard, each tensor read only
+    as far as the shard needs (safetensors slices)."""
     config = ModelConfig.from_dir(model_dir)
+    layout = TPLayout(config, tp.rank, tp.size)
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = CausalLM(config, tp)
     expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
-    for name, tensor in _progress(_checkpoint_tensors(model_dir), model_dir):
+    for name, reader in _progress(_checkpoint_tensors(model_dir), model_dir):
         if name not in expected:
             continue  # e.g. lm_head.weight of a tied checkpoint, rotary inv_freq buffers
+        tensor = layout.shard(name, reader)
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
         state[name] = tensor.to(device=device, dtype=dtype)
@@ -119,11 +124,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Cau
     return model.eval()
 
 
-def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, SliceReader]]:
     for file in _safetensors_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, SliceReader(f.get_slice(name))
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -137,7 +142,7 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _progress(items: Iterator[tuple[str, torch.Tensor]], model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _progress(items: Iterator[tuple[str, SliceReader]], model_dir: Path) -> Iterator[tuple[str, SliceReader]]:
     return tqdm(items, desc=f"loading {model_dir.name}", unit=" tensors", disable=not sys.stderr.isatty(), leave=False)
 
 

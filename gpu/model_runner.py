@@ -8,6 +8,10 @@ flashinfer where it can run. On CUDA with flashinfer, decode batches go through 
 (gpu/graph_runner.py) unless `disable_cuda_graph`; other batches, and every batch on a CPU, run
 eagerly. `init_graph_runner(capture=False)` puts the same padded-bucket runner in front of decode
 on any device without capturing (what the CPU tests use).
+
+Under tensor parallelism (`tp`, gpu/tensor_parallel.py) every rank has a runner over its shard:
+rank 0's `forward` first sends the batch to the others (gpu/tp_batch.py), which run `serve_ranks`;
+the pool size in tokens is the smallest any rank can hold, so one allocator serves every rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
+from gpu.tensor_parallel import TPGroup, TPLayout
+from gpu.tp_batch import BatchChannel
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV pool size on a CPU when max_total_tokens is not given
 
@@ -45,23 +51,29 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig):
+    def __init__(self, config: RunnerConfig, tp: TPGroup = TPGroup()):
         self.config = config
+        self.tp = tp
         self.device = torch.device(config.device)
         self.model_dir: Path = resolve_model_dir(config.model_path)
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        unsplittable = TPLayout.check(self.model_config, tp.size)
+        if unsplittable:
+            raise ValueError(unsplittable)
+        self.layout = TPLayout(self.model_config, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
-        self.model = load_model(self.model_dir, self.dtype, self.device)
+        self.model = load_model(self.model_dir, self.dtype, self.device, tp)
         self.context_len = self._context_len()
-        pool_tokens = config.max_total_tokens or self._default_pool_tokens()
+        pool_tokens = self._agreed(config.max_total_tokens or self._default_pool_tokens())
         self.allocator = TokenSlotAllocator(pool_tokens, config.page_size, self.device)
-        self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device)
-        mc = self.model_config
+        self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device, record_writes=tp.size > 1)
         self.kv = KVBuffers.allocate(
-            mc.num_layers, self.allocator.total_slots, mc.num_kv_heads, mc.head_dim, self.dtype, self.device
+            self.model_config.num_layers, self.allocator.total_slots, self.layout.num_kv_heads, self.model_config.head_dim,
+            self.dtype, self.device,
         )
+        self.channel = BatchChannel(tp, self.req_to_token, self.device) if tp.size > 1 else None
         self.attn: AttentionBackend = self._make_attention()
         self.sampler = Sampler()
         self.graph_runner: DecodeGraphRunner | None = None
@@ -91,6 +103,22 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits; for a decode batch on the graph runner, a view valid until the next forward."""
+        if self.channel is not None:  # rank 0: the other ranks run the same batch alongside
+            self.channel.send(batch)
+        return self._forward(batch)
+
+    def serve_ranks(self) -> None:
+        """Rank > 0: run every batch rank 0 sends until it says stop."""
+        assert self.channel is not None and self.tp.rank > 0
+        while (batch := self.channel.receive()) is not None:
+            self._forward(batch)
+
+    def stop_ranks(self) -> None:
+        """Rank 0: let the other ranks' `serve_ranks` return (call when no forward is running)."""
+        if self.channel is not None:
+            self.channel.send_stop()
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.run(batch)
         return self.model(batch, self.attn)
@@ -107,15 +135,24 @@ class ModelRunner:
         return self.sampler.sample(logits, info, output_ids=output_ids, prompt_ids=prompt_ids, steps=steps)
 
     def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token on this rank (its K/V heads only)."""
         mc = self.model_config
-        return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * mc.num_layers * self.layout.num_kv_heads * mc.head_dim * torch.finfo(self.dtype).bits // 8
+
+    def _agreed(self, pool_tokens: int) -> int:
+        """The pool size every rank can hold (the budget is per rank, the slots shared)."""
+        if self.tp.size == 1:
+            return pool_tokens
+        value = torch.tensor([pool_tokens], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=self.tp.group)
+        return int(value.item())
 
     def _make_attention(self) -> AttentionBackend:
         mc = self.model_config
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
             return TorchAttention(self.kv, self.req_to_token.table, scale=scale)
-        shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, self.config.page_size, scale)
+        shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 
     def _cuda_graph_max_bs(self) -> int:

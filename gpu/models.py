@@ -2,7 +2,8 @@
 
 The families differ only in switches read from `ModelConfig`: q/k/v biases (Qwen2, or Llama with
 `attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
-follow Hugging Face's, so a checkpoint's state dict loads as it is.
+follow Hugging Face's, so a checkpoint's state dict loads as it is. Under tensor parallelism each
+rank builds the same modules with its shard's shapes (`TPLayout`, gpu/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 from gpu.attention import AttentionBackend
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import ModelConfig, RopeConfig
+from gpu.tensor_parallel import TPGroup, TPLayout
 
 
 class RMSNorm(nn.Module):
@@ -71,18 +73,54 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split across ranks: each rank's partial product is
+    all-reduced, then the bias (held whole by every rank) is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's vocabulary slice; ids outside it contribute zeros, and
+    the all-reduce sums the one rank that holds each id."""
+
+    def __init__(self, layout: TPLayout, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(layout.vocab_shard, hidden_size))
+        self.start = layout.vocab_start
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill(outside[:, None], 0))
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, layout: TPLayout, tp: TPGroup):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = layout.num_heads
+        self.num_kv_heads = layout.num_kv_heads
         self.head_dim = config.head_dim
-        hidden, q_size, kv_size = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        hidden, q_size, kv_size = config.hidden_size, self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(hidden, q_size, bias=config.attention_bias)
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=config.o_proj_bias)
+        self.o_proj = RowParallelLinear(q_size, hidden, config.o_proj_bias, tp)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -102,21 +140,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        inter = layout.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int):
+    def __init__(self, config: ModelConfig, layer_id: int, layout: TPLayout, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(config, layer_id)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, layer_id, layout, tp)
+        self.mlp = MLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -128,22 +167,24 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layout: TPLayout, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, layout, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     """`model.*` and `lm_head` as in Hugging Face checkpoints; rotary tables built separately."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = TPGroup()):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.tp = tp
+        layout = TPLayout(config, tp.rank, tp.size)
+        self.model = DecoderModel(config, layout, tp)
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, layout.vocab_shard, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
     def init_rotary(self, device: torch.device | str) -> None:
@@ -167,4 +208,7 @@ class CausalLM(nn.Module):
             hidden = hidden[batch.logit_index]
         elif not batch.return_all_logits:
             hidden = hidden[batch.last_token_index()]
-        return F.linear(self.model.norm(hidden), self.output_weight())
+        logits = F.linear(self.model.norm(hidden), self.output_weight())
+        if self.tp.size == 1:
+            return logits
+        return self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]

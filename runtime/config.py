@@ -44,6 +44,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     balance_abs_threshold: int = 64  # cache_aware: imbalanced when the busiest has this many
     balance_rel_threshold: float = 1.5  # requests more than the idlest, and this many times as many
 
+    # tensor parallelism: the model split over tp_size ranks (processes started by the core, one
+    # torch.distributed group: gloo on a CPU, nccl on CUDA); the scheduler runs once, on rank 0
+    tp_size: int = 1
+    dist_init_addr: str | None = None  # "host:port" of the group's rendezvous; None: a free loopback port
+    dist_timeout_s: float = 120.0  # a rank that answers no collective this long fails the engine
+
     # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
     max_running_requests: int | None = None  # None: min(256, what the pool holds)
@@ -112,6 +118,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (_positive_or_none(self.core_threads), f"core_threads must be positive, got {self.core_threads}"),
             (self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"),
             (not (self.dp_size > 1 and self.inline_core), "dp_size > 1 runs each replica in its own core process: drop inline_core"),
+            (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
+            (not (self.tp_size > 1 and self.inline_core), "tp_size > 1 runs the ranks beside a core process: drop inline_core"),
+            (self.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {self.dist_timeout_s}"),
+            (self.dist_init_addr is None or _host_port(self.dist_init_addr), f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"),
             (self.router_policy in ROUTER_POLICIES, f"router_policy {self.router_policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}"),
             (0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}"),
             (self.balance_abs_threshold >= 0, f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}"),
@@ -138,3 +148,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 def _positive_or_none(value: int | None) -> bool:
     return value is None or value > 0
+
+
+def _host_port(addr: str) -> bool:
+    host, _, port = addr.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536

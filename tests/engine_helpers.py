@@ -4,6 +4,7 @@ they read the core's counters (`Engine.current_stats`), never its actors."""
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from api.engine import Engine
@@ -45,3 +46,13 @@ async def close_and_check_tasks(engine: Engine) -> None:
     await engine.close()
     assert all(not actor.alive for actor in actors)
     assert all(client.pid is None for client in clients), "a core process was not reaped"
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process runs; a zombie (exited, not yet reaped) counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0] != "Z"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from api.engine import Engine, EngineError, InvalidRequest
-from tests.engine_helpers import assert_idle_invariants
+from tests.engine_helpers import assert_idle_invariants, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -25,16 +25,6 @@ PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
     return str(tiny_model_factory("qwen3", max_position_embeddings=1024))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by a parent that is gone) counts as gone.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 async def _wait_stats(engine: Engine, done, timeout: float = 10.0) -> dict:
@@ -58,7 +48,7 @@ async def test_same_greedy_answers_as_inline_and_nothing_left_behind(model_path)
     engine = Engine(model_path=model_path, dtype="float32", inline_core=False)
     async with engine:
         pid, sockets = engine.client.pid, engine.client._sockets
-        assert pid != os.getpid() and _alive(pid) and sockets.exists()
+        assert pid != os.getpid() and process_alive(pid) and sockets.exists()
         got = await _outputs(engine)
         assert [g[0] for g in got] == [e[0] for e in expected]
         assert [x for g in got for x in g[1]] == pytest.approx([x for e in expected for x in e[1]], abs=1e-5)
@@ -71,7 +61,7 @@ async def test_same_greedy_answers_as_inline_and_nothing_left_behind(model_path)
         # The counters reach the frontend every few milliseconds: wait for this work's to arrive.
         stats = await _wait_stats(engine, lambda s: s["generated_tokens"] == 4 * 12 + 5 and s["kv_free"] == s["kv_pool_size"])
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
-    assert not _alive(pid) and not sockets.exists()
+    assert not process_alive(pid) and not sockets.exists()
 
 
 @pytest.mark.parametrize("inline_core", [True, False], ids=["inline", "core-process"])
@@ -158,7 +148,7 @@ async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_p
             await engine.generate(input_ids=[1, 2])
     finally:
         await engine.close()
-    assert not _alive(pid) and not sockets.exists()
+    assert not process_alive(pid) and not sockets.exists()
 
 
 async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_path):
@@ -189,11 +179,11 @@ def test_the_core_exits_when_its_frontend_is_killed(model_path, tmp_path):
     frontend = subprocess.Popen([sys.executable, str(tmp_path / "frontend.py")], stdout=subprocess.PIPE, text=True, env=env)
     try:
         core_pid, sockets_dir = frontend.stdout.readline().split()
-        assert _alive(int(core_pid))
+        assert process_alive(int(core_pid))
         frontend.kill()
         frontend.wait(10)
         deadline = time.monotonic() + 10
-        while _alive(int(core_pid)):
+        while process_alive(int(core_pid)):
             assert time.monotonic() < deadline, "the core outlived its frontend"
             time.sleep(0.05)
         assert not Path(sockets_dir).exists()  # the core removed the socket files it was left with

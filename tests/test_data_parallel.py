@@ -11,7 +11,7 @@ import pytest
 
 from api import Engine
 from api.engine import EngineError
-from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 SYSTEM = list(range(40, 104))  # a 64-token shared prefix
@@ -118,7 +118,7 @@ async def test_kill_9_of_one_replica_ends_its_requests_and_the_other_keeps_servi
         await _wait_reaped(pids[0])
     finally:
         await close_and_check_tasks(engine)
-    assert not any(_alive(pid) for pid in pids)
+    assert not any(process_alive(pid) for pid in pids)
 
 
 async def test_an_abort_reaches_the_replica_that_holds_the_request(model_path):
@@ -151,18 +151,9 @@ async def _refreshed(engine: Engine) -> Engine:
 
 async def _wait_reaped(pid: int) -> None:
     deadline = time.monotonic() + 5
-    while _alive(pid):
+    while process_alive(pid):
         assert time.monotonic() < deadline, f"replica {pid} was not reaped"
         await asyncio.sleep(0.02)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(") ", 1)[1][0] != "Z"
 
 
 def test_server_shows_each_replica_and_the_sum(model_path):

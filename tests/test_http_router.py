@@ -186,3 +186,45 @@ async def test_router_that_cannot_bind_says_why():
             capture_output=True, text=True, timeout=60,
         )
         assert cli.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in cli.stderr, cli.stderr
+
+
+async def test_a_worker_that_fails_its_health_check_leaves_and_comes_back():
+    from aiohttp import web
+
+    healthy = {"ok": True}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({}, status=200 if healthy["ok"] else 503)
+
+    async def generate(request: web.Request) -> web.Response:
+        return web.json_response({"text": "hi", "output_ids": [1]})
+
+    app = web.Application()
+    app.add_routes([web.get("/health", health), web.post("/generate", generate)])
+    worker = web.AppRunner(app)
+    await worker.setup()
+    site = web.TCPSite(worker, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{worker.addresses[0][1]}"
+    router, runner, base = await _router([url], interval=0.05)
+    try:
+        async with aiohttp.ClientSession() as session:
+
+            async def routed_status() -> int:
+                return (await _post(session, f"{base}/generate", {"text": "x"}))[0]
+
+            async def wait_for(status: int) -> None:
+                deadline = time.monotonic() + 5
+                while (await routed_status()) != status:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.02)
+
+            assert await routed_status() == 200
+            healthy["ok"] = False
+            await wait_for(503)
+            assert (await (await session.get(f"{base}/get_server_info")).json())["workers"][0]["down_reason"] == "/health answered 503"
+            healthy["ok"] = True
+            await wait_for(200)
+    finally:
+        await runner.cleanup()
+        await worker.cleanup()

@@ -1,0 +1,78 @@
+"""Each step's batch, from rank 0 (the scheduler's rank) to the other tensor-parallel ranks.
+
+The scheduler runs once, on rank 0; the other ranks only run the model. Before each forward,
+rank 0 broadcasts what its own forward reads that the others cannot know: the `ForwardBatch`
+(token ids, positions, new KV slots, request rows and lengths, which logits to keep) and the
+request-to-token table entries written since the last step. Each rank keeps its own copy of that
+table (its attention reads it) and of the KV pool for its heads; slot numbers are the same on
+every rank, so one allocator on rank 0 serves them all.
+
+Every table write on rank 0 (a cached prefix at admission, a chunk's or a decode step's new slots,
+a prefix the cache rewrote) is logged by `ReqToTokenPool`; each batch carries the entries written
+since the previous one, with their values as they are when it is sent. Under overlap the scheduler
+runs ahead of the device, so a batch's own slots may have been sent with an earlier batch and a
+later rewrite of them with this one: sending entries in write order, never re-deriving them from
+`out_cache_loc`, keeps every rank's table equal to rank 0's.
+
+Wire format: two broadcasts per step of int64 tensors on the group's device (so under NCCL the
+token ids never leave the GPU): a fixed header, then one packed payload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu.cuda_streams import host_to_device
+from gpu.forward_batch import ForwardBatch
+from gpu.kv_pool import ReqToTokenPool
+from gpu.tensor_parallel import TPGroup
+from runtime.forward_mode import ForwardMode
+
+_HEADER = 7  # kind, batch size, tokens, logit indices (-1: none), all-logits flag, table entries, mode
+_STOP, _FORWARD = 0, 1
+
+
+@dataclass(slots=True)
+class BatchChannel:
+    """Rank 0 `send`s each batch; every other rank `receive`s it (None: stop)."""
+
+    tp: TPGroup
+    table: ReqToTokenPool
+    device: torch.device
+
+    def send(self, batch: ForwardBatch) -> None:
+        rows, positions = self.table.take_writes()
+        # The entries as they are now: a later write to the same entry is taken again next step.
+        values = self.table.table[host_to_device(rows, self.device), host_to_device(positions, self.device)]
+        logit_index = batch.logit_index
+        header = [
+            _FORWARD, batch.batch_size, batch.num_tokens, -1 if logit_index is None else logit_index.numel(),
+            int(batch.return_all_logits), rows.numel(), int(batch.mode),
+        ]
+        host = torch.cat([torch.tensor([*batch.prefix_lens, *batch.extend_lens], dtype=torch.int64), rows, positions])
+        parts = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_rows, host_to_device(host, self.device), values]
+        if logit_index is not None:
+            parts.append(logit_index)
+        self.tp.broadcast(host_to_device(torch.tensor(header, dtype=torch.int64), self.device))
+        self.tp.broadcast(torch.cat([p.to(self.device, torch.int64) for p in parts]))
+
+    def send_stop(self) -> None:
+        self.tp.broadcast(host_to_device(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), self.device))
+
+    def receive(self) -> ForwardBatch | None:
+        header = self.tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.device)).tolist()
+        kind, size, tokens, num_logits, all_logits, entries, mode = header
+        if kind == _STOP:
+            return None
+        sizes = [tokens, tokens, tokens, size, 2 * size, entries, entries, entries, max(num_logits, 0)]
+        payload = self.tp.broadcast(torch.empty(sum(sizes), dtype=torch.int64, device=self.device))
+        input_ids, positions, out_cache_loc, req_rows, lens, rows, table_positions, values, logit_index = payload.split(sizes)
+        lens_list = lens.tolist()
+        self.table.table[rows, table_positions] = values.to(self.table.table.dtype)
+        return ForwardBatch(
+            mode=ForwardMode(mode), input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, req_rows=req_rows,
+            prefix_lens=lens_list[:size], extend_lens=lens_list[size:], return_all_logits=bool(all_logits),
+            logit_index=logit_index if num_logits >= 0 else None,
+        )
