@@ -36,11 +36,15 @@ def _engine(model_path: Path, tp_size: int, **kw) -> Engine:
     return Engine(model_path=str(model_path), dtype="float32", core_threads=1, tp_size=tp_size, max_total_tokens=4096, **kw)
 
 
+# Sampled on rank 0 from the gathered logits: seeds and penalties see the same distribution.
+SAMPLED = {**GREEDY, "temperature": 1.0, "top_p": 0.9, "seed": 7, "frequency_penalty": 0.5, "repetition_penalty": 1.2}
+
+
 async def _answers(engine: Engine, prompts=PROMPTS, **kw) -> list:
-    outs = await asyncio.gather(*[
-        engine.generate(input_ids=p, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3, **kw) for p in prompts
+    return await asyncio.gather(*[
+        engine.generate(input_ids=p, sampling_params=params, return_logprob=True, top_logprobs_num=3, **kw)
+        for p in prompts for params in (GREEDY, SAMPLED)
     ])
-    return outs
 
 
 def _rank_pids(core_pid: int) -> list[int]:
@@ -221,7 +225,7 @@ async def test_tp2_chunked_prefill_pages_and_prompt_logprobs(tiny_model_factory)
             return out
 
     got, want = await run(2), await run(1)
-    assert all(len(o.input_logprobs) == 61 for o in want[:4])
+    assert all(len(o.input_logprobs) == 61 for o in want[:8])
     _assert_same(got, want)
 
 
@@ -319,3 +323,24 @@ async def test_kill_9_of_the_core_takes_its_ranks_with_it(tiny_model_factory):
         assert not process_alive(rank)
     finally:
         await engine.close()
+
+
+async def test_close_frees_the_rendezvous_port_and_dp_replicas_each_get_their_ranks(tiny_model_factory):
+    path = tiny_model_factory("llama")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with _engine(path, 1) as single:
+        expected = [o.output_ids for o in await _answers(single, PROMPTS[:2])]
+    engine = _engine(path, 2, dp_size=2, dist_init_addr=f"127.0.0.1:{port}")
+    async with engine:
+        ranks = [pid for client in engine.replicas.clients for pid in _rank_pids(client.pid)]
+        assert len(ranks) == 2  # one rank 1 per replica, each replica on its own port (port, port + 1)
+        assert [o.output_ids for o in await _answers(engine, PROMPTS[:2])] == expected
+    await close_and_check_tasks(engine)
+    assert not any(process_alive(pid) for pid in ranks)
+    for p in (port, port + 1):  # nothing listens there any more
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", p))
+            s.listen()
