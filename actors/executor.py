@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from actors.grammar import accept_tokens, mask_logits
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
@@ -118,6 +119,10 @@ class Executor(Actor[Batch]):
         if scores:
             logits, prompt_results = logits[: len(batch.reqs)], _score_prompt_tokens(batch, scores, logits[len(batch.reqs) :])
         self._mask_early_stop_tokens(logits, batch.reqs, generated)
+        constrained = [i for i, r in enumerate(batch.reqs) if r.constraint is not None and batch.produces_token[i]]
+        constraints = [c for i in constrained if (c := batch.reqs[i].constraint) is not None]
+        if constraints:
+            mask_logits(logits, constrained, constraints)
         info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
         # Penalties count prompt and output tokens in the token pool where it lies: on CUDA, reading
         # them back to the host would wait for the step in flight.
@@ -128,6 +133,8 @@ class Executor(Actor[Batch]):
             prompt_ids=TokenSpans(self.token_pool, batch.rows, [0] * len(prompt_lens), prompt_lens),
             steps=generated,
         )
+        if constraints:  # on CUDA this waits for the step: the next mask needs these tokens
+            accept_tokens(constraints, result.token_ids[constrained].tolist())
         self._store_tokens(batch, result.token_ids)
         top = result.top_logprobs or (None, None)
         return fb, logits, (result.token_ids, result.logprobs, *top, *prompt_results)

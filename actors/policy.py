@@ -4,6 +4,10 @@ Admission limits that depend on the queue live here because the queue does: `max
 (with priority scheduling, a strictly better newcomer evicts the worst queued request; otherwise
 the newcomer is refused) and `queue_timeout_s`. Refused, evicted and timed-out requests end with
 status 503; aborted ones with finish_reason "abort".
+
+A constrained request (json_schema, regex, ebnf) whose grammar is not compiled yet waits in the
+grammar queue (`compiling`), as in SGLang, while a worker thread compiles it (actors/grammar.py);
+it joins the waiting queue when that is done, or ends with 400 if the grammar does not compile.
 """
 
 from __future__ import annotations
@@ -13,22 +17,26 @@ import random
 import time
 from collections import Counter
 
+from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
 from actors.prefill_adder import may_preempt
 from gpu.prefix_cache import PrefixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
-from runtime.messages import AdderMsg, Enqueue, PolicyMsg, Pull, Ranked, Requeue, Wake
+from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Wake
 from runtime.req import Req
 
 QUEUE_FULL = "The request queue is full."
 
 
 class Policy(Actor[PolicyMsg]):
-    def __init__(self, config: EngineConfig, prefix_cache: PrefixCache, adder: Actor[AdderMsg]):
+    def __init__(self, config: EngineConfig, prefix_cache: PrefixCache, adder: Actor[AdderMsg], grammars: GrammarCompiler | None = None):
         super().__init__("policy")
         self.config = config
         self.adder = adder
+        self.grammars = grammars
+        self.compiling: dict[str, Req] = {}  # the grammar queue, by rid
+        self._compiles: set[asyncio.Task[None]] = set()
         # The one sanctioned read of the Adder's prefix cache: match_prefix to order the queue.
         self.orderer = QueueOrderer(config, prefix_cache, random.Random(config.random_seed))
         self.waiting: list[Req] = []
@@ -44,7 +52,9 @@ class Policy(Actor[PolicyMsg]):
 
     async def handle(self, msg: PolicyMsg) -> None:
         if isinstance(msg, Enqueue):
-            self._admit(msg.req)
+            self._enqueue(msg.req)
+        elif isinstance(msg, GrammarCompiled):
+            self._grammar_compiled(msg.req, msg.compiled)
         elif isinstance(msg, Requeue):
             self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
         elif isinstance(msg, Pull):
@@ -63,9 +73,14 @@ class Policy(Actor[PolicyMsg]):
         return not pull.block or (bool(self.waiting) and self.mailbox.empty())
 
     async def on_stop(self) -> None:
-        for req in self.waiting:
+        for task in self._compiles:
+            task.cancel()
+        for req in [*self.waiting, *self.compiling.values()]:
             _end(req, "abort", "the engine is shutting down", 503, "shutting_down")
         self.waiting.clear()
+        self.compiling.clear()
+        if self.grammars is not None:
+            self.grammars.shutdown()
 
     async def _answer(self, pull: Pull) -> None:
         given: list[Req] = []
@@ -80,6 +95,39 @@ class Policy(Actor[PolicyMsg]):
         cfg = self.config
         sign = 1 if cfg.schedule_low_priority_values_first else -1
         return may_preempt(req.priority, running_priority, sign, cfg.priority_scheduling_preemption_threshold)
+
+    def _enqueue(self, req: Req) -> None:
+        grammar = req.sampling.grammar
+        if grammar is None:
+            self._admit(req)
+            return
+        if self.grammars is None:
+            _end(req, "abort", "constrained decoding is not available in this engine", 400, "invalid_request_error", grammar[0])
+            return
+        compiled = self.grammars.cached(*grammar)
+        if compiled is not None:
+            self._grammar_compiled(req, compiled)
+            return
+        self.compiling[req.rid] = req
+        task = asyncio.get_running_loop().create_task(self._compile(req, *grammar), name=f"policy.compile.{req.rid}")
+        self._compiles.add(task)
+        task.add_done_callback(self._compiles.discard)
+
+    async def _compile(self, req: Req, kind: str, text: str) -> None:
+        assert self.grammars is not None
+        await self.send(GrammarCompiled(req, await self.grammars.compile(kind, text)))
+
+    def _grammar_compiled(self, req: Req, compiled: Compiled) -> None:
+        self.compiling.pop(req.rid, None)
+        kind = req.sampling.grammar[0] if req.sampling.grammar else "grammar"
+        if req.abort_requested or req.stream is None or req.stream.finished:
+            return  # ended while it compiled (the abort scan said so)
+        if compiled.error is not None:
+            _end(req, "abort", f"{kind} does not compile: {compiled.error}", 400, "invalid_request_error", kind)
+            return
+        assert self.grammars is not None
+        req.constraint = self.grammars.constraint(compiled)
+        self._admit(req)
 
     def _admit(self, req: Req) -> None:
         limit = self.config.max_queued_requests
@@ -108,6 +156,9 @@ class Policy(Actor[PolicyMsg]):
         return a.priority * sign < b.priority * sign
 
     def _drop_aborted_and_expired(self) -> None:
+        for rid in [rid for rid, req in self.compiling.items() if req.abort_requested]:
+            self.aborted += 1
+            _end(self.compiling.pop(rid), "abort", None, None)
         timeout = self.config.queue_timeout_s
         now = time.monotonic()
         keep: list[Req] = []
@@ -128,6 +179,6 @@ class Policy(Actor[PolicyMsg]):
             await self.send(Wake())
 
 
-def _end(req: Req, reason: str, error: str | None, status: int | None, code: str | None = None) -> None:
+def _end(req: Req, reason: str, error: str | None, status: int | None, code: str | None = None, param: str | None = None) -> None:
     if req.stream is not None:
-        req.stream.finish(reason, error=error, status=status, code=code, prompt_tokens=len(req.origin_input_ids))
+        req.stream.finish(reason, error=error, status=status, code=code, param=param, prompt_tokens=len(req.origin_input_ids))

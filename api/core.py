@@ -18,6 +18,7 @@ import msgspec
 
 from actors.adder import Adder
 from actors.executor import Executor
+from actors.grammar import GrammarCompiler
 from actors.output import OutputProcessor
 from actors.policy import Policy
 from actors.receiver import ModelLimits
@@ -60,6 +61,7 @@ class Core:
             **self.adder.stats(),
             "aborted": self.adder.counters["aborted"] + self.policy.aborted,
             "num_waiting": len(self.policy.waiting),
+            "num_compiling": len(self.policy.compiling),  # the grammar queue
             "rejected": self.policy.rejected,
             "queue_timeouts": self.policy.timed_out,
             "generated_tokens": self.output.generated_tokens,
@@ -102,7 +104,8 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> C
     output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox)
     executor = Executor(runner, output)
     adder = Adder(cfg, runner, prefix_cache, executor)
-    policy = Policy(cfg, prefix_cache, adder)
+    grammars = GrammarCompiler(tokenizer, runner.vocab_size, runner.model_config.eos_token_ids)
+    policy = Policy(cfg, prefix_cache, adder, grammars)
     adder.policy = policy
     output.adder = adder
     return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output, tp_ranks)

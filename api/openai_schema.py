@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+import orjson
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # prompts x n in one request: a bound on the fan-out one client can cause
@@ -62,6 +63,18 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # the schema is always enforced (constrained decoding), strict or not
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(msgspec.Struct, kw_only=True):
     """Fields shared by /v1/completions and /v1/chat/completions, SGLang's extras included."""
 
@@ -93,6 +106,11 @@ class _Common(msgspec.Struct, kw_only=True):
     extra_key: str | None = None
     cache_salt: str | None = None
     routing_key: str | None = None
+    # Constrained decoding: OpenAI's response_format (on completions too, as vLLM and SGLang
+    # accept it), and SGLang's regex / ebnf extras
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -126,7 +144,6 @@ class ChatCompletionRequest(_Common, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -214,10 +231,7 @@ def chat_calls(req: ChatCompletionRequest, input_ids: list[int]) -> tuple[str, l
     """The response id and the engine calls; `input_ids`: the messages rendered by the chat
     template (see `chat_messages`)."""
     _check_common(req)
-    _refuse_unsupported(
-        tools=bool(req.tools),
-        response_format=req.response_format is not None and req.response_format.get("type", "text") != "text",
-    )
+    _refuse_unsupported(tools=bool(req.tools))
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
@@ -344,7 +358,23 @@ def _sampling(req: _Common, max_tokens: int | None) -> dict[str, Any]:
         "no_stop_trim": req.no_stop_trim,
         "skip_special_tokens": req.skip_special_tokens,
         "logit_bias": dict(req.logit_bias or {}),  # token id strings; the engine checks them
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+        "json_schema": _json_schema(req.response_format),
     }
+
+
+def _json_schema(fmt: ResponseFormat | None) -> str | None:
+    """The JSON schema text that response_format asks the output to follow (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.type != "json_schema":
+        raise invalid(f"response_format type must be text, json_object or json_schema, got {fmt.type!r}", "response_format")
+    if fmt.json_schema is None or fmt.json_schema.schema is None:
+        raise invalid("response_format of type json_schema needs json_schema.schema", "response_format")
+    return orjson.dumps(fmt.json_schema.schema).decode()
 
 
 def _fan_out(

@@ -1,7 +1,7 @@
 """The messages between actors, one tagged union per mailbox.
 
     Receiver  <- Submit | AbortRequest
-    Policy    <- Enqueue | Pull | Requeue | Wake
+    Policy    <- Enqueue | Pull | Requeue | Wake | GrammarCompiled (from itself)
     Adder     <- Ranked | StepDone | Wake | FlushCache
     Executor  <- Batch
     Output    <- StepOut
@@ -71,6 +71,13 @@ class Requeue(msgspec.Struct, frozen=True, tag=True):
     front: bool  # candidates not admitted go back in front; preempted/retracted ones at the end
 
 
+class GrammarCompiled(msgspec.Struct, frozen=True, tag=True):
+    """A request's grammar compiled (or failed to) in the Policy's compile thread."""
+
+    req: Req
+    compiled: Any  # actors.grammar.Compiled
+
+
 class Wake(msgspec.Struct, frozen=True, tag=True):
     """Something changed for a request this actor may hold (an abort): look again. `rid` names
     the request for a peer in another process, which cannot see the shared flag."""
@@ -129,5 +136,5 @@ class StepOut(msgspec.Struct, frozen=True, tag=True):
 
 
 ReceiverMsg = Submit | AbortRequest
-PolicyMsg = Enqueue | Pull | Requeue | Wake
+PolicyMsg = Enqueue | Pull | Requeue | Wake | GrammarCompiled
 AdderMsg = Ranked | StepDone | Wake | FlushCache

@@ -10,6 +10,7 @@ it, and only after a message handed the request over:
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
 | output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, plain_below, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
+| constraint | Policy (before the request joins the queue; after that only the Executor's thread advances it) |
 
 In the frontend of a core process (api/core_client.py) the core's actors are elsewhere: the
 `CoreClient` writes output_ids, cached_tokens, admitted_time and detokenizer from the core's outputs.
@@ -22,11 +23,14 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta, RemoteStream, RequestStream
+
+if TYPE_CHECKING:
+    from actors.grammar import Constraint
 
 
 @dataclass(slots=True)
@@ -99,6 +103,9 @@ class Req:
     # nothing and carries nothing but itself (see OutputProcessor._decode_step); 0: never.
     plain_below: int = 0
     unsent: Delta | None = None  # tokens/text held back by stream_interval
+    # Constrained decoding: set by the Policy once the grammar compiled, then used only by the
+    # Executor's forward thread (actors/grammar.py).
+    constraint: Constraint | None = None
 
     def __repr__(self) -> str:
         return f"Req({self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, row={self.req_row})"

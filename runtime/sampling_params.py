@@ -6,6 +6,7 @@ import msgspec
 
 GREEDY_TEMPERATURE = 1e-6  # below this, sampling is argmax
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: [-100, 100]
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,6 +30,20 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Token id -> value added to its logit before sampling (OpenAI's logit_bias; JSON object keys
     # are strings, the Receiver turns them into ids).
     logit_bias: dict[int, float] = {}
+    # Constrained decoding (SGLang's names; at most one): a JSON schema as JSON text, a regular
+    # expression, or an EBNF grammar (actors/grammar.py compiles them with xgrammar).
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(field name, text) of the constraint, or None for free generation."""
+        for kind in GRAMMAR_KINDS:
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -51,6 +66,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             ),
             (self.top_logprobs_num >= 0, f"top_logprobs_num must be >= 0, got {self.top_logprobs_num}"),
         ]
+        constraints = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        checks.append((len(constraints) <= 1, f"at most one of json_schema, regex, ebnf may be set, got {', '.join(constraints)}"))
+        checks.append((
+            not (constraints and self.min_new_tokens), f"min_new_tokens cannot be combined with {', '.join(constraints)}: the grammar decides where the output ends",
+        ))
         out_of_range = [v for v in self.logit_bias.values() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS]
         checks.append((not out_of_range, f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {out_of_range[:5]}"))
         if vocab_size is not None:

@@ -11,7 +11,7 @@ from api.engine import Engine
 
 
 def _idle(stats: dict[str, Any]) -> bool:
-    return stats["adder_idle"] and stats["num_waiting"] == 0
+    return stats["adder_idle"] and stats["num_waiting"] == 0 and stats.get("num_compiling", 0) == 0
 
 
 async def wait_idle(engine: Engine, timeout: float = 10.0) -> dict[str, Any]:

@@ -410,3 +410,18 @@ async def test_stream_interval_batches_tokens_and_keeps_the_text(core_mode, mode
     assert [t for d in deltas for t in d.output_ids] == expected.output_ids
     assert "".join(d.text for d in deltas) == expected.text
     assert deltas[-1].completion_tokens == 10 and deltas[-1].finish_reason == "length"
+
+
+async def test_waves_larger_than_the_rows_never_leave_the_adder_asleep(tiny_model_factory):
+    """Regression: when the Policy's empty answer to a non-blocking Pull reached the Adder after
+    its last step had ended, the Adder went idle with no Pull parked, and the next wave of
+    requests waited in the queue forever."""
+    engine = Engine(model_path=str(tiny_model_factory("llama")), dtype="float32", max_running_requests=4, inline_core=True)
+    async with engine:
+        for wave in range(12):
+            outs = await asyncio.wait_for(asyncio.gather(*[
+                engine.generate(input_ids=[5 + i, 6, 7], sampling_params={"max_new_tokens": 2 + (i + wave) % 3, "temperature": 0})
+                for i in range(10)
+            ]), 20)
+            assert len(outs) == 10
+        await assert_idle_invariants(engine)

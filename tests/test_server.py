@@ -8,6 +8,8 @@ official `openai` client and with raw aiohttp requests.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import jsonschema
 import openai
 import orjson
 import pytest
@@ -206,6 +209,45 @@ def test_client_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=0)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{client.base_url}", api_key="wrong", max_retries=0).models.list()
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"enum": ["ann", "bob"]}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_constrains_chat_and_completions(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Who?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, seed=1, response_format=fmt)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), PERSON)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=64, seed=2, response_format=fmt, stream=True))
+    jsonschema.validate(json.loads("".join(c.choices[0].delta.content or "" for c in chunks if c.choices)), PERSON)
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=64, seed=3, extra_body={"response_format": {"type": "json_object"}})
+    assert isinstance(json.loads(out.choices[0].text), dict)
+    out = client.completions.create(model="tiny", prompt="x", max_tokens=32, seed=4, extra_body={"regex": "[0-9]{3}-[a-z]{2}"})
+    assert re.fullmatch("[0-9]{3}-[a-z]{2}", out.choices[0].text)
+
+
+def test_a_schema_that_does_not_compile_is_400(client: openai.OpenAI) -> None:
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as info:
+            out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=8, response_format=bad, stream=stream)
+            list(out) if stream else out
+        assert "json_schema does not compile" in info.value.body["message"] and info.value.body["param"] == "json_schema"
+
+
+async def test_generate_native_ebnf_and_two_constraints(server: ServerThread) -> None:
+    params = {"max_new_tokens": 32, "temperature": 1.0, "seed": 5, "ebnf": 'root ::= ("yes" | "no") ("," ("yes" | "no")){0,3}'}
+    status, out = await _post(f"{server.url}/generate", {"text": "Hello", "sampling_params": params})
+    assert status == 200 and re.fullmatch(r"(yes|no)(,(yes|no)){0,3}", out["text"]), out
+    status, out = await _post(f"{server.url}/generate", {"text": "Hello", "sampling_params": {**params, "regex": "a"}})
+    assert status == 400 and "at most one of json_schema, regex, ebnf" in out["error"]["message"]
 
 
 # --- raw HTTP: /generate and the native endpoints ---------------------------------------------

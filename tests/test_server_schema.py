@@ -178,7 +178,8 @@ def test_chat_message_refusals(fields: dict, param: str) -> None:
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
 )
 def test_chat_refusals(fields: dict, param: str) -> None:

@@ -1,0 +1,154 @@
+"""Constrained decoding with xgrammar: compiling grammars, and masking logits with their matchers.
+
+`GrammarCompiler` (the Policy's) compiles a request's JSON schema, regex or EBNF grammar in a
+worker thread, so a slow compile never blocks the loop; results, failures included, are cached by
+(kind, text). Each constrained request gets its own `xgrammar.GrammarMatcher`, which from then on
+only the Executor's forward thread touches: before sampling it fills the request's row of a token
+bitmask (`mask_logits`), after sampling it advances the matcher by the sampled token
+(`accept_tokens`). Steps run one after another on that thread, so with overlap the mask of step
+N + 1 is filled after step N's tokens were accepted, without any other synchronization (on CUDA
+the accepted tokens are read back to the host, which waits for that step: a batch with
+constrained rows gives up overlap, as in SGLang).
+
+A grammar ends by allowing only the end-of-sequence token(s), so a finished constraint ends the
+request like any EOS (finish reason "stop"). xgrammar is imported on first use: free generation
+never pays for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import xgrammar
+
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
+
+
+@dataclass(frozen=True, slots=True)
+class Compiled:
+    """A grammar that compiled (`grammar`) or the compiler's message (`error`)."""
+
+    grammar: Any = None  # xgrammar.CompiledGrammar
+    error: str | None = None
+
+
+class GrammarCompiler:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos = list(eos_token_ids)
+        self._xgr: Any = None  # built in the worker thread on first use (a large vocabulary takes a while)
+        self._init_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-grammar")
+        self._cache: OrderedDict[tuple[str, str], Compiled] = OrderedDict()
+
+    def cached(self, kind: str, text: str) -> Compiled | None:
+        found = self._cache.get((kind, text))
+        if found is not None:
+            self._cache.move_to_end((kind, text))
+        return found
+
+    async def compile(self, kind: str, text: str) -> Compiled:
+        found = self.cached(kind, text)
+        if found is not None:
+            return found
+        compiled = await asyncio.get_running_loop().run_in_executor(self._pool, self.compile_now, kind, text)
+        self._cache[(kind, text)] = compiled
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return compiled
+
+    def compile_now(self, kind: str, text: str) -> Compiled:
+        """Compile in the calling thread (the worker's, or a test's)."""
+        try:
+            compiler = self._compiler()
+        except ImportError as exc:
+            return Compiled(error=f"constrained decoding needs xgrammar, which is not installed here ({exc})")
+        try:
+            if kind == "json_schema":
+                json.loads(text)  # xgrammar's own message for bad JSON is a parser's internals
+                return Compiled(compiler.compile_json_schema(text, any_whitespace=False))
+            if kind == "regex":
+                return Compiled(compiler.compile_regex(text))
+            return Compiled(compiler.compile_grammar(text))
+        except (RuntimeError, ValueError) as exc:  # xgrammar reports every bad grammar as one of these
+            return Compiled(error=_first_line(str(exc)))
+
+    def constraint(self, compiled: Compiled) -> Constraint:
+        """A fresh matcher at the grammar's start."""
+        import xgrammar as xgr
+
+        eos = set(self._eos)
+        never = [t for t in self._tokenizer.all_special_ids if t not in eos and t < self._vocab_size]
+        return Constraint(xgr.GrammarMatcher(compiled.grammar), torch.tensor(never, dtype=torch.int64), torch.tensor(self._eos, dtype=torch.int64))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _compiler(self) -> Any:
+        with self._init_lock:
+            if self._xgr is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._eos)
+                self._xgr = xgr.GrammarCompiler(info, max_threads=1)
+            return self._xgr
+
+
+@dataclass(slots=True)
+class Constraint:
+    """A request's matcher, and the tokens a grammar never allows (special tokens that are not
+    end-of-sequence: xgrammar lets some through, and then refuses them)."""
+
+    matcher: Any  # xgrammar.GrammarMatcher
+    never: torch.Tensor  # token ids
+    eos: torch.Tensor  # token ids
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> None:
+    """Every token a row's constraint does not allow next gets -inf in that row of `logits`. A
+    constraint already ended (the request ignores EOS and goes on) allows only EOS."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+    ended: list[int] = []
+    for i, c in enumerate(constraints):
+        if c.matcher.is_terminated():
+            ended.append(i)
+        else:
+            c.matcher.fill_next_token_bitmask(bitmask, i)
+    selected = logits[rows]
+    xgr.apply_token_bitmask_inplace(selected, bitmask.to(logits.device))
+    for i, c in enumerate(constraints):
+        selected[i, c.never.to(logits.device)] = float("-inf")
+    for i in ended:
+        eos = constraints[i].eos.to(logits.device)
+        kept = selected[i, eos].clone()
+        selected[i] = float("-inf")
+        selected[i, eos] = kept
+    logits[rows] = selected
+
+
+def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None:
+    """Advance each matcher by its row's sampled token (past the grammar's end there is nothing
+    to advance: the request goes on only because it ignores EOS)."""
+    for c, token in zip(constraints, tokens):
+        if not c.matcher.is_terminated():
+            c.matcher.accept_token(token)
+
+
+def _first_line(message: str) -> str:
+    """The compiler's message without its log prefix ("[05:47:43] /project/cpp/x.cc:83: ")."""
+    lines = message.strip().splitlines()
+    return _LOG_PREFIX.sub("", lines[0]) if lines else message

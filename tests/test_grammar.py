@@ -1,0 +1,163 @@
+"""Constrained decoding (actors/grammar.py): json_schema, regex and ebnf through the engine.
+
+The tiny model's weights are random, so its free output is noise: every constrained answer that
+satisfies its constraint does so because of the mask, not the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import jsonschema
+import pytest
+
+from actors.grammar import Compiled, GrammarCompiler
+from api import Engine
+from api.core import Core, CoreSetup
+from api.engine import InvalidRequest
+from tests.engine_helpers import assert_idle_invariants
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["ann", "bob", "cyd"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "member": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "member", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-z]{2,6}-\d{2,4}(\.[a-z]{1,3})?"
+EBNF = 'root ::= item ("," item){0,4}\nitem ::= "yes" | "no" | [0-9] [0-9]?'
+EBNF_AS_REGEX = r"(yes|no|[0-9][0-9]?)(,(yes|no|[0-9][0-9]?)){0,4}"
+SAMPLED = {"temperature": 1.0, "max_new_tokens": 96}
+N = 200
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory) -> str:
+    return str(tiny_model_factory("llama"))
+
+
+def _params(i: int, **constraint: str) -> dict:
+    return {**SAMPLED, "seed": i, **constraint}
+
+
+async def test_every_constrained_answer_satisfies_its_constraint(model_path, core_mode):
+    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=64, **core_mode)
+    async with engine:
+        kinds = {"json_schema": json.dumps(SCHEMA), "regex": REGEX, "ebnf": EBNF}
+        prompts = [[5 + i % 50, 7, 11 + i % 13] for i in range(N)]
+        results = {
+            kind: await asyncio.wait_for(asyncio.gather(*[
+                engine.generate(input_ids=p, sampling_params=_params(i, **{kind: text})) for i, p in enumerate(prompts)
+            ]), 120)
+            for kind, text in kinds.items()
+        }
+        for kind, outs in results.items():
+            assert [o.finish_reason for o in outs] == ["stop"] * N, kind
+        for out in results["json_schema"]:
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+        assert all(re.fullmatch(REGEX, o.text) for o in results["regex"]), [o.text for o in results["regex"] if not re.fullmatch(REGEX, o.text)]
+        assert all(re.fullmatch(EBNF_AS_REGEX, o.text) for o in results["ebnf"])
+        # Not one answer repeated 200 times: the constraint shapes the noise, it does not replace it.
+        assert len({o.text for o in results["regex"]}) > N // 2
+        await assert_idle_invariants(engine)
+
+
+async def test_free_requests_get_the_same_tokens_beside_constrained_ones(model_path):
+    greedy = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    free_prompts = [[9, 8, 7], [40, 41, 42, 43], [3] * 9]
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as engine:
+        alone = [o.output_ids for o in await asyncio.gather(*[engine.generate(input_ids=p, sampling_params=greedy) for p in free_prompts])]
+        mixed = await asyncio.gather(
+            *[engine.generate(input_ids=p, sampling_params=greedy) for p in free_prompts],
+            *[engine.generate(input_ids=[5, i], sampling_params=_params(i, regex=REGEX)) for i in range(6)],
+        )
+        assert [o.output_ids for o in mixed[:3]] == alone
+        assert all(re.fullmatch(REGEX, o.text) for o in mixed[3:])
+
+
+async def test_constraints_hold_with_greedy_penalties_and_top_k(model_path):
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as engine:
+        variants = [
+            {"temperature": 0},
+            {"temperature": 0.7, "top_k": 5, "top_p": 0.8},
+            {"temperature": 1.3, "frequency_penalty": 1.5, "presence_penalty": 1.0, "repetition_penalty": 1.5},
+            {"temperature": 1.0, "logit_bias": {"45": 100.0}},  # a strongly preferred token is still masked away
+        ]
+        outs = await asyncio.gather(*[
+            engine.generate(input_ids=[5, i], sampling_params={**SAMPLED, "seed": i, "regex": REGEX, **v})
+            for i, v in enumerate(variants * 5)
+        ])
+        assert all(o.finish_reason == "stop" and re.fullmatch(REGEX, o.text) for o in outs), [o.text for o in outs]
+
+
+async def test_a_grammar_cut_short_by_max_new_tokens_ends_with_length(model_path):
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as engine:
+        out = await engine.generate(input_ids=[5, 6], sampling_params={**SAMPLED, "max_new_tokens": 3, "regex": r"[a-z]{20}"})
+        assert out.finish_reason == "length" and len(out.output_ids) == 3 and re.fullmatch("[a-z]*", out.text)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"regex": "[a-"}, "regex does not compile: Regex parsing error at position 4"),
+        ({"json_schema": '{"type": "nonsense"}'}, "json_schema does not compile: Unsupported type"),
+        ({"json_schema": "{not json"}, "json_schema does not compile"),
+        ({"ebnf": "root ::= "}, "ebnf does not compile: EBNF parser error"),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of json_schema, regex, ebnf may be set, got regex, ebnf"),
+        ({"regex": "a", "min_new_tokens": 2}, "min_new_tokens cannot be combined with regex"),
+    ],
+)
+async def test_bad_constraints_are_refused_with_the_reason(model_path, fields, message):
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as engine:
+        with pytest.raises(InvalidRequest, match=re.escape(message)):
+            await engine.generate(input_ids=[5, 6], sampling_params={**SAMPLED, **fields})
+        with pytest.raises(InvalidRequest):  # the cached failure answers the same
+            await engine.generate(input_ids=[5, 6], sampling_params={**SAMPLED, **fields})
+        await assert_idle_invariants(engine)
+
+
+class _SlowCompiler(GrammarCompiler):
+    """Compiles `regex` texts that start with "slow:" after a pause that ends only when released."""
+
+    release = threading.Event()
+
+    def compile_now(self, kind: str, text: str) -> Compiled:
+        if text.startswith("slow:"):
+            _SlowCompiler.release.wait(30)
+            text = text.removeprefix("slow:")
+        return super().compile_now(kind, text)
+
+
+def install_slow_compiler(core: Core) -> None:
+    """CoreSetup hook: the Policy compiles with `_SlowCompiler`."""
+    policy = core.policy
+    assert policy.grammars is not None
+    policy.grammars = _SlowCompiler(core.tokenizer, core.runner.vocab_size, core.runner.model_config.eos_token_ids)
+
+
+async def test_a_slow_compile_delays_no_other_request_and_can_be_aborted(model_path):
+    _SlowCompiler.release.clear()
+    setup = CoreSetup("tests.test_grammar:install_slow_compiler")
+    engine = Engine(model_path=model_path, dtype="float32", inline_core=True, core_setup=setup)
+    async with engine:
+        slow = asyncio.ensure_future(engine.generate(input_ids=[5, 6], sampling_params=_params(0, regex="slow:[a-z]{3}")))
+        doomed = asyncio.ensure_future(engine.generate(input_ids=[5, 7], sampling_params=_params(1, regex="slow:[0-9]{3}"), rid="doomed"))
+        await asyncio.sleep(0.2)
+        start = time.monotonic()
+        free = await engine.generate(input_ids=[9, 9], sampling_params={"max_new_tokens": 8, "temperature": 0})
+        assert len(free.output_ids) == 8 and time.monotonic() - start < 5 and not slow.done()
+        assert (await engine.current_stats())["num_compiling"] == 2
+        await engine.abort("doomed")
+        out = await asyncio.wait_for(doomed, 5)  # ends at once, its compile still running
+        assert out.finish_reason == "abort"
+        _SlowCompiler.release.set()
+        assert re.fullmatch("[a-z]{3}", (await asyncio.wait_for(slow, 10)).text)
+        await assert_idle_invariants(engine)
