@@ -112,6 +112,7 @@ class Policy(Actor[PolicyMsg]):
         task = asyncio.get_running_loop().create_task(self._compile(req, *grammar), name=f"policy.compile.{req.rid}")
         self._compiles.add(task)
         task.add_done_callback(self._compiles.discard)
+        task.add_done_callback(self._task_done)  # a compile that raises fails the actor: nothing waits forever
 
     async def _compile(self, req: Req, kind: str, text: str) -> None:
         assert self.grammars is not None
@@ -120,8 +121,12 @@ class Policy(Actor[PolicyMsg]):
     def _grammar_compiled(self, req: Req, compiled: Compiled) -> None:
         self.compiling.pop(req.rid, None)
         kind = req.sampling.grammar[0] if req.sampling.grammar else "grammar"
-        if req.abort_requested or req.stream is None or req.stream.finished:
-            return  # ended while it compiled (the abort scan said so)
+        if req.stream is not None and req.stream.finished:
+            return  # the abort scan ended it while it compiled
+        if req.abort_requested:  # aborted, and this came before the Wake that says so
+            self.aborted += 1
+            _end(req, "abort", None, None)
+            return
         if compiled.error is not None:
             _end(req, "abort", f"{kind} does not compile: {compiled.error}", 400, "invalid_request_error", kind)
             return

@@ -161,3 +161,20 @@ async def test_a_slow_compile_delays_no_other_request_and_can_be_aborted(model_p
         _SlowCompiler.release.set()
         assert re.fullmatch("[a-z]{3}", (await asyncio.wait_for(slow, 10)).text)
         await assert_idle_invariants(engine)
+
+
+async def test_retracted_constrained_requests_resume_their_grammar(model_path):
+    # A pool too small for every request's output: decode retracts, and a retracted request
+    # re-prefills its output so far with its matcher where that output left it. The grammar is
+    # longer than max_new_tokens, so each answer must be a prefix of it: letters and digits in
+    # threes, never restarting mid-way.
+    pattern = r"([a-z]{3}[0-9]{3}){60}"
+    prefix = r"([a-z]{3}[0-9]{3})*([a-z]{0,3}|[a-z]{3}[0-9]{0,3})"
+    engine = Engine(model_path=model_path, dtype="float32", max_total_tokens=256, inline_core=True)
+    async with engine:
+        outs = await asyncio.wait_for(asyncio.gather(*[
+            engine.generate(input_ids=[5 + i, 6, 7, 8], sampling_params=_params(i, regex=pattern, max_new_tokens=60)) for i in range(12)
+        ]), 120)
+        assert (await engine.current_stats())["retractions"] > 0
+        assert all(o.finish_reason == "length" and len(o.output_ids) == 60 and re.fullmatch(prefix, o.text) for o in outs), [o.text for o in outs]
+        await assert_idle_invariants(engine)
