@@ -24,12 +24,9 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    import xgrammar
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first

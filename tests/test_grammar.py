@@ -104,6 +104,14 @@ async def test_a_grammar_cut_short_by_max_new_tokens_ends_with_length(model_path
         assert out.finish_reason == "length" and len(out.output_ids) == 3 and re.fullmatch("[a-z]*", out.text)
 
 
+async def test_a_complete_grammar_that_ignores_eos_goes_on_with_eos_only(model_path):
+    async with Engine(model_path=model_path, dtype="float32", inline_core=True) as engine:
+        out = await engine.generate(input_ids=[5, 6], sampling_params={**SAMPLED, "max_new_tokens": 8, "regex": "ab", "ignore_eos": True})
+        eos = engine.tokenizer.eos_token_id
+        assert out.finish_reason == "length" and out.text == "ab"
+        assert out.output_ids[-3:] == [eos] * 3 and eos not in out.output_ids[:1]
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
