@@ -253,10 +253,10 @@ def _json_object(body: bytes) -> dict[str, Any]:
 def _prompt_key(payload: dict[str, Any]) -> list[int]:
     """What the cache-aware tree matches: token ids when given, else the prompt's UTF-8 bytes."""
     ids = payload.get("input_ids")
-    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+    if isinstance(ids, list) and _all_ints(ids):
         return ids
     prompt = payload.get("prompt", payload.get("text"))
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and _all_ints(prompt):
         return prompt
     if isinstance(prompt, list) and prompt:
         prompt = prompt[0]
@@ -266,6 +266,11 @@ def _prompt_key(payload: dict[str, Any]) -> list[int]:
     if isinstance(messages, list):
         return list(orjson.dumps(messages))
     return []
+
+
+def _all_ints(values: list[Any]) -> bool:
+    # The types gathered in C: a generator of isinstance calls cost ~150 us for a 576-token prompt.
+    return bool(values) and set(map(type, values)) == {int}
 
 
 def _error(status: int, message: str, code: str) -> web.Response:

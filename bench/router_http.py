@@ -1,0 +1,138 @@
+"""`actorserve router`'s cost per request, in front of null workers.
+
+    .venv/bin/python -m bench.router_http [--rate 1000] [--requests 3000] [--workers 2]
+
+Null workers (this module with `--null-worker PORT`: an aiohttp app in its own process that answers
+/health and /generate at once with a fixed body) and `actorserve router` (cache_aware) in its own
+process in front of them. This process is an open-loop client: W2-shared-prefix prompts (576
+token ids each) sent at --rate requests/s, first straight to the workers (in turn), then through
+the router, on the same schedule. Reported: latency both ways (median, p99), the difference of the
+medians (the hop the router adds), and the router process's CPU time per request (utime + stime
+from /proc over the routed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from bench.workloads import make_workload
+
+NULL_ANSWER = orjson.dumps({"text": "", "output_ids": [0], "meta_info": {"finish_reason": {"type": "length", "length": 1}}})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=1000.0)
+    p.add_argument("--requests", type=int, default=3000)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--null-worker", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.null_worker is not None:
+        _null_worker(args.null_worker)
+        return
+    asyncio.run(_measure(args))
+
+
+def _null_worker(port: int) -> None:
+    from aiohttp import web
+
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(body=NULL_ANSWER, content_type="application/json")
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(client_max_size=64 << 20)
+    app.add_routes([web.post("/generate", answer), web.get("/health", health)])
+    web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+async def _measure(args: argparse.Namespace) -> None:
+    prompts = [r.input_ids for r in make_workload("W2-shared-prefix", vocab_size=4096).requests]
+    worker_ports = [_free_port() for _ in range(args.workers)]
+    router_port = _free_port()
+    worker_urls = [f"http://127.0.0.1:{p}" for p in worker_ports]
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.router_http", "--null-worker", str(p)]) for p in worker_ports]
+    actorserve = str(Path(sys.executable).parent / "actorserve")
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            for url in worker_urls:
+                await _wait_healthy(session, url)
+            router = subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(router_port)])
+            procs.append(router)
+            router_url = f"http://127.0.0.1:{router_port}"
+            await _wait_healthy(session, router_url)
+            bodies = [orjson.dumps({"input_ids": prompts[i % len(prompts)], "sampling_params": {"max_new_tokens": 1}}) for i in range(args.requests)]
+            direct = await _run(session, [worker_urls[i % len(worker_urls)] for i in range(args.requests)], bodies, args.rate)
+            cpu_before = _cpu_s(router.pid)
+            routed = await _run(session, [router_url] * args.requests, bodies, args.rate)
+            router_cpu_us = (_cpu_s(router.pid) - cpu_before) / args.requests * 1e6
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+    print(f"{args.requests} requests at {args.rate:.0f}/s, {args.workers} null workers, W2 prompts (576 token ids)")
+    print("| path | median ms | p99 ms |\n| --- | --- | --- |")
+    for name, lat in (("direct", direct), ("through the router", routed)):
+        print(f"| {name} | {statistics.median(lat) * 1e3:.2f} | {_p99(lat) * 1e3:.2f} |")
+    added = (statistics.median(routed) - statistics.median(direct)) * 1e6
+    print(f"\nadded median latency {added:.0f} us; router CPU {router_cpu_us:.0f} us per request")
+
+
+async def _run(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], rate: float) -> list[float]:
+    """Open loop: request i leaves at i / rate s, whatever the earlier ones are doing."""
+    start = time.perf_counter()
+
+    async def one(i: int) -> float:
+        await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        sent = time.perf_counter()
+        async with session.post(f"{urls[i]}/generate", data=bodies[i], headers={"content-type": "application/json"}) as r:
+            await r.read()
+            assert r.status == 200, r.status
+        return time.perf_counter() - sent
+
+    return list(await asyncio.gather(*(one(i) for i in range(len(urls)))))
+
+
+async def _wait_healthy(session: aiohttp.ClientSession, url: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            async with session.get(f"{url}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become healthy")
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _p99(values: list[float]) -> float:
+    return sorted(values)[int(0.99 * (len(values) - 1))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()
