@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import openai
@@ -60,12 +59,10 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_llama: Path, sig: signal.Si
         response = conn.getresponse()
         assert response.status == 200
         assert response.readline().startswith(b"data: ")
-        started = time.monotonic()
         proc.send_signal(sig)
         rest = [line.strip() for line in response if line.startswith(b"data: ")]
         assert rest[-1] == b"data: [DONE]" and b'"error"' in rest[-2]
-        assert proc.wait(timeout=15) == 0
-        assert time.monotonic() - started < 10
+        assert proc.wait(timeout=15) == 0  # a bound on hanging, not a timing
     finally:
         if proc.poll() is None:
             proc.kill()
