@@ -8,7 +8,7 @@ process in front of them. This process is an open-loop client: W2-shared-prefix 
 token ids each) sent at --rate requests/s, first straight to the workers (in turn), then through
 the router, on the same schedule. Reported: latency both ways (median, p99), the difference of the
 medians (the hop the router adds), and the router process's CPU time per request (utime + stime
-from /proc over the routed run).
+from /proc over the routed run), beside a null worker's (what aiohttp costs to serve a request).
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ async def _measure(args: argparse.Namespace) -> None:
             router_url = f"http://127.0.0.1:{router_port}"
             await _wait_healthy(session, router_url)
             bodies = [orjson.dumps({"input_ids": prompts[i % len(prompts)], "sampling_params": {"max_new_tokens": 1}}) for i in range(args.requests)]
+            workers_before = sum(_cpu_s(p.pid) for p in procs)
             direct = await _run(session, [worker_urls[i % len(worker_urls)] for i in range(args.requests)], bodies, args.rate)
+            worker_cpu_us = (sum(_cpu_s(p.pid) for p in procs[: args.workers]) - workers_before) / args.requests * 1e6
             cpu_before = _cpu_s(router.pid)
             routed = await _run(session, [router_url] * args.requests, bodies, args.rate)
             router_cpu_us = (_cpu_s(router.pid) - cpu_before) / args.requests * 1e6
@@ -89,6 +91,7 @@ async def _measure(args: argparse.Namespace) -> None:
         print(f"| {name} | {statistics.median(lat) * 1e3:.2f} | {_p99(lat) * 1e3:.2f} |")
     added = (statistics.median(routed) - statistics.median(direct)) * 1e6
     print(f"\nadded median latency {added:.0f} us; router CPU {router_cpu_us:.0f} us per request")
+    print(f"for scale: a null worker (an aiohttp server answering at once) takes {worker_cpu_us:.0f} us CPU per request")
 
 
 async def _run(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], rate: float) -> list[float]:
