@@ -122,7 +122,9 @@ async def _load_tensor_parallel(config: EngineConfig) -> tuple[ModelRunner, TPRa
     loop = asyncio.get_running_loop()
     # Not the loop's default executor: if a rank dies, rank 0 stays blocked joining the group,
     # and the default executor's threads are joined when the loop closes.
-    loading = loop.run_in_executor(ThreadPoolExecutor(1, thread_name_prefix="actorserve-tp-load"), ranks.load)
+    pool = ThreadPoolExecutor(1, thread_name_prefix="actorserve-tp-load")
+    loading = loop.run_in_executor(pool, ranks.load)
+    pool.shutdown(wait=False)  # its one task runs on; the thread ends with it
     exited = asyncio.ensure_future(ranks.wait_exit())
     await asyncio.wait([loading, exited], return_when=asyncio.FIRST_COMPLETED)
     if exited.done():
