@@ -45,6 +45,11 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
+        # What every constraint of this compiler shares: the EOS ids, and the special tokens no
+        # grammar allows.
+        self._eos_ids = torch.tensor(self._eos, dtype=torch.int64)
+        never = [t for t in tokenizer.all_special_ids if t not in self._eos and t < vocab_size]
+        self._never_ids = torch.tensor(never, dtype=torch.int64)
         self._xgr: Any = None  # built in the worker thread on first use (a large vocabulary takes a while)
         self._init_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-grammar")
@@ -86,9 +91,7 @@ class GrammarCompiler:
         """A fresh matcher at the grammar's start."""
         import xgrammar as xgr
 
-        eos = set(self._eos)
-        never = [t for t in self._tokenizer.all_special_ids if t not in eos and t < self._vocab_size]
-        return Constraint(xgr.GrammarMatcher(compiled.grammar), torch.tensor(never, dtype=torch.int64), torch.tensor(self._eos, dtype=torch.int64))
+        return Constraint(xgr.GrammarMatcher(compiled.grammar), self._never_ids, self._eos_ids)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -125,7 +128,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], constraints: list[Constra
         constraints[i].matcher.fill_next_token_bitmask(bitmask, i)
     selected = logits[rows]
     xgr.apply_token_bitmask_inplace(selected, bitmask.to(logits.device))
-    never = constraints[0].never.to(logits.device)  # one compiler per core: the same ids for every row
+    never = constraints[0].never.to(logits.device)  # one compiler per core: one tensor for every row
     selected[:, never] = float("-inf")
     for i in sorted(set(range(len(constraints))) - set(live)):
         eos = constraints[i].eos.to(logits.device)

@@ -34,7 +34,8 @@ class ReqToTokenPool:
         self._is_free = [False] + [True] * max_requests
         # (rows, positions) of every write since the last `take_writes` when recording: the
         # entries the other tensor-parallel ranks' copies of the table still lack (gpu/tp_batch.py).
-        self._writes: list[tuple[torch.Tensor, torch.Tensor]] | None = [] if record_writes else None
+        self._recording = record_writes
+        self._writes: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._writes_lock = threading.Lock()  # written on the scheduling loop, taken by the forward thread
 
     def available(self) -> int:
@@ -62,27 +63,25 @@ class ReqToTokenPool:
         if end > self.context_len:
             raise ValueError(f"positions up to {end} exceed the context length {self.context_len}")
         self.table[row, start:end] = slots.to(self.table.dtype)
-        if self._writes is not None:
-            n = slots.numel()
-            self._record(torch.full((n,), row, dtype=torch.int64), torch.arange(start, end, dtype=torch.int64))
+        if self._recording:
+            self._record(torch.full((end - start,), row), torch.arange(start, end))
 
     def write_at(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """Entry (rows[i], positions[i]) becomes slots[i], for every i (a decode step's new tokens)."""
         self.table[rows, positions] = slots.to(self.table.dtype)
-        if self._writes is not None:
-            self._record(rows.to(torch.int64), positions.to(torch.int64))
+        if self._recording:
+            self._record(rows, positions)
 
     def _record(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
-        assert self._writes is not None
         # Copies: a caller's index tensor may be a view it changes later (the running positions).
-        rows, positions = rows.to("cpu", copy=True), positions.to("cpu", copy=True)
+        rows, positions = rows.to("cpu", torch.int64, copy=True), positions.to("cpu", torch.int64, copy=True)
         with self._writes_lock:  # after the write: whoever takes the entry finds its value in place
             self._writes.append((rows, positions))
 
     def take_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, positions) of the entries written since the last call, in write order."""
         with self._writes_lock:
-            taken, self._writes = self._writes or [], [] if self._writes is not None else None
+            taken, self._writes = self._writes, []
         if not taken:
             empty = torch.empty(0, dtype=torch.int64)
             return empty, empty
