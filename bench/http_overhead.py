@@ -92,7 +92,7 @@ def _row(path: str, concurrency: int, wall: float, latencies: list[float], cpu_s
     print(f"| {path} | {concurrency} | {n / wall:.0f} | {q[49] * 1e3:.2f} | {q[98] * 1e3:.2f} | {cpu_s / n * 1e3:.2f} |", flush=True)
 
 
-def _cpu_seconds(pid: int | None = None) -> float:
+def cpu_seconds(pid: int | None = None) -> float:
     """User + system CPU of a process, all its threads."""
     if pid is None:
         return time.process_time()
@@ -106,9 +106,9 @@ async def _measured(send: Send, args: argparse.Namespace, concurrency: int, pid:
     await _load(send, args.warmup, concurrency)
     runs = []
     for _ in range(args.repeats):
-        cpu = _cpu_seconds(pid)
+        cpu = cpu_seconds(pid)
         wall, latencies = await _load(send, args.requests, concurrency)
-        runs.append((wall, latencies, _cpu_seconds(pid) - cpu))
+        runs.append((wall, latencies, cpu_seconds(pid) - cpu))
     runs.sort(key=lambda run: run[0])
     return runs[len(runs) // 2]
 
@@ -130,7 +130,7 @@ async def _engine_rows(model: str, args: argparse.Namespace) -> None:
 
 
 def _http_rows(model: str, args: argparse.Namespace) -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", model, "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(cmd)
     try:
@@ -141,7 +141,7 @@ def _http_rows(model: str, args: argparse.Namespace) -> None:
 
 
 async def _http_load(url: str, args: argparse.Namespace, pid: int) -> None:
-    await _wait_ready(url)
+    await wait_ready(url)
     bodies = {
         "/generate": lambda i: {"text": PROMPT.format(i=i), "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
         "/v1/completions": lambda i: {"prompt": PROMPT.format(i=i), "max_tokens": 1, "temperature": 0},
@@ -159,7 +159,7 @@ async def _http_load(url: str, args: argparse.Namespace, pid: int) -> None:
                 _row(f"HTTP {path}", c, *await _measured(send, args, c, pid))
 
 
-async def _wait_ready(url: str, timeout: float = 120.0) -> None:
+async def wait_ready(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
@@ -173,7 +173,7 @@ async def _wait_ready(url: str, timeout: float = 120.0) -> None:
     raise RuntimeError(f"the server at {url} did not become ready in {timeout} s")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from bench.http_overhead import cpu_seconds, free_port, wait_ready
 from bench.workloads import make_workload
 
 NULL_ANSWER = orjson.dumps({"text": "", "output_ids": [0], "meta_info": {"finish_reason": {"type": "length", "length": 1}}})
@@ -60,26 +59,26 @@ def _null_worker(port: int) -> None:
 
 async def _measure(args: argparse.Namespace) -> None:
     prompts = [r.input_ids for r in make_workload("W2-shared-prefix", vocab_size=4096).requests]
-    worker_ports = [_free_port() for _ in range(args.workers)]
-    router_port = _free_port()
+    worker_ports = [free_port() for _ in range(args.workers)]
+    router_port = free_port()
     worker_urls = [f"http://127.0.0.1:{p}" for p in worker_ports]
     procs = [subprocess.Popen([sys.executable, "-m", "bench.router_http", "--null-worker", str(p)]) for p in worker_ports]
     actorserve = str(Path(sys.executable).parent / "actorserve")
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for url in worker_urls:
-                await _wait_healthy(session, url)
+                await wait_ready(url)
             router = subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(router_port)])
             procs.append(router)
             router_url = f"http://127.0.0.1:{router_port}"
-            await _wait_healthy(session, router_url)
+            await wait_ready(router_url)
             bodies = [orjson.dumps({"input_ids": prompts[i % len(prompts)], "sampling_params": {"max_new_tokens": 1}}) for i in range(args.requests)]
-            workers_before = sum(_cpu_s(p.pid) for p in procs)
+            workers_before = sum(cpu_seconds(p.pid) for p in procs[: args.workers])
             direct = await _run(session, [worker_urls[i % len(worker_urls)] for i in range(args.requests)], bodies, args.rate)
-            worker_cpu_us = (sum(_cpu_s(p.pid) for p in procs[: args.workers]) - workers_before) / args.requests * 1e6
-            cpu_before = _cpu_s(router.pid)
+            worker_cpu_us = (sum(cpu_seconds(p.pid) for p in procs[: args.workers]) - workers_before) / args.requests * 1e6
+            cpu_before = cpu_seconds(router.pid)
             routed = await _run(session, [router_url] * args.requests, bodies, args.rate)
-            router_cpu_us = (_cpu_s(router.pid) - cpu_before) / args.requests * 1e6
+            router_cpu_us = (cpu_seconds(router.pid) - cpu_before) / args.requests * 1e6
     finally:
         for proc in procs:
             proc.terminate()
@@ -109,32 +108,8 @@ async def _run(session: aiohttp.ClientSession, urls: list[str], bodies: list[byt
     return list(await asyncio.gather(*(one(i) for i in range(len(urls)))))
 
 
-async def _wait_healthy(session: aiohttp.ClientSession, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            async with session.get(f"{url}/health") as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not become healthy")
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
 def _p99(values: list[float]) -> float:
     return sorted(values)[int(0.99 * (len(values) - 1))]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":
