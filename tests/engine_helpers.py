@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import AsyncIterator
 from typing import Any
 
 from api.engine import Engine
+from runtime.stream import Delta
 
 
 def _idle(stats: dict[str, Any]) -> bool:
@@ -46,6 +48,24 @@ async def close_and_check_tasks(engine: Engine) -> None:
     await engine.close()
     assert all(not actor.alive for actor in actors)
     assert all(client.pid is None for client in clients), "a core process was not reaped"
+
+
+async def decoding(engine: Engine, prompts: list[list[int]], sampling_params: dict[str, Any]) -> list[AsyncIterator[Delta]]:
+    """Streams of `prompts`, each read past its first delta: every request is decoding."""
+    streams = [engine.stream(input_ids=p, sampling_params=sampling_params) for p in prompts]
+    for agen in streams:
+        await anext(agen)
+    return streams
+
+
+async def drain(streams: list[AsyncIterator[Delta]], timeout: float) -> list[int | BaseException]:
+    """Read every stream to its end at once: the output tokens each delivered from here on, or
+    the exception that ended it."""
+
+    async def tokens(agen: AsyncIterator[Delta]) -> int:
+        return sum([len(d.output_ids) async for d in agen])
+
+    return await asyncio.wait_for(asyncio.gather(*[tokens(a) for a in streams], return_exceptions=True), timeout)
 
 
 def process_alive(pid: int) -> bool:

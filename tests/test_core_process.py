@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from api.engine import Engine, EngineError, InvalidRequest
-from tests.engine_helpers import assert_idle_invariants, process_alive
+from tests.engine_helpers import assert_idle_invariants, decoding, drain, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -130,17 +130,10 @@ async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_p
     await engine.start()
     pid, sockets = engine.client.pid, engine.client._sockets
     try:
-        streams = [engine.stream(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 900}) for p in PROMPTS]
-        for agen in streams:
-            await anext(agen)  # every request is decoding
+        streams = await decoding(engine, PROMPTS, {**GREEDY, "max_new_tokens": 900})
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
-
-        async def drain(agen) -> None:
-            async for _ in agen:
-                pass
-
-        results = await asyncio.wait_for(asyncio.gather(*[drain(a) for a in streams], return_exceptions=True), 5)
+        results = await drain(streams, 5)
         assert time.monotonic() - killed < 1.0
         assert all(isinstance(r, EngineError) and "exited with code -9" in str(r) for r in results), results
         assert "exited" in engine.stats()["failure"]

@@ -11,7 +11,7 @@ import pytest
 
 from api import Engine
 from api.engine import EngineError
-from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, process_alive
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 SYSTEM = list(range(40, 104))  # a 64-token shared prefix
@@ -96,16 +96,10 @@ async def test_kill_9_of_one_replica_ends_its_requests_and_the_other_keeps_servi
     await engine.start()
     pids = [c.pid for c in engine.replicas.clients]
     try:
-        long = {**GREEDY, "max_new_tokens": 900}
-        streams = [engine.stream(input_ids=[5 + i, 6, 7], sampling_params=long) for i in range(4)]
-        for agen in streams:
-            await anext(agen)  # every request is decoding, two on each replica
+        # Two decoding on each replica.
+        streams = await decoding(engine, [[5 + i, 6, 7] for i in range(4)], {**GREEDY, "max_new_tokens": 900})
         os.kill(pids[0], signal.SIGKILL)
-
-        async def drain(agen) -> int:
-            return sum([len(d.output_ids) async for d in agen])
-
-        results = await asyncio.wait_for(asyncio.gather(*[drain(a) for a in streams], return_exceptions=True), 30)
+        results = await drain(streams, 30)
         failed = [r for r in results if isinstance(r, EngineError)]
         assert len(failed) == 2 and all("exited with code -9" in str(r) for r in failed), results
         assert sorted(r for r in results if isinstance(r, int)) == [899, 899]

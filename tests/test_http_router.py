@@ -10,8 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 import aiohttp
 import pytest
@@ -75,14 +75,18 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
         time.sleep(0.1)
 
 
-async def _router(urls: list[str], policy: str = "round_robin", interval: float = 0.2, timeout: float = 0.5):
+@asynccontextmanager
+async def _router(urls: list[str], policy: str = "round_robin", interval: float = 0.2, timeout: float = 0.5) -> AsyncIterator[str]:
+    """A router over `urls` on a free port: its base URL, while the block runs."""
     settings = RouterSettings(
         worker_urls=tuple(urls), routing=RouterConfig(policy=policy), port=0,
         health_check_interval_s=interval, health_check_timeout_s=timeout,
     )
-    router = HttpRouter(settings)
-    runner, port = await start_router(router)
-    return router, runner, f"http://127.0.0.1:{port}"
+    runner, port = await start_router(HttpRouter(settings))
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
@@ -99,8 +103,7 @@ async def _sse(session: aiohttp.ClientSession, url: str, body: dict) -> list[str
 async def test_requests_pass_through_to_every_worker_with_the_same_answers(model_path):
     with workers(model_path, 2) as procs:
         urls = [url for _, url in procs]
-        router, runner, base = await _router(urls)
-        try:
+        async with _router(urls) as base:
             async with aiohttp.ClientSession() as session:
                 prompts = [[5, 6, 7], [9, 9, 9, 9], [11, 12], [3, 1, 4, 1, 5]]
                 direct = [await _post(session, f"{urls[0]}/generate", {"input_ids": p, "sampling_params": GREEDY}) for p in prompts]
@@ -123,15 +126,12 @@ async def test_requests_pass_through_to_every_worker_with_the_same_answers(model
                 info = await (await session.get(f"{base}/get_server_info")).json()
                 assert [w["healthy"] for w in info["workers"]] == [True, True]
                 assert all(w["requests"] == 0 for w in info["workers"])
-        finally:
-            await runner.cleanup()
 
 
 async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_other_keeps_serving(model_path):
     with workers(model_path, 2) as procs:
         urls = [url for _, url in procs]
-        router, runner, base = await _router(urls)
-        try:
+        async with _router(urls) as base:
             async with aiohttp.ClientSession() as session:
                 long = {**GREEDY, "max_new_tokens": 900}
                 responses = [await session.post(f"{base}/generate", json={"input_ids": [5 + i, 6], "sampling_params": long, "stream": True}) for i in range(2)]
@@ -151,25 +151,22 @@ async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_
                 for i in range(3):  # every new request goes to the live one
                     status, body = await _post(session, f"{base}/generate", {"input_ids": [7, i], "sampling_params": GREEDY})
                     assert status == 200 and len(body["output_ids"]) == 8
-        finally:
-            await runner.cleanup()
 
 
 async def test_a_worker_that_never_answers_is_taken_out_and_none_left_is_503():
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts connections, never answers
-    router, runner, base = await _router([f"http://127.0.0.1:{silent.getsockname()[1]}"], timeout=0.3)
     try:
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{base}/health") as r:
-                assert r.status == 503
-            status, body = await _post(session, f"{base}/generate", {"input_ids": [1, 2]})
-            assert status == 503 and body["error"]["code"] == "worker_unavailable"
-            info = await (await session.get(f"{base}/get_server_info")).json()
-            assert "health" in info["workers"][0]["down_reason"]
+        async with _router([f"http://127.0.0.1:{silent.getsockname()[1]}"], timeout=0.3) as base:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(f"{base}/health") as r:
+                    assert r.status == 503
+                status, body = await _post(session, f"{base}/generate", {"input_ids": [1, 2]})
+                assert status == 503 and body["error"]["code"] == "worker_unavailable"
+                info = await (await session.get(f"{base}/get_server_info")).json()
+                assert "health" in info["workers"][0]["down_reason"]
     finally:
-        await runner.cleanup()
         silent.close()
 
 
@@ -206,25 +203,24 @@ async def test_a_worker_that_fails_its_health_check_leaves_and_comes_back():
     site = web.TCPSite(worker, "127.0.0.1", 0)
     await site.start()
     url = f"http://127.0.0.1:{worker.addresses[0][1]}"
-    router, runner, base = await _router([url], interval=0.05)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with _router([url], interval=0.05) as base:
+            async with aiohttp.ClientSession() as session:
 
-            async def routed_status() -> int:
-                return (await _post(session, f"{base}/generate", {"text": "x"}))[0]
+                async def routed_status() -> int:
+                    return (await _post(session, f"{base}/generate", {"text": "x"}))[0]
 
-            async def wait_for(status: int) -> None:
-                deadline = time.monotonic() + 5
-                while (await routed_status()) != status:
-                    assert time.monotonic() < deadline
-                    await asyncio.sleep(0.02)
+                async def wait_for(status: int) -> None:
+                    deadline = time.monotonic() + 5
+                    while (await routed_status()) != status:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.02)
 
-            assert await routed_status() == 200
-            healthy["ok"] = False
-            await wait_for(503)
-            assert (await (await session.get(f"{base}/get_server_info")).json())["workers"][0]["down_reason"] == "/health answered 503"
-            healthy["ok"] = True
-            await wait_for(200)
+                assert await routed_status() == 200
+                healthy["ok"] = False
+                await wait_for(503)
+                assert (await (await session.get(f"{base}/get_server_info")).json())["workers"][0]["down_reason"] == "/health answered 503"
+                healthy["ok"] = True
+                await wait_for(200)
     finally:
-        await runner.cleanup()
         await worker.cleanup()

@@ -7,12 +7,14 @@ within float32 tolerance (the sharded matmuls and the all-reduce add in a differ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import socket
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +27,7 @@ from gpu.kv_pool import ReqToTokenPool
 from gpu.model_config import ModelConfig
 from gpu.tensor_parallel import SliceReader, TPLayout
 from gpu.tp_batch import BatchChannel
-from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, process_alive
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}
 PROMPTS = [[5, 7, 9, 11], list(range(40, 100)), [3] * 17, [300, 2, 77, 5, 6, 8, 13]]
@@ -271,58 +273,45 @@ def test_tp_settings_that_cannot_work_are_refused():
         Engine(tp_size=2, dist_init_addr="localhost")
 
 
-async def test_kill_9_of_a_rank_mid_stream_fails_its_requests_and_stops_the_core(tiny_model_factory):
-    engine = _engine(tiny_model_factory("llama"), 2)
+@contextlib.asynccontextmanager
+async def _started_with_its_rank(path: Path, **kw) -> AsyncIterator[tuple[Engine, int, int]]:
+    """A tp=2 engine, its core's pid and its rank's; both are gone once it is closed."""
+    engine = _engine(path, 2, **kw)
     await engine.start()
     core = engine.client.pid
     [rank] = _rank_pids(core)
     try:
-        streams = [engine.stream(input_ids=p, sampling_params={**GREEDY, "max_new_tokens": 1500}) for p in PROMPTS]
-        for agen in streams:
-            await anext(agen)  # every request is decoding
+        yield engine, core, rank
+    finally:
+        await engine.close()
+    assert not process_alive(core) and not process_alive(rank)
+
+
+async def test_kill_9_of_a_rank_mid_stream_fails_its_requests_and_stops_the_core(tiny_model_factory):
+    async with _started_with_its_rank(tiny_model_factory("llama")) as (engine, core, rank):
+        streams = await decoding(engine, PROMPTS, {**GREEDY, "max_new_tokens": 1500})
         os.kill(rank, signal.SIGKILL)
         killed = time.monotonic()
-
-        async def drain(agen) -> None:
-            async for _ in agen:
-                pass
-
-        results = await asyncio.wait_for(asyncio.gather(*[drain(a) for a in streams], return_exceptions=True), 10)
+        results = await drain(streams, 10)
         assert time.monotonic() - killed < 5.0
         assert all(isinstance(r, EngineError) for r in results), results
         assert "rank" in engine.stats()["failure"] or "Connection closed" in engine.stats()["failure"]
-    finally:
-        await engine.close()
-    assert not process_alive(core) and not process_alive(rank)
 
 
 async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout(tiny_model_factory):
-    engine = _engine(tiny_model_factory("llama"), 2, dist_timeout_s=3)
-    await engine.start()
-    core = engine.client.pid
-    [rank] = _rank_pids(core)
-    try:
+    async with _started_with_its_rank(tiny_model_factory("llama"), dist_timeout_s=3) as (engine, core, rank):
         os.kill(rank, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
         with pytest.raises(EngineError):
             await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY), 30)
-    finally:
-        await engine.close()
-    assert not process_alive(core) and not process_alive(rank)
 
 
 async def test_kill_9_of_the_core_takes_its_ranks_with_it(tiny_model_factory):
-    engine = _engine(tiny_model_factory("llama"), 2)
-    await engine.start()
-    core = engine.client.pid
-    [rank] = _rank_pids(core)
-    try:
+    async with _started_with_its_rank(tiny_model_factory("llama")) as (engine, core, rank):
         os.kill(core, signal.SIGKILL)
         deadline = time.monotonic() + 5
         while process_alive(rank) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert not process_alive(rank)
-    finally:
-        await engine.close()
 
 
 async def test_close_frees_the_rendezvous_port_and_dp_replicas_each_get_their_ranks(tiny_model_factory):
