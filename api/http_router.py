@@ -3,13 +3,13 @@
     actorserve router --worker-urls http://h1:30000 http://h2:30000 --port 31000
 
 The generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) are passed
-through to the worker the router picks (api/routing.py's policies; the prompt key is the token
-ids when the body has them, else the UTF-8 bytes of the prompt or the chat messages), streaming
-included, byte for byte. `/flush_cache` and `/abort_request` go to every healthy worker;
+through to the worker the router picks (api/routing.py's policies; the prompt key is the JSON
+text of the body's token ids, prompt or chat messages), streaming
+included: the body's bytes pass unchanged as they arrive (api/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
 `/health` is 200 while one worker is healthy; `/get_server_info` lists the workers.
 
 A worker is taken out when its `/health` fails (checked every `health_check_interval_s`) or a
-request to it cannot connect; its requests in flight end with 503 `worker_unavailable` (an SSE
+request's connection to it fails; its requests in flight end with 503 `worker_unavailable` (an SSE
 error event when the stream had started). It comes back when `/health` answers 200 again.
 """
 
@@ -19,21 +19,24 @@ import argparse
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import msgspec
 import orjson
-from aiohttp import web
 
+from api.relay import ClientConnection, Exchange, Request, UpstreamPool
 from api.routing import NoHealthyReplica, Router, RouterConfig
 from runtime.config import ROUTER_POLICIES
 
 log = logging.getLogger("actorserve.router")
 
 UNAVAILABLE = "worker_unavailable"
-GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
-HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"})
+GENERATION_PATHS = frozenset({b"/generate", b"/v1/completions", b"/v1/chat/completions"})
+
+Answer = tuple[int, dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +49,11 @@ class RouterSettings:
     health_check_timeout_s: float = 2.0
 
 
-@dataclass(eq=False, slots=True)
-class _Exchange:
-    """One request in flight to a worker."""
-
-    worker: int
-    response: web.StreamResponse | None = None  # once headers went to the client
-    lost: str | None = None  # why the worker was lost, when it was
-    task: asyncio.Task[None] | None = field(default=None)
-
-
 class HttpRouter:
+    """The workers' health and load, and what each request path does. Generation requests are
+    relayed by api/relay.py; the other paths are answered here (off the hot path, with aiohttp's
+    client)."""
+
     def __init__(self, settings: RouterSettings):
         if not settings.worker_urls:
             raise ValueError("the router needs at least one --worker-urls entry")
@@ -64,36 +61,56 @@ class HttpRouter:
         self.urls = [u.rstrip("/") for u in settings.worker_urls]
         self.router = Router(settings.routing, len(self.urls))
         self.down_reason: dict[int, str] = {}
-        self.in_flight: list[set[_Exchange]] = [set() for _ in self.urls]
+        self.in_flight: list[set[Exchange]] = [set() for _ in self.urls]
+        self.pool = UpstreamPool(self.urls, settings.health_check_timeout_s, self._request_failed)
         self.session: aiohttp.ClientSession | None = None
-        self._health: asyncio.Task[None] | None = None
-        self.app = self._make_app()
+        self._server: asyncio.Server | None = None
+        self._clients: set[ClientConnection] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._answers: dict[tuple[bytes, bytes], Callable[[Request], Awaitable[Answer]]] = {
+            (b"GET", b"/health"): self.health,
+            (b"GET", b"/get_server_info"): self.server_info,
+            (b"GET", b"/v1/models"): self.models,
+            (b"POST", b"/flush_cache"): self.broadcast,
+            (b"POST", b"/abort_request"): self.broadcast,
+        }
 
-    def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
-        app.add_routes([web.post(path, self.proxy) for path in GENERATION_PATHS])
-        app.add_routes([
-            web.get("/health", self.health),
-            web.get("/get_server_info", self.server_info),
-            web.get("/v1/models", self.models),
-            web.post("/flush_cache", self.broadcast),
-            web.post("/abort_request", self.broadcast),
-        ])
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
-        return app
-
-    async def _start(self, app: web.Application) -> None:
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.settings.health_check_timeout_s))
+    async def start(self) -> int:
+        """Listen on the settings' host:port (0: a free port); returns the port."""
+        s = self.settings
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.health_check_timeout_s))
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(lambda: ClientConnection(self.handle, self._clients), s.host, s.port)
+        except OSError as exc:
+            await self.close()
+            raise RuntimeError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
         await self.check_health()
-        self._health = asyncio.get_running_loop().create_task(self._health_loop())
+        self._spawn(self._health_loop())
+        return self._server.sockets[0].getsockname()[1]
 
-    async def _stop(self, app: web.Application) -> None:
-        if self._health is not None:
-            self._health.cancel()
-            await asyncio.gather(self._health, return_exceptions=True)
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for exchanges in self.in_flight:
+            for exchange in list(exchanges):
+                exchange.abandon()
+        for client in list(self._clients):
+            client.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.pool.close()
         if self.session is not None:
             await self.session.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def _spawn(self, coroutine: Awaitable[Any]) -> asyncio.Task[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # --- health -------------------------------------------------------------------------------
     async def _health_loop(self) -> None:
@@ -125,111 +142,88 @@ class HttpRouter:
             log.warning("worker %s is down: %s", self.urls[worker], why)
         self.down_reason[worker] = why
         self.router.set_healthy(worker, False)
+        self.pool.drop_idle(worker)
+        message = f"worker {self.urls[worker]} is unavailable: {why}"
+        body = _error_body(503, message, UNAVAILABLE)
+        event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
         for exchange in list(self.in_flight[worker]):
-            exchange.lost = why
-            if exchange.task is not None:
-                exchange.task.cancel()
+            exchange.lose(body, event)
 
-    # --- generation ---------------------------------------------------------------------------
-    async def proxy(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
-        payload = _json_object(body)
-        prompt = _prompt_key(payload)
-        routing_key = payload.get("routing_key") if isinstance(payload.get("routing_key"), str) else None
+    def _request_failed(self, exchange: Exchange, why: str) -> None:
+        self._mark_down(exchange.worker, f"a request failed: {why}")
+
+    # --- requests -----------------------------------------------------------------------------
+    def handle(self, request: Request, client: ClientConnection) -> None:
+        path = request.path
+        if path in GENERATION_PATHS and request.method == b"POST":
+            self._relay(request, client)
+            return
+        answer = self._answers.get((request.method, path))
+        if answer is None:
+            known = any(p == path for _, p in self._answers) or path in GENERATION_PATHS
+            status = 405 if known else 404
+            client.respond(status, _error_body(status, f"{request.method.decode()} {path.decode()} is not served here", "not_found"), request.keep_alive)
+            return
+        task = self._spawn(answer(request))
+        task.add_done_callback(lambda t: client.respond(*_answer_bytes(t), request.keep_alive))
+
+    def _relay(self, request: Request, client: ClientConnection) -> None:
+        prompt, routing_key = _routing_of(request.body)
         try:
             worker = self.router.choose(prompt, routing_key)
         except NoHealthyReplica:
-            return _error(503, "no worker is available", UNAVAILABLE)
-        exchange = _Exchange(worker)
-        self.router.started(worker, len(prompt))
-        self.in_flight[worker].add(exchange)
-        exchange.task = asyncio.get_running_loop().create_task(self._forward(request, body, exchange))
-        try:
-            await asyncio.shield(exchange.task)
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():  # the client went away: so does the upstream request
-                exchange.task.cancel()
-                raise
-            # else _mark_down cancelled the exchange: the worker was lost
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            self._mark_down(worker, f"a request failed: {exc!r}")
-        finally:
+            client.respond(503, _error_body(503, "no worker is available", UNAVAILABLE), request.keep_alive)
+            return
+        size = len(prompt)  # the load in bytes of prompt: the router does not tokenize
+
+        def ended(exchange: Exchange) -> None:
             self.in_flight[worker].discard(exchange)
-            self.router.finished(worker, len(prompt))
-        if exchange.task.cancelled() or exchange.task.exception() is not None:
-            return await self._lost(exchange)
-        assert exchange.response is not None
-        return exchange.response
+            self.router.finished(worker, size)
 
-    async def _forward(self, request: web.Request, body: bytes, exchange: _Exchange) -> None:
-        assert self.session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        url = f"{self.urls[exchange.worker]}{request.path_qs}"
-        async with self.session.post(url, data=body, headers=headers, auto_decompress=False) as upstream:
-            response = web.StreamResponse(status=upstream.status)
-            for key, value in upstream.headers.items():
-                if key.lower() not in HOP_HEADERS:
-                    response.headers[key] = value
-            await response.prepare(request)
-            exchange.response = response
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-
-    async def _lost(self, exchange: _Exchange) -> web.StreamResponse:
-        """The worker was lost mid-request: a 503, or an error event on a started stream."""
-        message = f"worker {self.urls[exchange.worker]} is unavailable: {exchange.lost or 'connection lost'}"
-        if exchange.response is None:
-            return _error(503, message, UNAVAILABLE)
-        response = exchange.response
-        error = {"error": {"message": message, "type": "ServiceUnavailable", "param": None, "code": UNAVAILABLE}}
-        try:
-            await response.write(b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n")
-            await response.write_eof()
-        except (ConnectionError, RuntimeError):
-            pass  # the client is gone too
-        return response
+        exchange = Exchange(worker, client, request, ended)
+        client.exchange = exchange
+        self.router.started(worker, size)
+        self.in_flight[worker].add(exchange)
+        self.pool.send(exchange)
 
     # --- the rest -----------------------------------------------------------------------------
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request) -> Answer:
         up = len(self.urls) - len(self.down_reason)
-        return web.json_response({"healthy_workers": up}, status=200 if up else 503)
+        return (200 if up else 503), {"healthy_workers": up}
 
-    async def server_info(self, request: web.Request) -> web.Response:
+    async def server_info(self, request: Request) -> Answer:
         workers = [
             {
                 "url": url,
                 "healthy": i not in self.down_reason,
                 "down_reason": self.down_reason.get(i),
                 "requests": self.router.loads[i].requests,
-                "tokens": self.router.loads[i].tokens,
+                "prompt_bytes": self.router.loads[i].tokens,
             }
             for i, url in enumerate(self.urls)
         ]
-        return web.json_response({"router_policy": self.settings.routing.policy, "workers": workers})
+        return 200, {"router_policy": self.settings.routing.policy, "workers": workers}
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> Answer:
+        assert self.session is not None
         for i, url in enumerate(self.urls):
             if i in self.down_reason:
                 continue
-            assert self.session is not None
             try:
                 async with self.session.get(f"{url}/v1/models") as r:
-                    return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-            except aiohttp.ClientError as exc:
+                    return r.status, await r.json()
+            except (aiohttp.ClientError, ValueError) as exc:
                 self._mark_down(i, f"/v1/models failed: {exc!r}")
-        return _error(503, "no worker is available", UNAVAILABLE)
+        return 503, _error(503, "no worker is available", UNAVAILABLE)
 
-    async def broadcast(self, request: web.Request) -> web.Response:
+    async def broadcast(self, request: Request) -> Answer:
         """Send the request to every healthy worker; 200 if each answered 200."""
-        body = await request.read()
         live = [i for i in range(len(self.urls)) if i not in self.down_reason]
         if not live:
-            return _error(503, "no worker is available", UNAVAILABLE)
-        answers = await asyncio.gather(*(self._post(i, request.path, body) for i in live))
+            return 503, _error(503, "no worker is available", UNAVAILABLE)
+        answers = await asyncio.gather(*(self._post(i, request.path.decode(), request.body) for i in live))
         status = 200 if all(code == 200 for code, _ in answers) else max(code for code, _ in answers)
-        return web.json_response({"workers": [{"url": self.urls[i], "status": code, "body": text} for i, (code, text) in zip(live, answers)]}, status=status)
+        return status, {"workers": [{"url": self.urls[i], "status": code, "body": text} for i, (code, text) in zip(live, answers)]}
 
     async def _post(self, worker: int, path: str, body: bytes) -> tuple[int, str]:
         assert self.session is not None
@@ -241,41 +235,55 @@ class HttpRouter:
             return 503, UNAVAILABLE
 
 
-def _json_object(body: bytes) -> dict[str, Any]:
-    """The body's JSON object, or {} (the worker answers what is wrong with it)."""
+class _RoutingFields(msgspec.Struct):
+    """What routing reads of a request body, left as raw JSON: the rest is skipped unparsed."""
+
+    input_ids: msgspec.Raw = msgspec.Raw()
+    prompt: msgspec.Raw = msgspec.Raw()
+    text: msgspec.Raw = msgspec.Raw()
+    messages: msgspec.Raw = msgspec.Raw()
+    routing_key: msgspec.Raw = msgspec.Raw()
+
+
+_routing_fields = msgspec.json.Decoder(_RoutingFields)
+
+
+def _routing_of(body: bytes) -> tuple[bytes, str | None]:
+    """The prompt key and routing key of a request body.
+
+    The key is the prompt as the client wrote it in JSON (token ids, text or chat messages), not
+    parsed: prompts that share leading tokens share leading bytes when one client serialises
+    them, and parsing 576 ids would cost more than routing on them. A body that is not a JSON
+    object routes with an empty key; the worker answers what is wrong with it."""
     try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return {}
-    return payload if isinstance(payload, dict) else {}
+        fields = _routing_fields.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return b"", None
+    prompt = fields.input_ids or fields.prompt or fields.text or fields.messages
+    routing_key = None
+    if fields.routing_key:
+        value = msgspec.json.decode(fields.routing_key)
+        routing_key = value if isinstance(value, str) else None
+    return bytes(prompt), routing_key
 
 
-def _prompt_key(payload: dict[str, Any]) -> list[int]:
-    """What the cache-aware tree matches: token ids when given, else the prompt's UTF-8 bytes."""
-    ids = payload.get("input_ids")
-    if isinstance(ids, list) and _all_ints(ids):
-        return ids
-    prompt = payload.get("prompt", payload.get("text"))
-    if isinstance(prompt, list) and _all_ints(prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return list(prompt.encode())
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        return list(orjson.dumps(messages))
-    return []
+def _error(status: int, message: str, code: str) -> dict[str, Any]:
+    kind = {503: "ServiceUnavailable", 404: "NotFound", 405: "NotFound"}.get(status, "BadRequest")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def _all_ints(values: list[Any]) -> bool:
-    # The types gathered in C: a generator of isinstance calls cost ~150 us for a 576-token prompt.
-    return bool(values) and set(map(type, values)) == {int}
+def _error_body(status: int, message: str, code: str) -> bytes:
+    return orjson.dumps(_error(status, message, code))
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "ServiceUnavailable" if status == 503 else "BadRequest", "param": None, "code": code}}
-    return web.json_response(body, status=status)
+def _answer_bytes(task: asyncio.Task[Answer]) -> tuple[int, bytes]:
+    if task.cancelled():
+        return 503, _error_body(503, "the router is shutting down", UNAVAILABLE)
+    if task.exception() is not None:
+        log.error("answering failed", exc_info=task.exception())
+        return 500, _error_body(500, f"the router failed: {task.exception()!r}", "internal_error")
+    status, body = task.result()
+    return status, orjson.dumps(body)
 
 
 # --- the command ------------------------------------------------------------------------------------
@@ -311,20 +319,6 @@ def run(args: argparse.Namespace) -> int:
     return uvloop.run(serve_router(settings))
 
 
-async def start_router(router: HttpRouter) -> tuple[web.AppRunner, int]:
-    """Listen on the settings' host:port (0: a free port); returns the runner and the port."""
-    s = router.settings
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port)
-    try:
-        await site.start()
-    except OSError as exc:
-        await runner.cleanup()
-        raise RuntimeError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
-    return runner, runner.addresses[0][1]
-
-
 async def serve_router(settings: RouterSettings) -> int:
     """Run until SIGINT or SIGTERM."""
     loop = asyncio.get_running_loop()
@@ -332,10 +326,10 @@ async def serve_router(settings: RouterSettings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     router = HttpRouter(settings)
-    runner, port = await start_router(router)
+    port = await router.start()
     log.info("actorserve router ready: http://%s:%d over %d workers", settings.host, port, len(router.urls))
     try:
         await stop.wait()
     finally:
-        await runner.cleanup()
+        await router.close()
     return 0

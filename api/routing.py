@@ -4,8 +4,8 @@ engine core processes) and `actorserve router` (one proxy, N servers over HTTP).
 Policies (`--router-policy`):
 - `round_robin`: the next healthy replica in turn.
 - `shortest_queue`: the fewest outstanding tokens (of the requests this router sent there and
-  that have not finished: prompt and output in the frontend, prompt only in the HTTP router; its
-  own accounting, so it is never stale).
+  that have not finished: prompt and output in the frontend, prompt bytes only in the HTTP
+  router; its own accounting, so it is never stale).
 - `cache_aware` (SGLang's router): an approximate radix tree holds the prompts sent to each
   replica. When the load is imbalanced (the busiest replica has more than `balance_abs_threshold`
   requests more than the idlest, and more than `balance_rel_threshold` times as many) the request
@@ -16,8 +16,9 @@ Policies (`--router-policy`):
   stays on one replica while that replica is healthy and only the keys of a replica that goes
   down move; requests without a key go to the fewest outstanding tokens.
 
-A prompt is any sequence of ints: token ids in the frontend, UTF-8 bytes of the text in the HTTP
-router (which does not tokenize).
+A prompt is a list of token ids in the frontend and bytes in the HTTP router (the JSON text of
+the prompt: it does not tokenize). One tree holds one of the two kinds: its edges are slices of
+the prompts inserted, compared with slices of the same type.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _rendezvous_weight(key: str, replica: int) -> int:
 
 @dataclass(eq=False, slots=True)
 class _Node:
-    key: tuple[int, ...]  # the edge from the parent
+    key: Sequence[int]  # the edge from the parent: a slice of the prompt that made it
     parent: _Node | None
     children: dict[int, _Node] = field(default_factory=dict)
     # Replicas whose tree holds this node, with when they last used it. A replica that holds a
@@ -140,7 +141,7 @@ class PrefixTree:
     know what a replica's own cache evicted, only what was sent there."""
 
     def __init__(self, num_replicas: int, max_tokens: int):
-        self.root = _Node((), None)
+        self.root = _Node(b"", None)
         self.max_tokens = max_tokens
         self.size = [0] * num_replicas  # tokens held per replica
         self._clock = itertools.count(1)
@@ -170,7 +171,7 @@ class PrefixTree:
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None:
-                child = _Node(tuple(tokens[pos:]), node)
+                child = _Node(tokens[pos:], node)
                 node.children[tokens[pos]] = child
             else:
                 common = _common_prefix(child.key, tokens, pos)
@@ -239,11 +240,17 @@ class PrefixTree:
                 del node.children[first]
 
 
-def _common_prefix(key: tuple[int, ...], tokens: Sequence[int], pos: int) -> int:
+def _common_prefix(key: Sequence[int], tokens: Sequence[int], pos: int) -> int:
+    """How many leading elements of `key` equal those of tokens[pos:]: slices compared in C, a
+    binary search when they differ."""
     n = min(len(key), len(tokens) - pos)
-    if tuple(tokens[pos : pos + n]) == key[:n]:  # the common case, at C speed
+    if tokens[pos : pos + n] == key[:n]:
         return n
-    i = 0
-    while i < n and key[i] == tokens[pos + i]:
-        i += 1
-    return i
+    same, differs = 0, n  # key[:same] matches; key[:differs] does not
+    while differs - same > 1:
+        mid = (same + differs) // 2
+        if tokens[pos + same : pos + mid] == key[same:mid]:
+            same = mid
+        else:
+            differs = mid
+    return same

@@ -8,7 +8,10 @@ process in front of them. This process is an open-loop client: W2-shared-prefix 
 token ids each) sent at --rate requests/s, first straight to the workers (in turn), then through
 the router, on the same schedule. Reported: latency both ways (median, p99), the difference of the
 medians (the hop the router adds), and the router process's CPU time per request (utime + stime
-from /proc over the routed run), beside a null worker's (what aiohttp costs to serve a request).
+from /proc over the routed run). Two figures for scale, from the same run: a null worker's CPU per
+request (what aiohttp costs to serve one), and a bare relay's (this module with `--bare-relay`:
+uvloop protocols that copy bytes to one worker and back, parsing nothing: what the kernel's
+loopback TCP and the event loop cost any Python hop).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -36,9 +40,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--null-worker", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--bare-relay", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.null_worker is not None:
         _null_worker(args.null_worker)
+        return
+    if args.bare_relay is not None:
+        _bare_relay(*args.bare_relay)
         return
     asyncio.run(_measure(args))
 
@@ -55,6 +63,46 @@ def _null_worker(port: int) -> None:
     app = web.Application(client_max_size=64 << 20)
     app.add_routes([web.post("/generate", answer), web.get("/health", health)])
     web.run_app(app, host="127.0.0.1", port=port, access_log=None, print=None)
+
+
+def _bare_relay(port: int, worker_port: int) -> None:
+    """Client bytes to a kept-alive worker connection and back, unparsed. Enough for this
+    benchmark's traffic only: one request in flight per connection, each response in one read."""
+    import uvloop
+
+    idle: list[Any] = []
+
+    class Upstream(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport, self.client = transport, None
+
+        def data_received(self, data: bytes) -> None:
+            self.client.write(data)
+            idle.append(self)
+
+    class Client(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            if idle:
+                self._send(idle.pop(), data)
+            else:
+                asyncio.get_running_loop().create_task(self._connect(data))
+
+        async def _connect(self, data: bytes) -> None:
+            _, upstream = await asyncio.get_running_loop().create_connection(Upstream, "127.0.0.1", worker_port)
+            self._send(upstream, data)
+
+        def _send(self, upstream: Any, data: bytes) -> None:
+            upstream.client = self.transport
+            upstream.transport.write(data)
+
+    async def serve() -> None:
+        await asyncio.get_running_loop().create_server(Client, "127.0.0.1", port)
+        await asyncio.Event().wait()
+
+    uvloop.run(serve())
 
 
 async def _measure(args: argparse.Namespace) -> None:
@@ -79,6 +127,13 @@ async def _measure(args: argparse.Namespace) -> None:
             cpu_before = cpu_seconds(router.pid)
             routed = await _run(session, [router_url] * args.requests, bodies, args.rate)
             router_cpu_us = (cpu_seconds(router.pid) - cpu_before) / args.requests * 1e6
+            bare_port = free_port()
+            bare = subprocess.Popen([sys.executable, "-m", "bench.router_http", "--bare-relay", str(bare_port), str(worker_ports[0])])
+            procs.append(bare)
+            await wait_ready(f"http://127.0.0.1:{bare_port}")
+            cpu_before = cpu_seconds(bare.pid)
+            await _run(session, [f"http://127.0.0.1:{bare_port}"] * args.requests, bodies, args.rate)
+            bare_cpu_us = (cpu_seconds(bare.pid) - cpu_before) / args.requests * 1e6
     finally:
         for proc in procs:
             proc.terminate()
@@ -90,7 +145,8 @@ async def _measure(args: argparse.Namespace) -> None:
         print(f"| {name} | {statistics.median(lat) * 1e3:.2f} | {_p99(lat) * 1e3:.2f} |")
     added = (statistics.median(routed) - statistics.median(direct)) * 1e6
     print(f"\nadded median latency {added:.0f} us; router CPU {router_cpu_us:.0f} us per request")
-    print(f"for scale: a null worker (an aiohttp server answering at once) takes {worker_cpu_us:.0f} us CPU per request")
+    print(f"for scale: a null worker (an aiohttp server answering at once) takes {worker_cpu_us:.0f} us CPU per request,")
+    print(f"a bare relay (uvloop protocols copying bytes, parsing nothing) {bare_cpu_us:.0f} us")
 
 
 async def _run(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], rate: float) -> list[float]:

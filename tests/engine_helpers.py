@@ -51,16 +51,21 @@ async def close_and_check_tasks(engine: Engine) -> None:
 
 
 async def decoding(engine: Engine, prompts: list[list[int]], sampling_params: dict[str, Any]) -> list[AsyncIterator[Delta]]:
-    """Streams of `prompts`, each read past its first delta: every request is decoding."""
+    """Streams of `prompts`, returned once each has delivered its first delta (every request is
+    decoding); each stream yields that delta again first."""
     streams = [engine.stream(input_ids=p, sampling_params=sampling_params) for p in prompts]
-    for agen in streams:
-        await anext(agen)
-    return streams
+    return [_replay(await anext(agen), agen) for agen in streams]
+
+
+async def _replay(first: Delta, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    yield first
+    async for delta in rest:
+        yield delta
 
 
 async def drain(streams: list[AsyncIterator[Delta]], timeout: float) -> list[int | BaseException]:
-    """Read every stream to its end at once: the output tokens each delivered from here on, or
-    the exception that ended it."""
+    """Read every stream to its end at once: the output tokens each delivered, or the exception
+    that ended it."""
 
     async def tokens(agen: AsyncIterator[Delta]) -> int:
         return sum([len(d.output_ids) async for d in agen])

@@ -102,7 +102,7 @@ async def test_kill_9_of_one_replica_ends_its_requests_and_the_other_keeps_servi
         results = await drain(streams, 30)
         failed = [r for r in results if isinstance(r, EngineError)]
         assert len(failed) == 2 and all("exited with code -9" in str(r) for r in failed), results
-        assert sorted(r for r in results if isinstance(r, int)) == [899, 899]
+        assert sorted(r for r in results if isinstance(r, int)) == [900, 900]
         stats = engine.stats()
         assert stats["failure"] is None and [r["up"] for r in stats["replicas"]] == [False, True]
         assert "exited with code -9" in stats["replicas"][0]["failure"]
@@ -162,9 +162,12 @@ def test_server_shows_each_replica_and_the_sum(model_path):
 
         def call(method: str, path: str, body: dict | None = None) -> tuple[int, bytes]:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-            conn.request(method, path, body=json.dumps(body) if body else None, headers={"content-type": "application/json"})
-            response = conn.getresponse()
-            return response.status, response.read()
+            try:
+                conn.request(method, path, body=json.dumps(body) if body else None, headers={"content-type": "application/json"})
+                response = conn.getresponse()
+                return response.status, response.read()
+            finally:
+                conn.close()
 
         for i in range(2):
             status, raw = call("POST", "/generate", {"input_ids": [5, i], "sampling_params": GREEDY})

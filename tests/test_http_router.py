@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, contextmanager
 import aiohttp
 import pytest
 
-from api.http_router import HttpRouter, RouterSettings, start_router
+from api.http_router import HttpRouter, RouterSettings
 from api.routing import RouterConfig
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
@@ -82,11 +82,12 @@ async def _router(urls: list[str], policy: str = "round_robin", interval: float 
         worker_urls=tuple(urls), routing=RouterConfig(policy=policy), port=0,
         health_check_interval_s=interval, health_check_timeout_s=timeout,
     )
-    runner, port = await start_router(HttpRouter(settings))
+    router = HttpRouter(settings)
+    port = await router.start()
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        await router.close()
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
@@ -177,7 +178,7 @@ async def test_router_that_cannot_bind_says_why():
         port = taken.getsockname()[1]
         settings = RouterSettings(worker_urls=("http://127.0.0.1:1",), port=port)
         with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
-            await start_router(HttpRouter(settings))
+            await HttpRouter(settings).start()
         cli = subprocess.run(
             [sys.executable, "-m", "api.cli", "router", "--worker-urls", "http://127.0.0.1:1", "--port", str(port)],
             capture_output=True, text=True, timeout=60,
