@@ -1,11 +1,35 @@
-"""Queue ordering for the Policy actor: SGLang's six scheduling policies plus priority.
+"""Queue ordering for the Policy actor: SGLang's six scheduling policies, shortest-first, priority
+and aging.
 
-`QueueOrderer.order(waiting, running_routing_keys)` returns the waiting requests in the order the
-Adder should try them, as a new list holding every request exactly once. It reads requests and,
+`QueueOrderer.order(waiting, running_routing_keys, now)` returns the waiting requests in the order
+the Adder should try them, as a new list holding every request exactly once. It reads requests and,
 for the cache-aware policies, matches them against the Adder's prefix cache; it writes nothing on
 a `Req` (`prefix_len` and `last_node` belong to the Adder, which matches again when it locks).
 
-Behaviour follows reference/sglang-behaviour.md ("Policies"). Where we differ, on purpose:
+Behaviour follows reference/sglang-behaviour.md ("Policies"). A round first orders by the
+policy's own key, then (stably) by each request's level: its priority when priority scheduling is
+on, less one for every `priority_aging_s` it has waited when aging is on. So the policy decides
+within a level, and a level outranks any cache score.
+
+Aging bound (`--priority-aging-s S`). Let P be the best priority that arrives and p a request R's
+(0 when priority scheduling is off), D = |P - p|. A request Q arriving more than (D + 1) * S
+after R is at every moment at least one level below R (its priority is at most D better, its wait
+at least D + 1 steps of S shorter), so it is never ordered ahead of R. Because the Adder admits in
+this order and stops at the first request that does not fit, everything admitted before R was
+queued when R arrived or arrived within (D + 1) * S after it: R waits at most as long as the
+engine takes to admit those requests. At an admission rate of A requests/s with B queued ahead at
+its arrival and arrivals at rate L, that is (B + L * (D + 1) * S) / A; without aging there is no
+bound (a stream of better requests holds R back for ever). A wait counts from the request's
+enqueue time (reset when a preempted or retracted request is requeued). Aging changes ordering
+only: priority preemption and queue eviction still compare the priorities the requests came with.
+tests/test_aging.py checks the bound with a simulated clock.
+
+Shortest-first (`sjf`): fewest prompt tokens left to compute first (the cached prefix is not
+counted; over a queue longer than `lpm_fallback_queue_len` the prompt length alone, as matching
+every request would cost too much). It always ages (`priority_aging_s`, else
+SJF_DEFAULT_AGING_S), so long prompts still run under a stream of short ones.
+
+Where we differ from SGLang, on purpose:
 
 - Priority goes first under every policy that sorts by a key: fcfs and lof (as SGLang), and also
   lpm and dfs-weight, which SGLang orders by the cache alone. A request the user marked urgent
@@ -22,7 +46,8 @@ from __future__ import annotations
 import random
 from array import array
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Iterator, Sequence
 
 from actors.prefill_adder import match_key
 from gpu.prefix_cache import MatchResult, PrefixCache, RadixCache, RadixNode
@@ -34,9 +59,6 @@ from runtime.req import Req
 # at least DEPRIORITIZE tokens sends every request after the first to the back for this round.
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
-
-_SortKey = Callable[[Req], object]
-
 
 class QueueOrderer:
     """Orders the waiting queue once per scheduling round; owned by the Policy actor."""
@@ -58,6 +80,7 @@ class QueueOrderer:
         self.rng = rng
         self.priority_on = config.enable_priority_scheduling
         self.priority_sign = 1 if config.schedule_low_priority_values_first else -1
+        self.aging_s = config.effective_aging_s
         self.lpm_fallback_queue_len = config.lpm_fallback_queue_len
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
@@ -69,36 +92,47 @@ class QueueOrderer:
             return "fcfs"
         return self.policy
 
-    def order(self, waiting: Sequence[Req], running_routing_keys: Counter[str] | None = None) -> list[Req]:
-        """The waiting requests in scheduling order (a new list; none dropped or repeated)."""
+    def order(self, waiting: Sequence[Req], running_routing_keys: Counter[str] | None = None, now: float | None = None) -> list[Req]:
+        """The waiting requests in scheduling order (a new list; none dropped or repeated).
+        `now` (time.monotonic's clock) is what the waits are measured to."""
         policy = self.active_policy(len(waiting))
+        # random and routing-key ignore priority, as in SGLang; aging applies to every policy.
+        by_priority = self.priority_on and policy not in ("random", "routing-key")
+        out = self._policy_order(policy, waiting, running_routing_keys, by_priority)
+        if by_priority or self.aging_s is not None:
+            levels = self._levels(out, by_priority, time.monotonic() if now is None else now)
+            out = [out[i] for i in sorted(range(len(out)), key=levels.__getitem__)]
+        return out
+
+    def _policy_order(self, policy: str, waiting: Sequence[Req], running: Counter[str] | None, by_priority: bool) -> list[Req]:
         if policy == "fcfs":
-            return self._fcfs(waiting)
+            # The queue list is in arrival order until requests are requeued (at its front or
+            # back); within a level, enqueue times decide.
+            return sorted(waiting, key=_enqueue_time) if by_priority or self.aging_s is not None else list(waiting)
         if policy == "lof":
-            return self._by_priority_then(waiting, lambda req: -req.max_new_tokens)
+            return sorted(waiting, key=lambda req: -req.max_new_tokens)
         if policy == "random":
             return self._random(waiting)
         if policy == "routing-key":
-            return self._routing_key(waiting, running_routing_keys or Counter())
+            return self._routing_key(waiting, running or Counter())
         if policy == "lpm":
             return self._lpm(waiting)
         if policy == "dfs-weight":
             return self._dfs_weight(waiting)
+        if policy == "sjf":
+            return self._sjf(waiting)
         raise ValueError(f"unknown schedule policy {policy!r}")
 
+    def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
+        """Each request's level, lower first: its priority (signed so the better sorts first),
+        less one per `aging_s` waited."""
+        sign, aging_s = self.priority_sign, self.aging_s
+        levels = [req.priority * sign for req in reqs] if by_priority else [0] * len(reqs)
+        if aging_s is not None:
+            levels = [level - int((now - req.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
+        return levels
+
     # -- cache-agnostic ------------------------------------------------------------------------
-
-    def _fcfs(self, waiting: Sequence[Req]) -> list[Req]:
-        # The queue is kept in arrival order; priority needs the enqueue time because a requeued
-        # (preempted or retracted) request sits at the back but keeps its place in time.
-        return self._by_priority_then(waiting, lambda req: req.enqueue_time) if self.priority_on else list(waiting)
-
-    def _by_priority_then(self, waiting: Sequence[Req], key: _SortKey) -> list[Req]:
-        """Stable sort by `key`, with the priority level first when priority scheduling is on."""
-        if not self.priority_on:
-            return sorted(waiting, key=key)
-        sign = self.priority_sign
-        return sorted(waiting, key=lambda req: (req.priority * sign, key(req)))
 
     def _random(self, waiting: Sequence[Req]) -> list[Req]:
         out = list(waiting)
@@ -128,9 +162,6 @@ class QueueOrderer:
         # container objects means fewer garbage-collector passes. Any positive rank sorts after
         # every match (-length <= 0), and the stable sort keeps the held-back in queue order.
         rank = [1 if i in held_back else -n for i, n in enumerate(lengths)]
-        if self.priority_on:
-            sign = self.priority_sign
-            rank = [(req.priority * sign, r) for req, r in zip(waiting, rank)]  # type: ignore[misc]
         return [waiting[i] for i in sorted(range(len(waiting)), key=rank.__getitem__)]
 
     def _in_batch_held_back(self, waiting: Sequence[Req], keys: list[array], lengths: list[int]) -> set[int]:
@@ -160,10 +191,15 @@ class QueueOrderer:
             groups.setdefault(match.last_node, []).append(req)
         out = _dfs_order(self.cache.root, groups)  # type: ignore[union-attr]
         assert len(out) == len(waiting)
-        if self.priority_on:
-            sign = self.priority_sign
-            out.sort(key=lambda req: req.priority * sign)  # stable: the tree order within a level
         return out
+
+    def _sjf(self, waiting: Sequence[Req]) -> list[Req]:
+        keys = self._keys_for(waiting)
+        if self.cache is None or len(waiting) > self.lpm_fallback_queue_len:
+            left = [len(key) for key in keys]
+        else:
+            left = [len(key) - match.length for key, match in zip(keys, self._match_all(waiting, keys))]
+        return [waiting[i] for i in sorted(range(len(waiting)), key=left.__getitem__)]
 
     def _match_all(self, waiting: Sequence[Req], keys: list[array]) -> Iterator[MatchResult]:
         """Each request's match, one at a time (callers keep only what they need of it)."""
@@ -178,6 +214,10 @@ class QueueOrderer:
     def _keys_for(waiting: Sequence[Req]) -> list[array]:
         """Each request's match key (cheap: the Receiver encoded every prompt on arrival)."""
         return [match_key(req) for req in waiting]
+
+
+def _enqueue_time(req: Req) -> float:
+    return req.enqueue_time
 
 
 def _dfs_order(root: RadixNode, groups: dict[RadixNode, list[Req]]) -> list[Req]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import msgspec
 
-SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight")
+SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf")
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
+# sjf without --priority-aging-s ages at this rate: shortest-first alone starves long prompts.
+SJF_DEFAULT_AGING_S = 5.0
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -73,6 +75,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     abort_on_priority_when_disabled: bool = False
     max_queued_requests: int | None = None
     queue_timeout_s: float | None = None  # a request waiting longer than this is rejected
+    # A waiting request gains one priority level per this many seconds waited, under any policy
+    # (actors/policy_order.py states the wait bound this gives); None: no aging, as SGLang.
+    priority_aging_s: float | None = None
 
     # outputs
     stream_interval: int = 1
@@ -91,6 +96,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     def overlap_depth(self) -> int:
         """Batches launched and not yet reported: the whole overlap switch."""
         return 1 if self.disable_overlap_schedule else 2
+
+    @property
+    def effective_aging_s(self) -> float | None:
+        if self.priority_aging_s is None and self.schedule_policy == "sjf":
+            return SJF_DEFAULT_AGING_S
+        return self.priority_aging_s
 
     @property
     def effective_schedule_policy(self) -> str:
@@ -112,6 +123,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),
             (self.max_queued_requests is None or self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}"),
             (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
+            (self.priority_aging_s is None or self.priority_aging_s > 0, f"priority_aging_s must be positive, got {self.priority_aging_s}"),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
             (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),

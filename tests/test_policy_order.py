@@ -375,8 +375,9 @@ def _queues(draw: st.DrawFn) -> tuple[list[Req], list[list[int]], Counter[str]]:
     fallback=st.integers(0, 30),
     check=st.sampled_from([-1, 0, 2, 32]),
     deprioritize=st.sampled_from([1, 4, 32]),
+    aging=st.sampled_from([None, 0.5, 3.0]),
 )
-def test_every_policy_returns_a_permutation(data, policy, priority, page_size, fallback, check, deprioritize):
+def test_every_policy_returns_a_permutation(data, policy, priority, page_size, fallback, check, deprioritize, aging):
     queue, cached, running = data
     cache = radix(512, page_size)
     for tokens in cached:
@@ -386,16 +387,19 @@ def test_every_policy_returns_a_permutation(data, policy, priority, page_size, f
         enable_priority_scheduling=priority[0],
         schedule_low_priority_values_first=priority[1],
         lpm_fallback_queue_len=fallback,
+        priority_aging_s=aging,
     )
     o = QueueOrderer(config, cache, random.Random(1), in_batch_check_threshold=check, in_batch_deprioritize_threshold=deprioritize)
+    now = 10.0  # every enqueue_time is in [0, 10]
     for _ in range(2):  # a second round reuses the cached match keys and the reset scratch tree
-        out = o.order(queue, running)
+        out = o.order(queue, running, now=now)
         assert len(out) == len(queue)
         assert {id(r) for r in out} == {id(r) for r in queue}
-    if priority[0] and policy not in ("random", "routing-key"):
-        sign = 1 if priority[1] else -1
-        levels = [r.priority * sign for r in out]
-        assert levels == sorted(levels)
+    # Levels: the priority (where the policy uses it), less one per aging period waited.
+    sign = (1 if priority[1] else -1) if priority[0] and policy not in ("random", "routing-key") else 0
+    aging_s = config.effective_aging_s
+    levels = [r.priority * sign - (int((now - r.enqueue_time) // aging_s) if aging_s else 0) for r in out]
+    assert levels == sorted(levels)
     assert cache.protected_size() == 0  # ordering never locks
 
 
