@@ -46,6 +46,9 @@ from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, StepDone, Wake
 from runtime.req import FinishReason, Req
 
+# Prefill-rate samples come from steps computing at least this many prompt tokens.
+PREFILL_SAMPLE_MIN_TOKENS = 64
+
 
 @dataclass(slots=True)
 class _Ending:
@@ -78,6 +81,7 @@ class Adder(Actor[AdderMsg]):
         self._to_requeue: list[Req] = []  # retracted / preempted, released, not yet sent back
         self.counters: Counter[str] = Counter()
         self.scheduler_s = 0.0
+        self.prefill_tokens_per_s: float | None = None  # EWMA over recent prefill steps
 
     def start(self, on_exit) -> None:
         super().start(on_exit)
@@ -96,6 +100,7 @@ class Adder(Actor[AdderMsg]):
             self._stalled = False
             self._leave_all(msg.finished, "finish")
             self._release_done()
+            self._measure_prefill(msg)
         elif isinstance(msg, Wake):
             self._collect_aborts()
             self._stalled = False
@@ -134,8 +139,18 @@ class Adder(Actor[AdderMsg]):
         block = self._idle() or self._queue_empty
         self._pull_sent, self._pull_parked = True, block
         await self.policy.send(Pull(
-            max_reqs=rows, running_routing_keys=self._routing_keys(), block=block, preempt_priority=preempt_priority
+            max_reqs=rows, running_routing_keys=self._routing_keys(), block=block, preempt_priority=preempt_priority,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
         ))
+
+    def _measure_prefill(self, done: StepDone) -> None:
+        # Steps of a few prompt tokens are mostly launch and decode time: they would understate
+        # the rate.
+        if done.prefill_tokens < PREFILL_SAMPLE_MIN_TOKENS or done.forward_s <= 0:
+            return
+        sample = done.prefill_tokens / done.forward_s
+        last = self.prefill_tokens_per_s
+        self.prefill_tokens_per_s = sample if last is None else 0.8 * last + 0.2 * sample
 
     def _idle(self) -> bool:
         return not (self.running or self._candidates) and self.chunked is None and self.in_flight == 0 and not self.ending

@@ -5,6 +5,12 @@ Admission limits that depend on the queue live here because the queue does: `max
 the newcomer is refused) and `queue_timeout_s`. Refused, evicted and timed-out requests end with
 status 503; aborted ones with finish_reason "abort".
 
+With `--reject-infeasible` (edf), a request whose first token is due before the queue ahead of
+it and its own prefill could be done is refused at once, 503 `deadline_infeasible`, instead of
+running late: the estimate is the larger of (requests ahead / the rate the Adder took requests
+while the queue stayed backlogged) and (their prompt tokens / the measured prefill rate), plus its
+own prompt at that rate. Until both rates are measured nothing is refused.
+
 A constrained request (json_schema, regex, ebnf) whose grammar is not compiled yet waits in the
 grammar queue (`compiling`), as in SGLang, while a worker thread compiles it (actors/grammar.py);
 it joins the waiting queue when that is done, or ends with 400 if the grammar does not compile.
@@ -13,6 +19,7 @@ it joins the waiting queue when that is done, or ends with 400 if the grammar do
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections import Counter
@@ -44,6 +51,9 @@ class Policy(Actor[PolicyMsg]):
         self.rejected = 0
         self.timed_out = 0
         self.aborted = 0
+        self.infeasible = 0
+        self.backlog_rate = BacklogRate()
+        self.prefill_tokens_per_s: float | None = None  # the Adder's measure, from its Pulls
 
     def start(self, on_exit) -> None:
         super().start(on_exit)
@@ -59,6 +69,7 @@ class Policy(Actor[PolicyMsg]):
             self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
         elif isinstance(msg, Pull):
             self._parked = msg
+            self.prefill_tokens_per_s = msg.prefill_tokens_per_s or self.prefill_tokens_per_s
         if isinstance(msg, (Wake, Pull)):
             # Aborts and the timeout ticker send a Wake; a Pull must not hand out what is gone.
             # Not per Enqueue: a burst of n arrivals would rescan the queue n times.
@@ -89,6 +100,7 @@ class Policy(Actor[PolicyMsg]):
             given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
             if pull.preempt_priority is not None and not self._may_preempt(given[0], pull.preempt_priority):
                 given, self.waiting = [], ordered  # it stays here, where a better newcomer can evict it
+        self.backlog_rate.answered(time.monotonic(), len(given), backlogged=bool(self.waiting))
         await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
 
     def _may_preempt(self, req: Req, running_priority: int) -> bool:
@@ -135,6 +147,10 @@ class Policy(Actor[PolicyMsg]):
         self._admit(req)
 
     def _admit(self, req: Req) -> None:
+        if self.config.reject_infeasible and self._late(req):
+            self.infeasible += 1
+            _end(req, "abort", "the request cannot get its first token by its deadline behind the queue ahead of it", 503, "deadline_infeasible")
+            return
         limit = self.config.max_queued_requests
         if limit is None or len(self.waiting) < limit:
             self.waiting.append(req)
@@ -148,6 +164,18 @@ class Policy(Actor[PolicyMsg]):
         else:
             self.rejected += 1
             _end(req, "abort", QUEUE_FULL, 503, "queue_full")
+
+    def _late(self, req: Req) -> bool:
+        default = self.config.default_slo_ttft_ms
+        due = req.service.first_token_due(req.arrival_time, default)
+        if due == math.inf:
+            return False
+        ahead = [w for w in self.waiting if w.service.first_token_due(w.arrival_time, default) <= due]
+        wait = estimated_first_token_s(
+            len(ahead), sum(len(w.origin_input_ids) for w in ahead), len(req.origin_input_ids),
+            self.backlog_rate.per_s, self.prefill_tokens_per_s,
+        )
+        return wait is not None and time.monotonic() + wait > due
 
     def _worst_waiting(self) -> Req | None:
         if not self.waiting:
@@ -182,6 +210,33 @@ class Policy(Actor[PolicyMsg]):
         while True:
             await asyncio.sleep(period)
             await self.send(Wake())
+
+
+class BacklogRate:
+    """Requests per second the Adder took from the queue while it stayed backlogged (an EWMA;
+    None until two backlogged answers in a row were seen). An answer that leaves nothing waiting
+    ends a measuring interval: arrivals, not the engine, set the pace then."""
+
+    def __init__(self) -> None:
+        self.per_s: float | None = None
+        self._since: float | None = None
+
+    def answered(self, now: float, given: int, backlogged: bool) -> None:
+        if self._since is not None and now > self._since:
+            sample = given / (now - self._since)
+            self.per_s = sample if self.per_s is None else 0.8 * self.per_s + 0.2 * sample
+        self._since = now if backlogged else None
+
+
+def estimated_first_token_s(
+    ahead: int, ahead_tokens: int, own_tokens: int, reqs_per_s: float | None, prefill_tokens_per_s: float | None
+) -> float | None:
+    """Seconds until a request's first token: the queue ahead (bound by how fast requests are
+    taken, or by prefilling their prompts, whichever is slower), then its own prefill. None
+    until both rates are known."""
+    if not reqs_per_s or not prefill_tokens_per_s:
+        return None
+    return max(ahead / reqs_per_s, ahead_tokens / prefill_tokens_per_s) + own_tokens / prefill_tokens_per_s
 
 
 def _end(req: Req, reason: str, error: str | None, status: int | None, code: str | None = None, param: str | None = None) -> None:

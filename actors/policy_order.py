@@ -24,6 +24,10 @@ enqueue time (reset when a preempted or retracted request is requeued). Aging ch
 only: priority preemption and queue eviction still compare the priorities the requests came with.
 tests/test_aging.py checks the bound with a simulated clock.
 
+Earliest deadline first (`edf`): by when the first token is due (`slo_ttft_ms` or `deadline_ms`
+after arrival, else `default_slo_ttft_ms`); requests with no deadline after all others, first
+come first served.
+
 Shortest-first (`sjf`): fewest prompt tokens left to compute first (the cached prefix is not
 counted; over a queue longer than `lpm_fallback_queue_len` the prompt length alone, as matching
 every request would cost too much). It always ages (`priority_aging_s`, else
@@ -81,6 +85,7 @@ class QueueOrderer:
         self.priority_on = config.enable_priority_scheduling
         self.priority_sign = 1 if config.schedule_low_priority_values_first else -1
         self.aging_s = config.effective_aging_s
+        self.default_slo_ttft_ms = config.default_slo_ttft_ms
         self.lpm_fallback_queue_len = config.lpm_fallback_queue_len
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
@@ -121,6 +126,9 @@ class QueueOrderer:
             return self._dfs_weight(waiting)
         if policy == "sjf":
             return self._sjf(waiting)
+        if policy == "edf":
+            default = self.default_slo_ttft_ms
+            return sorted(waiting, key=lambda req: (req.service.first_token_due(req.arrival_time, default), req.enqueue_time))
         raise ValueError(f"unknown schedule policy {policy!r}")
 
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:

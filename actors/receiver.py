@@ -20,6 +20,7 @@ from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, PolicyMsg, Submit, Wake
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
+from runtime.service import service_error
 
 # A request without a priority gets the worst value (as in SGLang).
 WORST_PRIORITY = 2**62
@@ -100,6 +101,9 @@ class Receiver(Actor[Submit | AbortRequest]):
         spec = msg.spec
         if spec.rid in self.live:
             raise InvalidInput(f"request id {spec.rid!r} is already in use", "rid")
+        service_problem = service_error(spec.service)
+        if service_problem is not None:
+            raise InvalidInput(*service_problem)
         sampling, up_to_context = self._sampling(spec)
         input_ids = await self._input_ids(spec)
         sampling = self._fit_to_context(sampling, len(input_ids), up_to_context)
@@ -112,6 +116,7 @@ class Receiver(Actor[Submit | AbortRequest]):
             priority=self._priority(spec.priority),
             routing_key=spec.routing_key,
             extra_key=spec.extra_key,
+            service=spec.service,
             return_logprob=spec.return_logprob,
             top_logprobs_num=sampling.top_logprobs_num,  # capped at the vocabulary
             logprob_start_len=self._logprob_start(spec, len(input_ids)),

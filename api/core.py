@@ -64,6 +64,7 @@ class Core:
             "num_compiling": len(self.policy.compiling),  # the grammar queue
             "rejected": self.policy.rejected,
             "queue_timeouts": self.policy.timed_out,
+            "deadline_infeasible": self.policy.infeasible,
             "generated_tokens": self.output.generated_tokens,
             "forward_steps": self.executor.steps,
             "forward_s": self.executor.forward_s,

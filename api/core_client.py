@@ -255,6 +255,7 @@ class CoreClient:
             priority=req.priority,
             routing_key=req.routing_key,
             extra_key=req.extra_key,
+            service=req.service,
             return_logprob=req.return_logprob,
             top_logprobs_num=req.top_logprobs_num,
             logprob_start_len=req.logprob_start_len,

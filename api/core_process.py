@@ -170,6 +170,7 @@ class CoreServer:
             priority=msg.priority,
             routing_key=msg.routing_key,
             extra_key=msg.extra_key,
+            service=msg.service,
             return_logprob=msg.return_logprob,
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,

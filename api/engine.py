@@ -33,6 +33,7 @@ from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, FlushCache, GenerateSpec, Submit
 from runtime.sampling_params import SamplingParams
+from runtime.service import ServiceClass
 from runtime.stream import Delta, RequestStream
 
 
@@ -169,6 +170,9 @@ class Engine:
         priority: int | None = None,
         routing_key: str | None = None,
         extra_key: str | None = None,
+        tenant: str | None = None,
+        slo_ttft_ms: float | None = None,
+        deadline_ms: float | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
@@ -177,7 +181,8 @@ class Engine:
         parts: list[Delta] = []
         deltas = self.stream(
             prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid, priority=priority,
-            routing_key=routing_key, extra_key=extra_key, return_logprob=return_logprob,
+            routing_key=routing_key, extra_key=extra_key, tenant=tenant, slo_ttft_ms=slo_ttft_ms,
+            deadline_ms=deadline_ms, return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
         )
         async with contextlib.aclosing(deltas):
@@ -195,6 +200,9 @@ class Engine:
         priority: int | None = None,
         routing_key: str | None = None,
         extra_key: str | None = None,
+        tenant: str | None = None,
+        slo_ttft_ms: float | None = None,
+        deadline_ms: float | None = None,
         return_logprob: bool = False,
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
@@ -206,6 +214,8 @@ class Engine:
         SGLang's names; `max_new_tokens: None` asks for as many as the context leaves.
         `rid`: the request id (default: a fresh one); `priority`: with priority scheduling on;
         `routing_key` (policy `routing-key`) and `extra_key` (a prefix-cache namespace);
+        `tenant` (fairness, metrics), `slo_ttft_ms` (first token due this long after arrival)
+        and `deadline_ms` (the whole answer due), read by `--schedule-policy edf`;
         `return_logprob` with `top_logprobs_num` alternatives per output token, and prompt
         logprobs from position `logprob_start_len` on (-1: none)."""
         if isinstance(sampling_params, SamplingParams):
@@ -218,6 +228,7 @@ class Engine:
             priority=priority,
             routing_key=routing_key,
             extra_key=extra_key,
+            service=ServiceClass(tenant=tenant, slo_ttft_ms=slo_ttft_ms, deadline_ms=deadline_ms),
             return_logprob=return_logprob,
             top_logprobs_num=top_logprobs_num,
             logprob_start_len=logprob_start_len,

@@ -135,6 +135,7 @@ class _EngineCollector:
             ("num_retractions", "Requests retracted on KV shortage", "retractions"),
             ("num_rejected_requests", "Requests refused by a full queue or evicted from it", "rejected"),
             ("num_queue_timeouts", "Requests that waited longer than the queue timeout", "queue_timeouts"),
+            ("num_deadline_infeasible", "Requests refused because the queue ahead would make them late", "deadline_infeasible"),
             ("forward_steps", "Forward steps run", "forward_steps"),
         ]
         for name, doc, value in gauges:

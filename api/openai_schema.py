@@ -106,6 +106,10 @@ class _Common(msgspec.Struct, kw_only=True):
     extra_key: str | None = None
     cache_salt: str | None = None
     routing_key: str | None = None
+    # Scheduling: whose request (also the X-Tenant header) and when it is due
+    tenant: str | None = None
+    slo_ttft_ms: float | None = None
+    deadline_ms: float | None = None
     # Constrained decoding: OpenAI's response_format (on completions too, as vLLM and SGLang
     # accept it), and SGLang's regex / ebnf extras
     response_format: ResponseFormat | None = None
@@ -162,6 +166,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_text_in_logprobs: bool = False
     routing_key: str | None = None
     extra_key: str | None = None
+    tenant: str | None = None
+    slo_ttft_ms: float | None = None
+    deadline_ms: float | None = None
 
 
 class AbortRequestBody(msgspec.Struct, kw_only=True):
@@ -266,7 +273,7 @@ def generate_calls(req: GenerateRequest) -> tuple[list[EngineCall], bool]:
     calls = []
     for i, (text, ids) in enumerate(prompts):
         sampling = dict(params[i] if isinstance(params, list) else params or {})
-        options = _options(rids[i], req.priority, req.routing_key, req.extra_key)
+        options = _options(rids[i], req, req.extra_key)
         options.update(return_logprob=req.return_logprob, top_logprobs_num=req.top_logprobs_num, logprob_start_len=req.logprob_start_len)
         calls.append(EngineCall(i, i, text, ids, sampling, options))
     return calls, batch
@@ -391,7 +398,7 @@ def _fan_out(
             index = p * req.n + j
             # Different seeds per choice: n identical samples would defeat the point of n.
             choice_sampling = sampling if req.seed is None or j == 0 else {**sampling, "seed": req.seed + j}
-            options = {**_options(rids[index], req.priority, req.routing_key, extra_key), **logprob}
+            options = {**_options(rids[index], req, extra_key), **logprob}
             calls.append(EngineCall(index, p, text, ids, choice_sampling, options))
     return response_id, calls
 
@@ -409,8 +416,12 @@ def _rids(rid: str | list[str] | None, count: int) -> tuple[str, list[str]]:
     return base, [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
 
 
-def _options(rid: str | None, priority: int | None, routing_key: str | None, extra_key: str | None) -> dict[str, Any]:
-    return {"rid": rid, "priority": priority, "routing_key": routing_key, "extra_key": extra_key}
+def _options(rid: str | None, req: _Common | GenerateRequest, extra_key: str | None) -> dict[str, Any]:
+    """Engine.stream's per-request options from a request body's shared fields."""
+    return {
+        "rid": rid, "priority": req.priority, "routing_key": req.routing_key, "extra_key": extra_key,
+        "tenant": req.tenant, "slo_ttft_ms": req.slo_ttft_ms, "deadline_ms": req.deadline_ms,
+    }
 
 
 def _join_keys(cache_salt: str | None, extra_key: str | None) -> str | None:

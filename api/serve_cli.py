@@ -62,6 +62,8 @@ FIELD_HELP: dict[str, str] = {
     "abort_on_priority_when_disabled": "refuse requests that give a priority while priority scheduling is off",
     "max_queued_requests": "queue length beyond which requests get 503 (none: unbounded)",
     "queue_timeout_s": "seconds a request may wait in the queue before a 503",
+    "default_slo_ttft_ms": "first-token deadline (ms after arrival) of requests that give none (edf)",
+    "reject_infeasible": "edf: refuse at once (503 deadline_infeasible) a request the queue ahead would make late",
     "priority_aging_s": "a waiting request gains one priority level per this many seconds (none: no aging; sjf: 5)",
     "stream_interval": "tokens per streamed chunk",
     "tokenize_off_loop_chars": "prompts longer than this are tokenized in a thread",

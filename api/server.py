@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import orjson
@@ -156,7 +156,7 @@ class Server:
 
     # --- OpenAI -------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = decode(await request.read(), CompletionRequest)
+        req = _tenant_from_header(decode(await request.read(), CompletionRequest), request)
         self._check_model(req.model)
         rid, calls = completion_calls(req)
         token_text = self._token_text if req.logprobs is not None else None
@@ -183,7 +183,7 @@ class Server:
         return await self._stream(request, calls, chunk, [], closing)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = decode(await request.read(), ChatCompletionRequest)
+        req = _tenant_from_header(decode(await request.read(), ChatCompletionRequest), request)
         self._check_model(req.model)
         input_ids = await self._render_chat(chat_messages(req), req.chat_template_kwargs or {})
         rid, calls = chat_calls(req, input_ids)
@@ -260,7 +260,7 @@ class Server:
 
     # --- native -------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        req = decode(await request.read(), GenerateRequest)
+        req = _tenant_from_header(decode(await request.read(), GenerateRequest), request)
         calls, batch = generate_calls(req)
         token_text = self._token_text if req.return_text_in_logprobs else None
         start = time.perf_counter()
@@ -432,6 +432,16 @@ class Server:
 
 
 # --- responses --------------------------------------------------------------------------------
+R = TypeVar("R", CompletionRequest, ChatCompletionRequest, GenerateRequest)
+
+
+def _tenant_from_header(req: R, request: web.Request) -> R:
+    """The X-Tenant header names the tenant when the body does not (a gateway sets it)."""
+    if req.tenant is None and "X-Tenant" in request.headers:
+        req.tenant = request.headers["X-Tenant"]
+    return req
+
+
 def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf")
+SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf", "edf")
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
@@ -78,6 +78,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A waiting request gains one priority level per this many seconds waited, under any policy
     # (actors/policy_order.py states the wait bound this gives); None: no aging, as SGLang.
     priority_aging_s: float | None = None
+    # Deadlines: a request's first token is due slo_ttft_ms (or deadline_ms) after arrival, else
+    # this many ms after; edf orders by that, and reject_infeasible refuses (503
+    # deadline_infeasible) a request the queue ahead of it would make late.
+    default_slo_ttft_ms: float | None = None
+    reject_infeasible: bool = False
 
     # outputs
     stream_interval: int = 1
@@ -124,6 +129,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.max_queued_requests is None or self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}"),
             (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
             (self.priority_aging_s is None or self.priority_aging_s > 0, f"priority_aging_s must be positive, got {self.priority_aging_s}"),
+            (self.default_slo_ttft_ms is None or self.default_slo_ttft_ms > 0, f"default_slo_ttft_ms must be positive, got {self.default_slo_ttft_ms}"),
+            (not self.reject_infeasible or self.schedule_policy == "edf", "reject_infeasible estimates the wait in deadline order: use schedule_policy edf"),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
             (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),

@@ -18,6 +18,7 @@ import msgspec
 
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
+from runtime.service import ServiceClass
 from runtime.stream import Delta
 
 
@@ -31,6 +32,7 @@ class CoreRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     priority: int
     routing_key: str | None
     extra_key: str | None
+    service: ServiceClass
     return_logprob: bool
     top_logprobs_num: int
     logprob_start_len: int

@@ -20,6 +20,7 @@ import torch
 
 from runtime.forward_mode import ForwardMode
 from runtime.req import Req
+from runtime.service import ServiceClass
 from runtime.stream import RequestStream
 
 
@@ -34,6 +35,7 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     priority: int | None = None
     routing_key: str | None = None
     extra_key: str | None = None
+    service: ServiceClass = ServiceClass()
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # With return_logprob: logprobs of the prompt tokens from this position on (-1: none).
@@ -64,6 +66,9 @@ class Pull(msgspec.Struct, frozen=True, tag=True):
     # Every request row is taken: only a request that may preempt a running one of this
     # priority (the least important) is worth sending; the others stay queued (and evictable).
     preempt_priority: int | None = None
+    # Prompt tokens per second the device prefills (measured on recent prefill steps; None
+    # until one ran): the Policy's deadline feasibility estimate.
+    prefill_tokens_per_s: float | None = None
 
 
 class Requeue(msgspec.Struct, frozen=True, tag=True):
@@ -94,6 +99,8 @@ class Ranked(msgspec.Struct, frozen=True, tag=True):
 class StepDone(msgspec.Struct, frozen=True, tag=True):
     step: int
     finished: list[Req]
+    prefill_tokens: int = 0  # prompt tokens the step computed (decode rows not counted)
+    forward_s: float = 0.0  # the device's time for the step
 
 
 class FlushCache(msgspec.Struct, frozen=True, tag=True):

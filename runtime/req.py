@@ -5,7 +5,7 @@ it, and only after a message handed the request over:
 
 | fields | written by |
 | --- | --- |
-| rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, return_logprob, top_logprobs_num, logprob_start_len, arrival_time, stream | Receiver (before the first message; never changed after) |
+| rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, service, return_logprob, top_logprobs_num, logprob_start_len, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
 | req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from runtime.sampling_params import SamplingParams
+from runtime.service import ServiceClass
 from runtime.stream import Delta, RemoteStream, RequestStream
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class Req:
     priority: int = 0
     routing_key: str | None = None
     extra_key: str | None = None
+    service: ServiceClass = ServiceClass()
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: logprobs of the prompt tokens from there on are wanted

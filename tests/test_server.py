@@ -250,6 +250,17 @@ async def test_generate_native_ebnf_and_two_constraints(server: ServerThread) ->
     assert status == 400 and "at most one of json_schema, regex, ebnf" in out["error"]["message"]
 
 
+async def test_deadline_and_tenant_fields_are_taken_and_checked(server: ServerThread) -> None:
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}, "slo_ttft_ms": 5000, "deadline_ms": 9000}
+    status, out = await _post(f"{server.url}/generate", body, {**AUTH, "X-Tenant": "team-a"})
+    assert status == 200 and len(out["output_ids"]) == 2, out
+    status, out = await _post(f"{server.url}/generate", {**body, "slo_ttft_ms": -1})
+    assert status == 400 and out["error"]["param"] == "slo_ttft_ms", out
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "tenant": ""}
+    status, out = await _post(f"{server.url}/v1/chat/completions", chat)
+    assert status == 400 and out["error"]["param"] == "tenant", out
+
+
 # --- raw HTTP: /generate and the native endpoints ---------------------------------------------
 async def _post(url: str, body: Any, headers: dict[str, str] = AUTH) -> tuple[int, Any]:
     async with aiohttp.ClientSession() as s, s.post(url, data=orjson.dumps(body), headers=headers) as r:

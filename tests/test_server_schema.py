@@ -79,7 +79,7 @@ def test_completion_defaults_to_sglang_sampling() -> None:
 def test_completion_extras_and_stop() -> None:
     req = _completion(
         max_tokens=5, stop="\n", top_k=3, min_p=0.1, ignore_eos=True, stop_token_ids=[7], min_tokens=2,
-        repetition_penalty=1.1, priority=4, rid="abc", routing_key="r", seed=9, logprobs=2,
+        repetition_penalty=1.1, priority=4, rid="abc", routing_key="r", seed=9, logprobs=2, tenant="t", slo_ttft_ms=250,
     )
     rid, [call] = completion_calls(req)
     assert rid == "abc"
@@ -88,6 +88,7 @@ def test_completion_extras_and_stop() -> None:
     assert (s["stop_token_ids"], s["min_new_tokens"], s["repetition_penalty"], s["seed"]) == ([7], 2, 1.1, 9)
     assert call.options == {
         "rid": "abc", "priority": 4, "routing_key": "r", "extra_key": None, "return_logprob": True, "top_logprobs_num": 2,
+        "tenant": "t", "slo_ttft_ms": 250, "deadline_ms": None,
     }
 
 
