@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from actors.fairness import generated_by_tenant
 from actors.running_set import RunningSet
 from actors.prefill_adder import (
     AddResult,
@@ -43,7 +44,7 @@ from gpu.prefix_cache import PrefixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
-from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, StepDone, Wake
+from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, Served, StepDone, Wake
 from runtime.req import FinishReason, Req
 
 # Prefill-rate samples come from steps computing at least this many prompt tokens.
@@ -82,6 +83,8 @@ class Adder(Actor[AdderMsg]):
         self.counters: Counter[str] = Counter()
         self.scheduler_s = 0.0
         self.prefill_tokens_per_s: float | None = None  # EWMA over recent prefill steps
+        # With fairness: tokens each launched step generates per tenant, reported when it is done.
+        self._generating: dict[int, Counter[str]] = {}
 
     def start(self, on_exit) -> None:
         super().start(on_exit)
@@ -101,6 +104,10 @@ class Adder(Actor[AdderMsg]):
             self._leave_all(msg.finished, "finish")
             self._release_done()
             self._measure_prefill(msg)
+            generated = self._generating.pop(msg.step, None)
+            if generated:
+                assert self.policy is not None
+                await self.policy.send(Served(dict(generated)))
         elif isinstance(msg, Wake):
             self._collect_aborts()
             self._stalled = False
@@ -191,6 +198,8 @@ class Adder(Actor[AdderMsg]):
         return True
 
     async def _launch(self, batch: Batch) -> None:
+        if self.config.fairness != "none":
+            self._generating[batch.step] = generated_by_tenant(batch.reqs, batch.produces_token)
         self.in_flight += 1
         self.next_step += 1
         self.counters["steps"] += 1

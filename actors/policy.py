@@ -24,14 +24,16 @@ import random
 import time
 from collections import Counter
 
+from actors.fairness import VirtualTokenCounter, tenant_of
 from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
 from actors.prefill_adder import may_preempt
 from gpu.prefix_cache import PrefixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
-from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Wake
+from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
 from runtime.req import Req
+from runtime.service import parse_tenant_weights
 
 QUEUE_FULL = "The request queue is full."
 
@@ -53,6 +55,7 @@ class Policy(Actor[PolicyMsg]):
         self.aborted = 0
         self.infeasible = 0
         self.backlog_rate = BacklogRate()
+        self.fairness = VirtualTokenCounter(parse_tenant_weights(config.tenant_weights)) if config.fairness == "vtc" else None
         self.prefill_tokens_per_s: float | None = None  # the Adder's measure, from its Pulls
 
     def start(self, on_exit) -> None:
@@ -66,10 +69,12 @@ class Policy(Actor[PolicyMsg]):
         elif isinstance(msg, GrammarCompiled):
             self._grammar_compiled(msg.req, msg.compiled)
         elif isinstance(msg, Requeue):
-            self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
+            self._requeue(msg)
         elif isinstance(msg, Pull):
             self._parked = msg
             self.prefill_tokens_per_s = msg.prefill_tokens_per_s or self.prefill_tokens_per_s
+        elif isinstance(msg, Served) and self.fairness is not None:
+            self.fairness.charge_outputs(msg.tokens)
         if isinstance(msg, (Wake, Pull)):
             # Aborts and the timeout ticker send a Wake; a Pull must not hand out what is gone.
             # Not per Enqueue: a burst of n arrivals would rescan the queue n times.
@@ -97,9 +102,12 @@ class Policy(Actor[PolicyMsg]):
         given: list[Req] = []
         if pull.max_reqs and self.waiting:
             ordered = self.orderer.order(self.waiting, Counter(pull.running_routing_keys))
+            if self.fairness is not None:
+                ordered = self.fairness.interleave(ordered)
             given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
             if pull.preempt_priority is not None and not self._may_preempt(given[0], pull.preempt_priority):
                 given, self.waiting = [], ordered  # it stays here, where a better newcomer can evict it
+            self._charge(given)
         self.backlog_rate.answered(time.monotonic(), len(given), backlogged=bool(self.waiting))
         await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
 
@@ -146,11 +154,31 @@ class Policy(Actor[PolicyMsg]):
         req.constraint = self.grammars.constraint(compiled)
         self._admit(req)
 
+    def _requeue(self, msg: Requeue) -> None:
+        if self.fairness is not None:
+            if msg.front:  # candidates the Adder did not admit: they were charged when handed out
+                self.fairness.charge_prompts(msg.reqs, sign=-1.0)
+            else:  # preempted or retracted: back in the queue as if they arrived now
+                for req in msg.reqs:
+                    self.fairness.arrived(tenant_of(req), {tenant_of(w) for w in self.waiting})
+        self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
+
+    def _charge(self, given: list[Req]) -> None:
+        """VTC: prompts handed out are service received; a tenant with nothing left queued left."""
+        if self.fairness is None or not given:
+            return
+        self.fairness.charge_prompts(given)
+        queued = {tenant_of(w) for w in self.waiting}
+        for tenant in {tenant_of(r) for r in given} - queued:
+            self.fairness.left(tenant)
+
     def _admit(self, req: Req) -> None:
         if self.config.reject_infeasible and self._late(req):
             self.infeasible += 1
             _end(req, "abort", "the request cannot get its first token by its deadline behind the queue ahead of it", 503, "deadline_infeasible")
             return
+        if self.fairness is not None:
+            self.fairness.arrived(tenant_of(req), {tenant_of(w) for w in self.waiting})
         limit = self.config.max_queued_requests
         if limit is None or len(self.waiting) < limit:
             self.waiting.append(req)

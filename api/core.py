@@ -65,6 +65,8 @@ class Core:
             "rejected": self.policy.rejected,
             "queue_timeouts": self.policy.timed_out,
             "deadline_infeasible": self.policy.infeasible,
+            # vtc: each tenant's weighted service (prompt + 2 x generated tokens, / its weight)
+            "tenant_service": dict(self.policy.fairness.counters) if self.policy.fairness is not None else {},
             "generated_tokens": self.output.generated_tokens,
             "forward_steps": self.executor.steps,
             "forward_s": self.executor.forward_s,

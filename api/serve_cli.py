@@ -14,10 +14,11 @@ from typing import Any, Union, get_args, get_origin
 
 import msgspec
 
-from runtime.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineConfig
+from runtime.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, FAIRNESS, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineConfig
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": SCHEDULE_POLICIES,
+    "fairness": FAIRNESS,
     "radix_eviction_policy": EVICTION_POLICIES,
     "attention_backend": ATTENTION_BACKENDS,
     "dtype": DTYPES,
@@ -64,6 +65,8 @@ FIELD_HELP: dict[str, str] = {
     "queue_timeout_s": "seconds a request may wait in the queue before a 503",
     "default_slo_ttft_ms": "first-token deadline (ms after arrival) of requests that give none (edf)",
     "reject_infeasible": "edf: refuse at once (503 deadline_infeasible) a request the queue ahead would make late",
+    "fairness": "vtc: serve the backlogged tenant with the least weighted service first (OSDI'24 VTC)",
+    "tenant_weights": "vtc shares, e.g. a=2,b=1 (tenants not named: 1)",
     "priority_aging_s": "a waiting request gains one priority level per this many seconds (none: no aging; sjf: 5)",
     "stream_interval": "tokens per streamed chunk",
     "tokenize_off_loop_chars": "prompts longer than this are tokenized in a thread",

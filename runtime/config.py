@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import msgspec
 
+from runtime.service import parse_tenant_weights
+
 SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf", "edf")
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
+FAIRNESS = ("none", "vtc")
 # sjf without --priority-aging-s ages at this rate: shortest-first alone starves long prompts.
 SJF_DEFAULT_AGING_S = 5.0
 
@@ -83,6 +86,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # deadline_infeasible) a request the queue ahead of it would make late.
     default_slo_ttft_ms: float | None = None
     reject_infeasible: bool = False
+    # Tenant fairness (actors/fairness.py): vtc hands the queue out least-served tenant first;
+    # tenant_weights "a=2,b=1" gives tenant a twice b's share (1 for tenants not named).
+    fairness: str = "none"
+    tenant_weights: str | None = None
 
     # outputs
     stream_interval: int = 1
@@ -131,6 +138,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.priority_aging_s is None or self.priority_aging_s > 0, f"priority_aging_s must be positive, got {self.priority_aging_s}"),
             (self.default_slo_ttft_ms is None or self.default_slo_ttft_ms > 0, f"default_slo_ttft_ms must be positive, got {self.default_slo_ttft_ms}"),
             (not self.reject_infeasible or self.schedule_policy == "edf", "reject_infeasible estimates the wait in deadline order: use schedule_policy edf"),
+            (self.fairness in FAIRNESS, f"fairness {self.fairness!r} is unknown; choose one of {', '.join(FAIRNESS)}"),
+            (_weights_error(self.tenant_weights) is None, str(_weights_error(self.tenant_weights))),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
             (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),
@@ -163,6 +172,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             if not ok:
                 return message
         return None
+
+
+def _weights_error(text: str | None) -> str | None:
+    try:
+        parse_tenant_weights(text)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _positive_or_none(value: int | None) -> bool:

@@ -71,6 +71,12 @@ class Pull(msgspec.Struct, frozen=True, tag=True):
     prefill_tokens_per_s: float | None = None
 
 
+class Served(msgspec.Struct, frozen=True, tag=True):
+    """Tokens one step generated, per tenant (sent by the Adder only with fairness on)."""
+
+    tokens: dict[str, int]
+
+
 class Requeue(msgspec.Struct, frozen=True, tag=True):
     reqs: list[Req]
     front: bool  # candidates not admitted go back in front; preempted/retracted ones at the end
@@ -143,5 +149,5 @@ class StepOut(msgspec.Struct, frozen=True, tag=True):
 
 
 ReceiverMsg = Submit | AbortRequest
-PolicyMsg = Enqueue | Pull | Requeue | Wake | GrammarCompiled
+PolicyMsg = Enqueue | Pull | Requeue | Wake | GrammarCompiled | Served
 AdderMsg = Ranked | StepDone | Wake | FlushCache

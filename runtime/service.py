@@ -40,3 +40,20 @@ def service_error(service: ServiceClass) -> tuple[str, str] | None:
         if value is not None and not (number and math.isfinite(value) and value > 0):
             return f"{name} must be a positive number of milliseconds, got {value!r:.80}", name
     return None
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """`a=2,b=0.5` -> {"a": 2.0, "b": 0.5}; raises ValueError naming the bad entry."""
+    weights: dict[str, float] = {}
+    for entry in (text or "").split(","):
+        if not entry.strip():
+            continue
+        name, sep, value = entry.partition("=")
+        try:
+            weight = float(value) if sep else float("nan")
+        except ValueError:
+            weight = float("nan")
+        if not name.strip() or not weight > 0 or weight == float("inf"):
+            raise ValueError(f"tenant_weights entry {entry!r}: expected tenant=positive_number")
+        weights[name.strip()] = weight
+    return weights

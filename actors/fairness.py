@@ -1,0 +1,89 @@
+"""Tenant fairness (`--fairness vtc`): the Virtual Token Counter of Sheng et al., "Fairness in
+Serving Large Language Models" (OSDI'24). Owned by the Policy actor.
+
+Each tenant has a counter of the service it received: prompt tokens admitted count
+INPUT_WEIGHT each and generated tokens OUTPUT_WEIGHT each (the paper's w_p = 1, w_q = 2),
+divided by the tenant's weight (`--tenant-weights a=2,b=1`; 1 when not named). The queue is
+handed to the Adder least-served tenant first: each pick goes to the backlogged tenant with the
+smallest counter, charged its prompt in advance, so one round interleaves tenants as their
+counters say. Inside a tenant the policy's own order is kept (lpm keeps its prefix locality
+there). A tenant that was not backlogged has its counter lifted, on arrival, to the smallest
+counter of the backlogged tenants (or to that of the tenant that left the queue last), so idle
+time earns no credit.
+
+Bound (the paper's Theorem 4.4): over any interval in which tenants f and g are both backlogged,
+their weighted services differ by at most 2 * max(INPUT_WEIGHT * L, OUTPUT_WEIGHT * M), L the
+longest prompt and M the most tokens the running batch can hold (the KV pool): a request admitted
+while the other tenant waits can go on generating until it ends, and what it can hold bounds that.
+Generated tokens are counted when their step is done (the Adder reports them per step).
+
+A request requeued in front (not admitted after all) is refunded its prompt; a preempted or
+retracted one keeps its charges (its prompt is computed again when it returns, and charged again).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+
+from runtime.req import Req
+
+INPUT_WEIGHT = 1.0
+OUTPUT_WEIGHT = 2.0
+DEFAULT_TENANT = ""  # requests that name no tenant share one
+
+
+def tenant_of(req: Req) -> str:
+    return req.service.tenant or DEFAULT_TENANT
+
+
+class VirtualTokenCounter:
+    def __init__(self, weights: Mapping[str, float]) -> None:
+        self.weights = dict(weights)
+        self.counters: dict[str, float] = {}
+        self._last_left = 0.0  # the counter of the tenant that left the backlog last
+
+    def arrived(self, tenant: str, backlogged: set[str]) -> None:
+        """`tenant` has a new request; `backlogged`: tenants with requests queued before it."""
+        if tenant in backlogged:
+            return
+        floor = min((self.counters.get(t, 0.0) for t in backlogged), default=self._last_left)
+        self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+
+    def left(self, tenant: str) -> None:
+        """`tenant` has nothing queued any more."""
+        self._last_left = self.counters.get(tenant, 0.0)
+
+    def interleave(self, ordered: Sequence[Req]) -> list[Req]:
+        """`ordered` (the policy's order) re-ordered least-served tenant first, each pick
+        charged its prompt in this simulation only; the counters do not change."""
+        queues: dict[str, list[Req]] = {}
+        for req in ordered:
+            queues.setdefault(tenant_of(req), []).append(req)
+        simulated = {t: self.counters.get(t, 0.0) for t in queues}
+        heads = dict.fromkeys(queues, 0)
+        out: list[Req] = []
+        while len(out) < len(ordered):
+            tenant = min((t for t in queues if heads[t] < len(queues[t])), key=lambda t: (simulated[t], t))
+            req = queues[tenant][heads[tenant]]
+            heads[tenant] += 1
+            simulated[tenant] += self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids))
+            out.append(req)
+        return out
+
+    def charge_prompts(self, reqs: Iterable[Req], sign: float = 1.0) -> None:
+        for req in reqs:
+            tenant = tenant_of(req)
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + sign * self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids))
+
+    def charge_outputs(self, tokens: Mapping[str, int]) -> None:
+        for tenant, n in tokens.items():
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + self._cost(tenant, OUTPUT_WEIGHT * n)
+
+    def _cost(self, tenant: str, tokens: float) -> float:
+        return tokens / self.weights.get(tenant, 1.0)
+
+
+def generated_by_tenant(reqs: Sequence[Req], produces_token: Sequence[bool]) -> Counter[str]:
+    """Tokens one step generates, per tenant."""
+    return Counter(tenant_of(req) for req, produced in zip(reqs, produces_token) if produced)
