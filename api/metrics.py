@@ -2,6 +2,11 @@
 (`sglang:num_running_reqs` -> `actorserve:num_running_reqs`).
 
 Each app has its own registry, so several servers in one process (tests) never share counts.
+Per-request latencies are labelled by class: `priority`, `tenant` and `slo_class` (the TTFT target
+asked for, e.g. `ttft<=500ms`, or `none`); each label keeps at most MAX_LABEL_VALUES distinct
+values (later ones are counted as `other`), so clients cannot blow up the series count. Requests
+that asked for a TTFT target (or a deadline) count as met or missed, and the tokens of those that
+met theirs are the goodput.
 Two sources: what the server observes per request (tokens, latencies, aborts) is recorded as it
 happens; what the engine owns (running/queued requests, KV, preemptions, retractions) is read from
 `Engine.stats()` at scrape time by a collector, so the engine needs no knowledge of Prometheus.
@@ -16,9 +21,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from runtime.service import ServiceClass
 from runtime.stream import Delta
 
 PREFIX = "actorserve"
+CLASS_LABELS = ("priority", "tenant", "slo_class")
+MAX_LABEL_VALUES = 64
 # Seconds. Wide on purpose: a CPU test model and a loaded GPU server both land inside.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -30,10 +38,16 @@ class ServerMetrics:
     def __init__(self, stats: Callable[[], dict[str, Any]]):
         self.registry = CollectorRegistry()
         reg, p = self.registry, PREFIX
-        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Inter-token latency", buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=reg)
-        self.queue_time = Histogram(f"{p}:request_queue_time_seconds", "Time waiting in the queue", buckets=LATENCY_BUCKETS, registry=reg)
+        by_class = {"labelnames": CLASS_LABELS, "registry": reg}
+        self.ttft = Histogram(f"{p}:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, **by_class)
+        self.itl = Histogram(f"{p}:inter_token_latency_seconds", "Inter-token latency", buckets=ITL_BUCKETS, **by_class)
+        self.tpot = Histogram(f"{p}:time_per_output_token_seconds", "Time per output token after the first, per request", buckets=ITL_BUCKETS, **by_class)
+        self.e2e = Histogram(f"{p}:e2e_request_latency_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, **by_class)
+        self.queue_time = Histogram(f"{p}:request_queue_time_seconds", "Time waiting in the queue", buckets=LATENCY_BUCKETS, **by_class)
+        self.slo_met = Counter(f"{p}:slo_met_requests", "Requests with a TTFT target or deadline that met it", **by_class)
+        self.slo_missed = Counter(f"{p}:slo_missed_requests", "Requests with a TTFT target or deadline that missed it", **by_class)
+        self.goodput_tokens = Counter(f"{p}:goodput_tokens", "Generated tokens of requests that met their target", **by_class)
+        self._label_values: dict[str, set[str]] = {name: set() for name in CLASS_LABELS}
         self.prompt_tokens = Counter(f"{p}:prompt_tokens", "Prompt tokens of finished requests", registry=reg)
         self.generation_tokens = Counter(f"{p}:generation_tokens", "Generated tokens", registry=reg)
         self.cached_tokens = Counter(f"{p}:cached_tokens", "Prompt tokens served from the prefix cache", registry=reg)
@@ -47,9 +61,17 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> RequestTracker:
+    def tracker(self, service: ServiceClass = ServiceClass(), priority: int | None = None) -> RequestTracker:
         self.requests.inc()
-        return RequestTracker(self)
+        labels = {"priority": "none" if priority is None else str(priority), "tenant": service.tenant or "", "slo_class": service.slo_class()}
+        return RequestTracker(self, {name: self._bounded(name, value) for name, value in labels.items()}, service)
+
+    def _bounded(self, label: str, value: str) -> str:
+        seen = self._label_values[label]
+        if value in seen or len(seen) < MAX_LABEL_VALUES:
+            seen.add(value)
+            return value
+        return "other"
 
     def cache_hit_rate(self) -> float:
         return self.cached_total / self.prompt_total if self.prompt_total else 0.0
@@ -58,25 +80,32 @@ class ServerMetrics:
 class RequestTracker:
     """Latency bookkeeping of one engine request, fed every delta it yields."""
 
-    __slots__ = ("metrics", "start", "last", "ended")
+    __slots__ = ("metrics", "labels", "service", "start", "first", "last", "tokens", "ended")
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, labels: dict[str, str], service: ServiceClass):
         self.metrics = metrics
+        self.labels = labels
+        self.service = service
         self.start = time.perf_counter()
+        self.first: float | None = None
         self.last: float | None = None
+        self.tokens = 0
         self.ended = False
 
     def on_delta(self, delta: Delta) -> None:
         m, now, n = self.metrics, time.perf_counter(), len(delta.output_ids)
         if n:
-            if self.last is None:
-                m.ttft.observe(now - self.start)
+            if self.first is None:
+                self.first = now
+                m.ttft.labels(**self.labels).observe(now - self.start)
             else:
                 # A delta may carry several tokens (stream_interval): spread the gap over them.
-                gap = (now - self.last) / n
+                gap = (now - self.last) / n  # type: ignore[operator]
+                itl = m.itl.labels(**self.labels)
                 for _ in range(n):
-                    m.itl.observe(gap)
+                    itl.observe(gap)
             self.last = now
+            self.tokens += n
             m.generation_tokens.inc(n)
         if delta.finish_reason is not None:
             self._end(delta, now)
@@ -94,17 +123,32 @@ class RequestTracker:
     def _end(self, delta: Delta, now: float) -> None:
         m = self.metrics
         self.ended = True
-        m.e2e.observe(now - self.start)
+        m.e2e.labels(**self.labels).observe(now - self.start)
+        if self.first is not None and self.tokens > 1:
+            m.tpot.labels(**self.labels).observe((now - self.first) / (self.tokens - 1))
+        self._count_slo(now)
         m.prompt_tokens.inc(delta.prompt_tokens)
         m.cached_tokens.inc(delta.cached_tokens)
         m.prompt_total += delta.prompt_tokens
         m.cached_total += delta.cached_tokens
-        # Forward-compatible: observed once the engine reports how long a request queued.
-        queue_time = getattr(delta, "queue_time", None)
-        if queue_time is not None:
-            m.queue_time.observe(queue_time)
+        if delta.queue_time is not None:
+            m.queue_time.labels(**self.labels).observe(delta.queue_time)
         if delta.finish_reason == "abort":
             m.aborted.inc()
+
+
+    def _count_slo(self, now: float) -> None:
+        ttft_due, end_due = self.service.slo_ttft_ms, self.service.deadline_ms
+        if ttft_due is None and end_due is None:
+            return
+        first_ok = ttft_due is None or (self.first is not None and (self.first - self.start) * 1e3 <= ttft_due)
+        end_ok = end_due is None or (now - self.start) * 1e3 <= end_due
+        m = self.metrics
+        if first_ok and end_ok:
+            m.slo_met.labels(**self.labels).inc()
+            m.goodput_tokens.labels(**self.labels).inc(self.tokens)
+        else:
+            m.slo_missed.labels(**self.labels).inc()
 
 
 class _EngineCollector:

@@ -61,6 +61,7 @@ from api.openai_schema import (
     generate_calls,
     invalid,
 )
+from runtime.service import ServiceClass
 from runtime.stream import Delta
 
 log = logging.getLogger("actorserve.server")
@@ -364,7 +365,9 @@ class Server:
                 yield call, delta
 
     async def _one(self, call: EngineCall) -> AsyncIterator[Delta]:
-        tracker = self.metrics.tracker()
+        options = call.options
+        service = ServiceClass(tenant=options.get("tenant"), slo_ttft_ms=options.get("slo_ttft_ms"), deadline_ms=options.get("deadline_ms"))
+        tracker = self.metrics.tracker(service, options.get("priority"))
         rid = call.options.get("rid")
         if rid is not None:
             self.live.add(rid)

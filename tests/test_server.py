@@ -494,10 +494,11 @@ async def _aborted(server: ServerThread) -> float:
 
 
 def _sample(metrics: str, name: str) -> float:
-    for line in metrics.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} not exposed")
+    """The family's value, summed over its labelled series (0 for a labelled family with none yet)."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{"))]
+    family = name.removesuffix("_count").removesuffix("_total")
+    assert values or f"# TYPE {family} " in metrics, f"{name} not exposed"
+    return sum(values)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/generate"])
@@ -573,6 +574,31 @@ async def test_metrics_move(server: ServerThread) -> None:
     for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
         key = f"actorserve:{name}_seconds_count"
         assert after[key] > before[key], key
+
+
+async def test_metrics_split_by_class_and_count_slo_attainment(server: ServerThread) -> None:
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}, "priority": 7, "tenant": "t-metrics"}
+    for slo in (60_000, 0.001):  # met; missed (no first token within a microsecond)
+        status, _ = await _post(f"{server.url}/generate", {**body, "slo_ttft_ms": slo})
+        assert status == 200
+    _, raw = await _get(f"{server.url}/metrics", headers={})
+    text = raw.decode()
+    met = 'actorserve:slo_met_requests_total{priority="7",slo_class="ttft<=60000ms",tenant="t-metrics"} 1.0'
+    missed = 'actorserve:slo_missed_requests_total{priority="7",slo_class="ttft<=0.001ms",tenant="t-metrics"} 1.0'
+    goodput = 'actorserve:goodput_tokens_total{priority="7",slo_class="ttft<=60000ms",tenant="t-metrics"} 3.0'
+    assert met in text and missed in text and goodput in text, text
+    assert 'actorserve:time_per_output_token_seconds_count{priority="7",slo_class="ttft<=60000ms",tenant="t-metrics"} 1.0' in text
+
+
+def test_class_labels_keep_a_bounded_number_of_values() -> None:
+    from api.metrics import MAX_LABEL_VALUES, ServerMetrics
+    from runtime.service import ServiceClass
+
+    metrics = ServerMetrics(lambda: {"running": False})
+    tenants = [metrics.tracker(ServiceClass(tenant=f"t{i}")).labels["tenant"] for i in range(MAX_LABEL_VALUES + 5)]
+    assert tenants[:MAX_LABEL_VALUES] == [f"t{i}" for i in range(MAX_LABEL_VALUES)]
+    assert tenants[MAX_LABEL_VALUES:] == ["other"] * 5
+    assert metrics.tracker(ServiceClass(tenant="t3")).labels["tenant"] == "t3"  # a value already seen keeps its series
 
 
 # --- shutdown ---------------------------------------------------------------------------------
