@@ -1,10 +1,13 @@
 """The runtime's own cost: the actors measured at scale with a simulated device.
 
     python -m bench.overhead [--scenario all|decode|split|busy|prefill|real|profile] [--repeats 3] [--profile]
+                             [--device-model h100-qwen3-8b]
 
 A `NullDevice` stands in for the model: every step sleeps `--step-ms` (a sleep releases the GIL,
 as a device computing would) and returns deterministic token ids (never EOS) without computing
-anything. It replaces the Executor's `run_step` on the running Engine, so everything else is the
+anything. With `--device-model NAME` the sleep is instead what that GPU would take for the step
+(bench/device_model.py: a roofline of the step's prefill tokens, decode rows and context). It
+replaces the Executor's `run_step` on the running Engine, so everything else is the
 real runtime: Receiver, Policy, Adder (KV allocation, prefix cache), Executor launch and reporter,
 OutputProcessor (detokenizing and streaming every token to an `Engine.generate` caller). The
 model loaded underneath is a one-layer micro model, so a KV pool of a million tokens stays small.
@@ -61,6 +64,7 @@ import uvloop
 
 from api.core import Core, CoreSetup
 from api.engine import Engine
+from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests
 from gpu.prefix_cache import token_array
@@ -79,10 +83,12 @@ NO_LPM_FALLBACK = 1 << 20
 
 
 class NullDevice:
-    """Stands in for the model runner: a fixed step time, token ids without computing."""
+    """Stands in for the model runner: token ids without computing, after a fixed `step_s` or,
+    with a `model`, the time that model gives the step's rows."""
 
-    def __init__(self, step_s: float, vocab_size: int):
+    def __init__(self, step_s: float, vocab_size: int, model: DeviceModel | None = None):
         self.step_s = step_s
+        self.model = model
         self.span = vocab_size - 2 * TOKEN_MARGIN
         self.busy: list[tuple[float, float]] = []
         self.lock = threading.Lock()
@@ -91,20 +97,24 @@ class NullDevice:
         # Varied ids so that detokenizing does real work; a pure function of row and position.
         tokens = [TOKEN_MARGIN + (row * 31 + p + e) % self.span for row, p, e in zip(batch.rows, batch.prefix_lens, batch.extend_lens)]
         start = time.perf_counter()
-        time.sleep(self.step_s)
+        time.sleep(self.sleep_s(batch))
         end = time.perf_counter()
         with self.lock:
             self.busy.append((start, end))
         return StepOut(batch=batch, token_ids=tokens, logprobs=None, top_logprobs=None, forward_s=end - start)
+
+    def sleep_s(self, batch: Batch) -> float:
+        return self.step_s if self.model is None else self.model.step_s(batch.prefix_lens, batch.extend_lens)
 
     def busy_between(self, t0: float, t1: float) -> float:
         with self.lock:
             return sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.busy)
 
 
-def install_null_device(core: Core, step_s: float) -> None:
-    """`CoreSetup` target: the core's model is replaced by a NullDevice (in the core process)."""
-    device = NullDevice(step_s, core.runner.vocab_size)
+def install_null_device(core: Core, step_s: float, device_model: str | None = None) -> None:
+    """`CoreSetup` target: the core's model is replaced by a NullDevice (in the core process);
+    the cost model travels by its preset name."""
+    device = NullDevice(step_s, core.runner.vocab_size, DEVICE_MODELS[device_model] if device_model else None)
     core.executor.run_step = device.run_step  # type: ignore[method-assign]
 
 
@@ -215,8 +225,9 @@ class Rig:
     gate: threading.Event  # cleared: launched steps wait (lets the whole queue build up first)
 
 
-async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, **config: Any) -> Rig:
-    """A started, instrumented Engine; with `step_s` its model is replaced by a NullDevice."""
+async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, device_model: DeviceModel | None = None, **config: Any) -> Rig:
+    """A started, instrumented Engine; with `step_s` or `device_model` its model is replaced by a
+    NullDevice (that sleeps the cost model's step time when one is given, else `step_s`)."""
     engine = Engine(model_path=str(model_dir), random_seed=0, inline_core=True, **config)
     await engine.start()
     # As `actorserve serve` does: startup objects (torch, the tokenizer) leave the collector's
@@ -224,7 +235,8 @@ async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, **co
     gc.collect()
     gc.freeze()
     gc.callbacks.append(probe.on_gc)
-    device = NullDevice(step_s, engine.runner.vocab_size) if step_s is not None else None
+    simulated = step_s is not None or device_model is not None
+    device = NullDevice(step_s or 0.0, engine.runner.vocab_size, device_model) if simulated else None
     inner = device.run_step if device is not None else engine.executor.run_step
     gate = threading.Event()
     gate.set()
@@ -320,6 +332,7 @@ async def run_decode(
     real_model: bool = False,
     profile: bool = False,
     model_dir: Path | None = None,
+    device_model: DeviceModel | None = None,
 ) -> DecodeResult:
     """`running` requests decode together; measures `steps` full decode steps after `warmup`."""
     model = model_dir or (tiny_qwen3_dir() if real_model else micro_model_dir())
@@ -328,7 +341,7 @@ async def run_decode(
     window = Window(running, warmup, steps, probe, profile)
     probe.on_batch = window.on_batch
     rig = await start_engine(
-        model, probe, None if real_model else step_ms / 1e3,
+        model, probe, None if real_model else step_ms / 1e3, None if real_model else device_model,
         max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
         disable_overlap_schedule=not overlap,
     )
@@ -357,11 +370,11 @@ async def run_decode(
     )
 
 
-async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128) -> DecodeResult:
+async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128, device_model: DeviceModel | None = None) -> DecodeResult:
     """`running` requests decode together through a core process; the window opens once all of
     them decode and `warmup` more steps have run, and closes `steps` steps later."""
     max_new = warmup + steps + 64  # prefill rounds come first; everyone still decodes after the window
-    setup = CoreSetup("bench.overhead:install_null_device", {"step_s": step_ms / 1e3})
+    setup = CoreSetup("bench.overhead:install_null_device", {"step_s": step_ms / 1e3, "device_model": device_model.name if device_model else None})
     engine = Engine(
         model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=setup,
         max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
@@ -495,12 +508,13 @@ async def run_prefill(
     order_repeats: int = 20,
     profile: bool = False,
     model_dir: Path | None = None,
+    device_model: DeviceModel | None = None,
 ) -> PrefillResult:
     """`num_requests` requests sharing 16 hot 512-token prefixes, queued at once."""
     model = model_dir or micro_model_dir()
     probe = Probe()
     rig = await start_engine(
-        model, probe, step_ms / 1e3,
+        model, probe, step_ms / 1e3, device_model,
         schedule_policy=policy, lpm_fallback_queue_len=NO_LPM_FALLBACK,
         max_running_requests=num_requests + groups, max_total_tokens=(num_requests + groups) * 600 + 4096,
     )
@@ -612,13 +626,21 @@ def _header(cols: Iterable[str]) -> str:
     return "| " + " | ".join(cols) + " |\n|" + " --- |" * len(cols)
 
 
+def _device_model(args: argparse.Namespace) -> DeviceModel | None:
+    return DEVICE_MODELS[args.device_model] if args.device_model else None
+
+
+def _null_label(args: argparse.Namespace) -> str:
+    return f"null device, {args.device_model} cost model" if args.device_model else f"null device, step {args.step_ms} ms"
+
+
 async def scenario_decode(args: argparse.Namespace, real: bool) -> list[dict[str, Any]]:
-    label = "real tiny-qwen3 (bench.forward's)" if real else f"null device, step {args.step_ms} ms"
+    label = "real tiny-qwen3 (bench.forward's)" if real else _null_label(args)
     _print(f"\n### decode, {label}, overlap on, streaming every token; per decode step, median of {args.repeats}\n")
     _print(_header(DECODE_COLS))
     rows = []
     for n in args.real_running if real else args.running:
-        runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, real_model=real) for _ in range(args.repeats)]
+        runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, real_model=real, device_model=_device_model(args)) for _ in range(args.repeats)]
         rows.append({"scenario": "real" if real else "decode", **_decode_row(runs)})
         _print(_decode_line(rows[-1]))
     return rows
@@ -636,16 +658,16 @@ def _split_line(row: dict[str, Any]) -> str:
 
 
 async def scenario_split(args: argparse.Namespace) -> list[dict[str, Any]]:
-    _print(f"\n### decode, null device, step {args.step_ms} ms, overlap on, streaming every token: inline core vs core process; "
+    _print(f"\n### decode, {_null_label(args)}, overlap on, streaming every token: inline core vs core process; "
            f"per decode step, median of {args.repeats}\n")
     _print(_header(SPLIT_COLS))
     rows = []
     for n in args.running:
         for core in ("inline", "process"):
             if core == "inline":
-                runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+                runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
             else:
-                runs = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup) for _ in range(args.repeats)]
+                runs = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
             rows.append({"scenario": "split", "core": core, **_decode_row(runs)})
             _print(_split_line(rows[-1]))
     return rows
@@ -653,11 +675,11 @@ async def scenario_split(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 async def scenario_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
     n = args.busy_running
-    _print(f"\n### device busy, null device, {n} running, step {args.step_ms} ms; median of {args.repeats}\n")
+    _print(f"\n### device busy, {_null_label(args)}, {n} running; median of {args.repeats}\n")
     _print(_header(("overlap", *DECODE_COLS)))
     rows = []
     for overlap in (True, False):
-        runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, overlap=overlap) for _ in range(args.repeats)]
+        runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, overlap=overlap, device_model=_device_model(args)) for _ in range(args.repeats)]
         rows.append({"scenario": "busy", "overlap": overlap, **_decode_row(runs)})
         _print(f"| {'on' if overlap else 'off'} " + _decode_line(rows[-1]))
     return rows
@@ -665,12 +687,12 @@ async def scenario_busy(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 async def scenario_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
     n = args.queued
-    _print(f"\n### prefill rounds, null device, {n} queued requests, 16 hot 512-token prefixes (median of {args.repeats})\n")
+    _print(f"\n### prefill rounds, {_null_label(args)}, {n} queued requests, 16 hot 512-token prefixes (median of {args.repeats})\n")
     _print("The first columns are the round that ordered the longest queue; mean = over all prefill rounds of the run.\n")
     _print(_header(("policy", "queue", "order ms", "policy ms", "adder ms", "round ms", "admitted", "rounds", "mean round ms", f"order@{n} cold ms", f"order@{n} warm ms", "gc max ms")))
     rows = []
     for policy in args.policies:
-        runs = [await run_prefill(policy, step_ms=args.step_ms, num_requests=n) for _ in range(args.repeats)]
+        runs = [await run_prefill(policy, step_ms=args.step_ms, num_requests=n, device_model=_device_model(args)) for _ in range(args.repeats)]
         first = [r.first for r in runs]
         row = {
             "scenario": "prefill", "policy": policy, "queue": first[0].queue_len,
@@ -691,10 +713,10 @@ async def scenario_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 async def scenario_profiles(args: argparse.Namespace) -> None:
     """cProfile of the loop thread (profiling slows it: use the tables above for the numbers)."""
-    r = await run_decode(args.busy_running, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, profile=True)
+    r = await run_decode(args.busy_running, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, profile=True, device_model=_device_model(args))
     _print(f"\n### profile: decode at {args.busy_running} running, {args.steps} steps, loop thread, by tottime\n```\n{r.profile}```")
     for policy in ("lpm", "dfs-weight"):
-        p = await run_prefill(policy, step_ms=args.step_ms, num_requests=args.queued, profile=True)
+        p = await run_prefill(policy, step_ms=args.step_ms, num_requests=args.queued, profile=True, device_model=_device_model(args))
         _print(f"\n### profile: prefill rounds (ordering + the Adder's round), {policy}, {args.queued} queued, by tottime\n```\n{p.profile}```")
 
 
@@ -729,6 +751,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--queued", type=int, default=1024)
     p.add_argument("--policies", type=lambda s: s.split(","), default=list(POLICIES))
     p.add_argument("--step-ms", type=float, default=10.0)
+    p.add_argument("--device-model", choices=sorted(DEVICE_MODELS), default=None,
+                   help="null device steps sleep this cost model's step time instead of --step-ms")
     p.add_argument("--steps", type=int, default=50, help="decode steps measured per run")
     p.add_argument("--warmup", type=int, default=10, help="full decode steps before the window opens")
     p.add_argument("--repeats", type=int, default=3)
@@ -743,7 +767,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    _print(f"cpus={os.cpu_count()} torch_threads={torch.get_num_threads()} step_ms={args.step_ms} steps={args.steps} warmup={args.warmup} repeats={args.repeats} load={os.getloadavg()[0]:.2f}")
+    _print(f"cpus={os.cpu_count()} torch_threads={torch.get_num_threads()} step_ms={args.step_ms} device_model={args.device_model} steps={args.steps} warmup={args.warmup} repeats={args.repeats} load={os.getloadavg()[0]:.2f}")
     rows = uvloop.run(main_async(args))
     _print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
     if args.json is not None:
