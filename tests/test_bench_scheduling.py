@@ -1,0 +1,53 @@
+"""bench/scheduling.py: its figures on hand-made outcomes, and one small run through the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import scheduling
+from bench.device_model import DEVICE_MODELS
+from bench.scheduling import Job, Outcome, Setting, overtaken_from_outside_window, service_gap
+from bench.workloads import Request
+
+
+def _outcome(klass: str, sent: float, admitted: float, prompt: int = 10, tokens: list[tuple[float, int]] | None = None, priority: int = 0) -> Outcome:
+    job = Job(Request(0, [1] * prompt, 4, priority=priority), klass)
+    times = tokens if tokens is not None else [(admitted + 0.01, 1)]
+    return Outcome(job, sent, times[0][0], times[-1][0], admitted - sent, prompt, 0, times)
+
+
+def test_overtaking_counts_only_requests_from_outside_the_window():
+    outs = [
+        _outcome("p0", sent=0.0, admitted=5.0),  # waited 5 s
+        _outcome("p10", sent=0.5, admitted=1.0, priority=10),  # overtook it from 0.5 s after it...
+        _outcome("p10", sent=3.0, admitted=3.5, priority=10),  # ...and from 3 s after it
+    ]
+    # With S = 0.1 s the priority-0 request's window is (10 + 1) * 0.1 = 1.1 s: one overtaker is outside.
+    assert overtaken_from_outside_window(outs, 0.1, best=10) == 1
+    assert overtaken_from_outside_window(outs, 1.0, best=10) == 0  # an 11 s window holds both
+
+
+def test_the_service_gap_counts_from_the_start_of_each_common_backlog():
+    a = [_outcome("a", 0.0, 0.02, prompt=100, tokens=[(0.1, 10)]), _outcome("a", 0.0, 1.0, prompt=100, tokens=[(1.1, 10)])]
+    b = [_outcome("b", 0.0, 0.5, prompt=30, tokens=[(0.6, 5)])]
+    # Both wait from 0 to 0.5 s (a's second request until 1.0, b's until 0.5): a's first request
+    # is admitted at 0.02 (100) and streams 10 tokens at 0.1 (20): 120 against b's nothing.
+    assert service_gap(a + b, step_s=0.05) == pytest.approx(120.0)
+    late_b = [_outcome("b", 2.0, 2.5, prompt=30, tokens=[(2.6, 5)]), _outcome("b", 2.0, 3.0, prompt=30, tokens=[(3.1, 5)])]
+    late_a = [_outcome("a", 2.0, 4.0, prompt=100, tokens=[(4.1, 10)])]
+    # A second common backlog (2.0 to 3.0 s) counts from its own start: b gets 30 + 2 * 5 = 40 by
+    # 2.6, nothing of a's earlier 120 counts.
+    assert service_gap(late_b + late_a, step_s=0.05) == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("workload", ["tenants", "w5"])
+def test_a_small_run_prints_its_table(workload, capsys):
+    small = ["--w5-requests", "60", "--w5-aging", "0.5", "--tenant-requests", "60", "--max-running", "16", "--pool-tokens", "20000"]
+    scheduling.main(["--workload", workload, "--device-model", "h100-qwen3-8b", *small])
+    out = capsys.readouterr().out
+    assert ("lpm + vtc" in out) if workload == "tenants" else ("+ aging 0.5 s" in out and "largest wait / bound" in out)
+
+
+def test_settings_and_presets_are_plain_data():
+    assert Setting("x", {"fairness": "vtc"}).config == {"fairness": "vtc"}
+    assert "h100-qwen3-8b" in DEVICE_MODELS
