@@ -161,6 +161,8 @@ class Policy(Actor[PolicyMsg]):
             else:  # preempted or retracted: back in the queue as if they arrived now
                 for req in msg.reqs:
                     self.fairness.arrived(tenant_of(req), {tenant_of(w) for w in self.waiting})
+        if msg.front:
+            self.backlog_rate.gave_back(len(msg.reqs))
         self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
 
     def _charge(self, given: list[Req]) -> None:
@@ -241,19 +243,25 @@ class Policy(Actor[PolicyMsg]):
 
 
 class BacklogRate:
-    """Requests per second the Adder took from the queue while it stayed backlogged (an EWMA;
-    None until two backlogged answers in a row were seen). An answer that leaves nothing waiting
-    ends a measuring interval: arrivals, not the engine, set the pace then."""
+    """Requests per second the Adder kept from the queue while it stayed backlogged (an EWMA;
+    None until two backlogged answers in a row were seen): each interval between answers counts
+    what the first of them handed out, less what the Adder gave back. An answer that leaves
+    nothing waiting ends the measuring: arrivals, not the engine, set the pace then."""
 
     def __init__(self) -> None:
         self.per_s: float | None = None
         self._since: float | None = None
+        self._kept = 0  # handed out by the last answer, less what came back since
 
     def answered(self, now: float, given: int, backlogged: bool) -> None:
         if self._since is not None and now > self._since:
-            sample = given / (now - self._since)
+            sample = max(self._kept, 0) / (now - self._since)
             self.per_s = sample if self.per_s is None else 0.8 * self.per_s + 0.2 * sample
+        self._kept = given
         self._since = now if backlogged else None
+
+    def gave_back(self, count: int) -> None:
+        self._kept -= count
 
 
 def estimated_first_token_s(

@@ -65,17 +65,21 @@ def test_the_wait_estimate_takes_the_slower_of_taking_requests_and_prefilling_th
     assert estimated_first_token_s(10, 20_000, 100, reqs_per_s=20, prefill_tokens_per_s=1e4) == pytest.approx(2.01)
 
 
-def test_the_backlog_rate_counts_only_while_the_queue_stays_backlogged():
+def test_the_backlog_rate_counts_what_was_kept_while_the_queue_stays_backlogged():
     rate = BacklogRate()
     rate.answered(0.0, 4, backlogged=False)
     rate.answered(1.0, 4, backlogged=True)  # the interval began with nothing waiting: no sample
     assert rate.per_s is None
-    rate.answered(1.5, 5, backlogged=True)
-    assert rate.per_s == pytest.approx(10.0)
-    rate.answered(2.0, 0, backlogged=False)  # a decode round took nothing: 0 req/s over 0.5 s
+    rate.answered(1.5, 5, backlogged=True)  # the answer at 1.0 handed out 4: 8 req/s
     assert rate.per_s == pytest.approx(8.0)
+    rate.gave_back(3)  # the Adder admitted 2 of those 5
+    rate.answered(2.0, 0, backlogged=True)  # 2 kept over 0.5 s: 4 req/s
+    assert rate.per_s == pytest.approx(0.8 * 8 + 0.2 * 4)
+    rate.answered(2.5, 6, backlogged=False)  # a decode round took nothing: 0 req/s
+    assert rate.per_s == pytest.approx(0.8 * (0.8 * 8 + 0.2 * 4))
+    before = rate.per_s
     rate.answered(9.0, 3, backlogged=True)  # after an idle stretch: starts a new interval only
-    assert rate.per_s == pytest.approx(8.0)
+    assert rate.per_s == before
 
 
 async def test_a_request_the_queue_would_make_late_is_refused_at_once():
