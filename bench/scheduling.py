@@ -17,14 +17,16 @@ Workloads:
 - lpm: 90% of prompts share a hot 1,024-token prefix, 10% are cold (as long, nothing shared),
   at capacity (`--lpm-overload`, x capacity); lpm (no fallback to fcfs, as a deployment that raised
   `--lpm-fallback-queue-len` runs) without and with aging: the cold class's TTFT, the hit rate.
-- slo: W5's request sizes (no priorities), each asking TTFT <= 500 ms:
+- slo: W5's request sizes (no priorities), each asking TTFT <= 500 ms (its slo_ttft_ms) and
+  TPOT <= 50 ms:
   the arrival rate where fcfs meets 90% of them (bisected), then edf with --reject-infeasible at it:
-  attainment among the admitted, and goodput (tokens of requests that met their TTFT per second).
+  attainment among the admitted, and goodput (tokens of requests that met both per second).
 - tenants: W5's request sizes from two tenants, one sending 4x the other's requests, at 3x
   capacity (so b alone asks for more than half of it and both stay backlogged): lpm, and lpm with
   --fairness vtc. Over each period in which both wait, the largest difference between the service
   each received since it began (prompt tokens when admitted + 2 x tokens as they stream, the VTC
-  paper's measure), against the paper's bound; throughput against lpm's.
+  paper's measure), against the paper's bound; Jain's index over that service; throughput
+  against lpm's.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from bench.workloads import W5_HIGH_PRIORITY, W5_REQUESTS, Request, arrival_offs
 VOCAB = 512  # the micro model's
 NO_FALLBACK = 1 << 20
 SLO_TTFT_MS = 500.0
+SLO_TPOT_MS = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +227,7 @@ async def w5(args: argparse.Namespace, device: DeviceModel) -> None:
         outs = results[setting.name]
         counts = [overtaken_from_outside_window(outs, s, W5_HIGH_PRIORITY) for s in args.w5_aging]
         aging_s = setting.config.get("priority_aging_s")
-        ratio = f"{worst_wait_over_bound(outs, aging_s, W5_HIGH_PRIORITY, cap):.2f}" if aging_s else "no bound"
+        ratio = f"{worst_wait_over_bound(outs, aging_s, W5_HIGH_PRIORITY, cap):.3f}" if aging_s else "no bound"
         print(f"| {setting.name} | " + " | ".join(str(c) for c in counts) + f" | {ratio} |")
 
 
@@ -268,10 +271,16 @@ def slo_jobs(requests: Sequence[Request], rate: float, seed: int) -> list[Job]:
     return [Job(r, "ttft<=500ms", {"slo_ttft_ms": SLO_TTFT_MS}) for r in with_arrivals(requests, rate, seed)]
 
 
+def meets_slo(o: Outcome) -> bool:
+    tokens = o.output_tokens
+    tpot_ms = (o.end_s - o.ttft_s - o.sent_s) / (tokens - 1) * 1e3 if tokens > 1 else 0.0
+    return o.ttft_s * 1e3 <= SLO_TTFT_MS and tpot_ms <= SLO_TPOT_MS
+
+
 def attainment(outs: Sequence[Outcome]) -> tuple[float, float, float]:
-    """(share of admitted requests meeting the TTFT target, of all requests, goodput tok/s)."""
+    """(share of admitted requests meeting the SLO, of all requests, goodput tok/s)."""
     admitted = [o for o in outs if not o.refused]
-    met = [o for o in admitted if o.ttft_s * 1e3 <= SLO_TTFT_MS]
+    met = [o for o in admitted if meets_slo(o)]
     wall = max(o.end_s for o in outs)
     return len(met) / max(1, len(admitted)), len(met) / len(outs), sum(o.output_tokens for o in met) / wall
 
@@ -281,8 +290,8 @@ async def slo(args: argparse.Namespace, device: DeviceModel) -> None:
     fcfs = Setting("fcfs", {"max_running_requests": args.max_running})
     edf = Setting("edf + reject-infeasible", {"max_running_requests": args.max_running, "schedule_policy": "edf", "reject_infeasible": True})
     cap = await capacity(base, fcfs, device, args.pool_tokens)
-    print(f"\nSLO goodput (TTFT <= {SLO_TTFT_MS:g} ms), {len(base)} W5-sized requests on {device.name}: capacity {cap:.1f} req/s")
-    print("| load x capacity | setting | admitted meeting TTFT % | all meeting TTFT % | refused | goodput tok/s |\n| --- | --- | --- | --- | --- | --- |")
+    print(f"\nSLO goodput (TTFT <= {SLO_TTFT_MS:g} ms, TPOT <= {SLO_TPOT_MS:g} ms), {len(base)} W5-sized requests on {device.name}: capacity {cap:.1f} req/s")
+    print("| load x capacity | setting | admitted meeting SLO % | all meeting SLO % | refused | goodput tok/s |\n| --- | --- | --- | --- | --- | --- |")
 
     async def fcfs_at(load: float) -> float:
         outs = await run(slo_jobs(base, load * cap, args.seed), fcfs, device, args.pool_tokens)
@@ -307,24 +316,36 @@ async def slo(args: argparse.Namespace, device: DeviceModel) -> None:
 # --- tenants -----------------------------------------------------------------------------------------
 
 
-def service_gap(outs: Sequence[Outcome], step_s: float = 0.05) -> float:
+@dataclass(frozen=True, slots=True)
+class Fairness:
+    gap: float  # the largest service difference within one common backlog
+    jain: float  # Jain's index over the service each tenant received while both waited
+
+
+def fairness(outs: Sequence[Outcome], step_s: float = 0.05) -> Fairness:
     """VTC's measure: over each period in which both tenants had a request waiting for admission,
     the largest difference between the service each received since the period began (prompt
-    tokens when admitted + 2 x generated tokens as they arrived), sampled every `step_s`."""
+    tokens when admitted + 2 x generated tokens as they arrived), sampled every `step_s`; and
+    Jain's index (1 when equal, 1/2 when one tenant got it all) over the service received in all
+    those periods."""
     tenants = sorted({o.job.klass for o in outs})
     assert len(tenants) == 2
     served = {t: _cumulative(o for o in outs if o.job.klass == t) for t in tenants}
     end = max(o.end_s for o in outs)
-    gap, start = 0.0, None  # start: when the current common backlog began, with each one's service then
+    gap, start, last = 0.0, None, None  # start / last: each one's service when the backlog began / at the last sample
+    totals = [0.0, 0.0]
     for now in np.arange(0.0, end, step_s):
         if not all(any(o.sent_s <= now < o.admitted_s for o in outs if o.job.klass == t) for t in tenants):
-            start = None
+            start = last = None
             continue
         current = [_at(served[t], now) for t in tenants]
         if start is None:
-            start = current
+            start = last = current
         gap = max(gap, abs((current[0] - start[0]) - (current[1] - start[1])))
-    return gap
+        totals = [total + c - p for total, c, p in zip(totals, current, last)]
+        last = current
+    jain = sum(totals) ** 2 / (2 * sum(x * x for x in totals)) if any(totals) else 1.0
+    return Fairness(gap, jain)
 
 
 def _cumulative(outs: Any) -> tuple[list[float], np.ndarray]:
@@ -353,10 +374,11 @@ async def tenants(args: argparse.Namespace, device: DeviceModel) -> None:
     bound = 2 * max(max(len(r.input_ids) for r in base), 2 * held)  # the paper's 2 max(w_p L, w_q M)
     print(f"\nTwo tenants, {len(jobs)} requests (a sends 4x b's) on {device.name}: capacity {cap:.1f} req/s, arrivals at {rate:.1f} req/s")
     print(f"VTC's bound on the gap: 2 max(L, 2 M) = {bound} (L the longest prompt, M = {held} tokens the running batch can hold)")
-    print("| setting | largest service gap while both wait | output tok/s |\n| --- | --- | --- |")
+    print("| setting | largest service gap while both wait | Jain's index while both wait | output tok/s |\n| --- | --- | --- | --- |")
     for setting in (lpm, vtc):
         outs = await run(jobs, setting, device, args.pool_tokens)
-        print(f"| {setting.name} | {service_gap(outs):.0f} | {tokens_per_s(outs):.0f} |")
+        measured = fairness(outs)
+        print(f"| {setting.name} | {measured.gap:.0f} | {measured.jain:.3f} | {tokens_per_s(outs):.0f} |")
 
 
 # --- the command -------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 
 from bench import scheduling
 from bench.device_model import DEVICE_MODELS
-from bench.scheduling import Job, Outcome, Setting, overtaken_from_outside_window, service_gap
+from bench.scheduling import Job, Outcome, Setting, fairness, overtaken_from_outside_window
 from bench.workloads import Request
 
 
@@ -32,12 +32,13 @@ def test_the_service_gap_counts_from_the_start_of_each_common_backlog():
     b = [_outcome("b", 0.0, 0.5, prompt=30, tokens=[(0.6, 5)])]
     # Both wait from 0 to 0.5 s (a's second request until 1.0, b's until 0.5): a's first request
     # is admitted at 0.02 (100) and streams 10 tokens at 0.1 (20): 120 against b's nothing.
-    assert service_gap(a + b, step_s=0.05) == pytest.approx(120.0)
+    assert fairness(a + b, step_s=0.05).gap == pytest.approx(120.0)
+    assert fairness(a + b, step_s=0.05).jain == pytest.approx(0.5)  # a got all of it
     late_b = [_outcome("b", 2.0, 2.5, prompt=30, tokens=[(2.6, 5)]), _outcome("b", 2.0, 3.0, prompt=30, tokens=[(3.1, 5)])]
     late_a = [_outcome("a", 2.0, 4.0, prompt=100, tokens=[(4.1, 10)])]
     # A second common backlog (2.0 to 3.0 s) counts from its own start: b gets 30 + 2 * 5 = 40 by
     # 2.6, nothing of a's earlier 120 counts.
-    assert service_gap(late_b + late_a, step_s=0.05) == pytest.approx(40.0)
+    assert fairness(late_b + late_a, step_s=0.05).gap == pytest.approx(40.0)
 
 
 @pytest.mark.parametrize("workload", ["tenants", "w5"])
@@ -51,3 +52,12 @@ def test_a_small_run_prints_its_table(workload, capsys):
 def test_settings_and_presets_are_plain_data():
     assert Setting("x", {"fairness": "vtc"}).config == {"fairness": "vtc"}
     assert "h100-qwen3-8b" in DEVICE_MODELS
+
+
+def test_the_slo_needs_both_ttft_and_tpot():
+    def run(first: float, last: float, tokens: int) -> Outcome:
+        return _outcome("x", 0.0, 0.0, tokens=[(first, 1), (last, tokens - 1)])
+
+    assert scheduling.meets_slo(run(0.1, 0.1 + 10 * 0.03, 11))  # 100 ms, 30 ms per token
+    assert not scheduling.meets_slo(run(0.1, 0.1 + 10 * 0.06, 11))  # 60 ms per token
+    assert not scheduling.meets_slo(run(0.6, 0.6 + 10 * 0.03, 11))  # first token at 600 ms

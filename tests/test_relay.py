@@ -86,6 +86,15 @@ async def _raw(base: str, data: bytes, until: bytes, timeout: float = 5) -> byte
         writer.close()
 
 
+async def _streaming(base: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A streamed /generate on a fresh connection, once its first event has come."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(_post(b"/generate", b'{"text": "a", "stream": true}'))
+    assert b"data:" in await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)
+    return reader, writer
+
+
 def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
     return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (path, len(body), extra, body)
 
@@ -149,10 +158,7 @@ async def test_bad_requests_get_a_status_that_names_the_problem(monkeypatch):
 async def test_a_client_that_leaves_mid_stream_ends_the_workers_request():
     worker = Worker(events=1000, gap_s=0.01)
     async with routed(worker) as (router, base):
-        host, port = base.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(_post(b"/generate", b'{"text": "a", "stream": true}'))
-        assert b"data:" in await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)
+        _, writer = await _streaming(base)
         writer.close()
         await asyncio.wait_for(worker.disconnected.wait(), 5)
         assert router.router.loads[0].requests == 0 and not router.in_flight[0]
@@ -162,10 +168,7 @@ async def test_a_client_that_leaves_mid_stream_ends_the_workers_request():
 async def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_leaves():
     worker = Worker(events=1000, gap_s=0.01)
     async with routed(worker) as (router, base):
-        host, port = base.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(_post(b"/generate", b'{"text": "a", "stream": true}'))
-        await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)
+        reader, writer = await _streaming(base)
         upstream = next(iter(router.in_flight[0])).upstream
         assert upstream is not None and upstream.transport is not None
         upstream.transport.abort()  # the worker's connection drops mid-stream
