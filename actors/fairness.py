@@ -23,6 +23,7 @@ retracted one keeps its charges (its prompt is computed again when it returns, a
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -60,15 +61,16 @@ class VirtualTokenCounter:
         queues: dict[str, list[Req]] = {}
         for req in ordered:
             queues.setdefault(tenant_of(req), []).append(req)
-        simulated = {t: self.counters.get(t, 0.0) for t in queues}
-        heads = dict.fromkeys(queues, 0)
+        # (counter as simulated so far, tenant, position of its next request)
+        heap = [(self.counters.get(t, 0.0), t, 0) for t in queues]
+        heapq.heapify(heap)
         out: list[Req] = []
-        while len(out) < len(ordered):
-            tenant = min((t for t in queues if heads[t] < len(queues[t])), key=lambda t: (simulated[t], t))
-            req = queues[tenant][heads[tenant]]
-            heads[tenant] += 1
-            simulated[tenant] += self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids))
+        while heap:
+            counter, tenant, head = heapq.heappop(heap)
+            req = queues[tenant][head]
             out.append(req)
+            if head + 1 < len(queues[tenant]):
+                heapq.heappush(heap, (counter + self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids)), tenant, head + 1))
         return out
 
     def charge_prompts(self, reqs: Iterable[Req], sign: float = 1.0) -> None:
