@@ -68,7 +68,7 @@ from bench.serving_datasets import (
     sharegpt_dataset,
     workload_dataset,
 )
-from bench.serving_metrics import LATENCIES, RequestOutput, compute_metrics, distserve_goodput, format_rate
+from bench.serving_metrics import LATENCIES, RequestOutput, compute_metrics, distserve_goodput, format_rate, metrics_by_class
 from bench.workloads import ID_MARGIN, WORKLOADS
 from runtime.config import EngineConfig
 
@@ -132,7 +132,9 @@ async def run_dataset(
         return await make()
 
     async def single(r: BenchRequest) -> list[RequestOutput]:
-        return [await send(Call(r.output_len, input_ids=r.input_ids, text=r.text, priority=r.priority))]
+        out = await send(Call(r.output_len, input_ids=r.input_ids, text=r.text, priority=r.priority))
+        out.klass = f"priority {r.priority}" if r.priority is not None else ""
+        return [out]
 
     async def conversation(c: MultiTurn) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
@@ -220,8 +222,22 @@ def format_table(m: dict[str, Any], header: dict[str, Any]) -> str:
     lines.append(f"{'':<8}" + "".join(f"{c:>11}" for c in ("mean", "median", "p90", "p95", "p99")))
     for name in LATENCIES:
         lines.append(f"{LATENCY_NAMES[name]:<8}" + "".join(f"{m[f'{s}_{name}_ms']:>11.2f}" for s in ("mean", "median", "p90", "p95", "p99")))
+    lines += _class_lines(m.get("by_class", {}))
     lines.append("=" * 66)
     return "\n".join(lines)
+
+
+def _class_lines(by_class: dict[str, dict[str, Any]]) -> list[str]:
+    """Per request class: requests, TTFT median and p99, TPOT p99, E2E p99 (ms), SLO attained."""
+    if not by_class:
+        return []
+    lines = ["{s:-^66}".format(s=" By class (ms) ")]
+    lines.append(f"{'':<14}" + "".join(f"{c:>10}" for c in ("requests", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99")) + "  SLO")
+    for name, c in by_class.items():
+        slo = f"  {c['slo_attained']:.0%}" if "slo_attained" in c else ""
+        values = (c["completed"], c["median_ttft_ms"], c["p99_ttft_ms"], c["p99_tpot_ms"], c["p99_e2e_ms"])
+        lines.append(f"{name:<14}{values[0]:>10}" + "".join(f"{v:>10.1f}" for v in values[1:]) + slo)
+    return lines
 
 
 SWEEP_COLUMNS = ("rate", "done", "fail", "dur s", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
@@ -475,6 +491,9 @@ async def run_once(
     finally:
         progress.close()
     metrics = compute_metrics(outputs, duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    by_class = metrics_by_class(outputs, duration, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms)
+    if by_class:
+        metrics["by_class"] = by_class
     after = await backend.server_info()
     busy = device_busy(before, after, duration)
     if busy is not None:

@@ -16,7 +16,8 @@ benchmark conventions"):
 - Goodput (vLLM): completed requests meeting every SLO given, per second of the run.
 - Cache hit rate: prompt tokens the server reported as served from its prefix cache / prompt tokens.
 
-Failed requests count in `failed` and nowhere else.
+Failed requests count in `failed` and nowhere else. With requests of several classes (W5's
+priorities), `metrics_by_class` gives the same figures per class.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class RequestOutput:
     chunk_times: list[float] = field(default_factory=list)  # offsets of the non-empty chunks
     output_ids: list[int] | None = None  # when the backend returns them (native, engine)
     text: str = ""
+    klass: str = ""  # the request's class (e.g. "priority 10"), for the per-class split
 
     @property
     def tpot(self) -> float | None:
@@ -129,6 +131,19 @@ def compute_metrics(
         m["slo_attained"] = good / len(outputs) if outputs else 0.0
         m["goodput"] = good / duration
     return m
+
+
+def metrics_by_class(
+    outputs: Sequence[RequestOutput], duration_s: float, *, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+) -> dict[str, dict[str, Any]]:
+    """compute_metrics per request class; empty when every request is of one class."""
+    classes = sorted({o.klass for o in outputs})
+    if len(classes) < 2:
+        return {}
+    return {
+        k: compute_metrics([o for o in outputs if o.klass == k], duration_s, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+        for k in classes
+    }
 
 
 def distserve_goodput(rows: Sequence[tuple[float, float]], target: float = 0.9) -> float | None:

@@ -19,7 +19,7 @@ from api.server import ServerSettings
 from bench import serving, serving_backends
 from bench.serving_backends import Backend, Call
 from bench.serving_datasets import gsp_dataset, multi_turn_dataset, random_ids_dataset, sharegpt_dataset, workload_dataset
-from bench.serving_metrics import RequestOutput, compute_metrics, distserve_goodput, summarize, throughput_over_time
+from bench.serving_metrics import RequestOutput, compute_metrics, distserve_goodput, metrics_by_class, summarize, throughput_over_time
 from bench.serving_plot import plot_runs
 from bench.workloads import make_workload
 from tests.test_server import ServerThread
@@ -95,6 +95,20 @@ def test_goodput(outputs: list[RequestOutput], ttft: float | None, tpot: float |
 def test_distserve_goodput() -> None:
     assert distserve_goodput([(1, 1.0), (2, 0.95), (4, 0.9), (8, 0.5), (math.inf, 0.1)]) == 4
     assert distserve_goodput([(1, 0.5)]) is None
+
+
+def test_metrics_split_by_class() -> None:
+    def out(klass: str, ttft: float) -> RequestOutput:
+        return RequestOutput(success=True, prompt_len=10, output_len=3, ttft=ttft, e2e=ttft + 0.2, klass=klass)
+
+    outputs = [out("priority 0", 0.5), out("priority 0", 0.7), out("priority 10", 0.1)]
+    by_class = metrics_by_class(outputs, 2.0, slo_ttft_ms=300)
+    assert sorted(by_class) == ["priority 0", "priority 10"]
+    assert by_class["priority 0"]["completed"] == 2 and by_class["priority 0"]["median_ttft_ms"] == pytest.approx(600.0)
+    assert by_class["priority 0"]["slo_attained"] == 0.0 and by_class["priority 10"]["slo_attained"] == 1.0
+    assert metrics_by_class(outputs[:2], 2.0) == {}  # one class: nothing to split
+    table = serving.format_table({**compute_metrics(outputs, 2.0), "by_class": by_class}, {})
+    assert "By class" in table and "priority 10" in table
 
 
 def test_empty_run_and_summary() -> None:
