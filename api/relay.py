@@ -22,7 +22,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import cast
 from urllib.parse import urlsplit
@@ -200,7 +200,7 @@ class Exchange:
     keep_alive: bool = True
     chunked: bool = False  # the framing towards the client
     head_sent: bool = False
-    connecting: asyncio.Task[None] | None = field(default=None)
+    connecting: asyncio.Task[None] | None = None
 
     def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], content_length: int | None) -> None:
         self.keep_alive = self.request.keep_alive
