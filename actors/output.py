@@ -40,7 +40,7 @@ class OutputProcessor(Actor[StepOut]):
         else:
             finished = self._step(msg)
         assert self.adder is not None
-        prefill = sum(n for n in msg.batch.extend_lens if n > 1)
+        prefill = 0 if msg.batch.mode is ForwardMode.DECODE else sum(n for n in msg.batch.extend_lens if n > 1)
         await self.adder.send(StepDone(step=msg.batch.step, finished=finished, prefill_tokens=prefill, forward_s=msg.forward_s))
 
     def _step(self, msg: StepOut) -> list[Req]:
