@@ -27,6 +27,7 @@ import aiohttp
 import msgspec
 import orjson
 
+from api.openai_schema import error_body
 from api.relay import ClientConnection, Exchange, Request, UpstreamPool
 from api.routing import NoHealthyReplica, Router, RouterConfig
 from runtime.config import ROUTER_POLICIES
@@ -214,13 +215,13 @@ class HttpRouter:
                     return r.status, await r.json()
             except (aiohttp.ClientError, ValueError) as exc:
                 self._mark_down(i, f"/v1/models failed: {exc!r}")
-        return 503, _error(503, "no worker is available", UNAVAILABLE)
+        return 503, error_body(503, "no worker is available", code=UNAVAILABLE)
 
     async def broadcast(self, request: Request) -> Answer:
         """Send the request to every healthy worker; 200 if each answered 200."""
         live = [i for i in range(len(self.urls)) if i not in self.down_reason]
         if not live:
-            return 503, _error(503, "no worker is available", UNAVAILABLE)
+            return 503, error_body(503, "no worker is available", code=UNAVAILABLE)
         answers = await asyncio.gather(*(self._post(i, request.path.decode(), request.body) for i in live))
         status = 200 if all(code == 200 for code, _ in answers) else max(code for code, _ in answers)
         return status, {"workers": [{"url": self.urls[i], "status": code, "body": text} for i, (code, text) in zip(live, answers)]}
@@ -267,13 +268,8 @@ def _routing_of(body: bytes) -> tuple[bytes, str | None]:
     return bytes(prompt), routing_key
 
 
-def _error(status: int, message: str, code: str) -> dict[str, Any]:
-    kind = {503: "ServiceUnavailable", 404: "NotFound", 405: "NotFound"}.get(status, "BadRequest")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
-
-
 def _error_body(status: int, message: str, code: str) -> bytes:
-    return orjson.dumps(_error(status, message, code))
+    return orjson.dumps(error_body(status, message, code=code))
 
 
 def _answer_bytes(task: asyncio.Task[Answer]) -> tuple[int, bytes]:

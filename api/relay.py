@@ -28,6 +28,9 @@ from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+import orjson
+
+from api.openai_schema import error_body
 
 MAX_BODY = 64 * 2**20
 # Dropped when passing headers on: they describe one connection, not the message.
@@ -93,12 +96,12 @@ class ClientConnection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._refuse(400, b"protocol upgrades are not supported")
+            self._refuse(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as exc:
             if self._body_size > MAX_BODY:
-                self._refuse(413, b"the request body is larger than %d bytes" % MAX_BODY)
+                self._refuse(413, f"the request body is larger than {MAX_BODY} bytes")
             else:
-                self._refuse(400, b"malformed HTTP request: " + str(exc).encode())
+                self._refuse(400, f"malformed HTTP request: {exc}")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._connections.discard(self)
@@ -179,10 +182,10 @@ class ClientConnection(asyncio.Protocol):
             self._busy = True
             self._handle(self._waiting.popleft(), self)
 
-    def _refuse(self, status: int, message: bytes) -> None:
+    def _refuse(self, status: int, message: str) -> None:
         self._waiting.clear()
         if not self._busy:
-            self.write(response_bytes(status, b'{"error": {"message": "%s", "code": "bad_request"}}' % message.replace(b'"', b"'"), False))
+            self.write(response_bytes(status, orjson.dumps(error_body(status, message)), False))
         self.close()
 
 

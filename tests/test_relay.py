@@ -4,6 +4,7 @@ pipelining, bad requests and the ways a client or a worker can leave mid-request
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -145,6 +146,8 @@ async def test_bad_requests_get_a_status_that_names_the_problem(monkeypatch):
     async with routed(worker) as (_, base), aiohttp.ClientSession() as session:
         got = await _raw(base, b"NOT HTTP AT ALL\r\n\r\n", b"}")
         assert got.startswith(b"HTTP/1.1 400") and b"malformed HTTP request" in got
+        error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]  # the server's own error shape
+        assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
         monkeypatch.setattr(relay, "MAX_BODY", 100)
         got = await _raw(base, _post(b"/generate", b"x" * 200), b"}")
         assert got.startswith(b"HTTP/1.1 413") and b"larger than 100 bytes" in got
