@@ -159,8 +159,10 @@ class Policy(Actor[PolicyMsg]):
             if msg.front:  # candidates the Adder did not admit: they were charged when handed out
                 self.fairness.charge_prompts(msg.reqs, sign=-1.0)
             else:  # preempted or retracted: back in the queue as if they arrived now
+                queued = self._queued_tenants()
                 for req in msg.reqs:
-                    self.fairness.arrived(tenant_of(req), {tenant_of(w) for w in self.waiting})
+                    self.fairness.arrived(tenant_of(req), queued)
+                    queued.add(tenant_of(req))
         if msg.front:
             self.backlog_rate.gave_back(len(msg.reqs))
         self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
@@ -170,9 +172,11 @@ class Policy(Actor[PolicyMsg]):
         if self.fairness is None or not given:
             return
         self.fairness.charge_prompts(given)
-        queued = {tenant_of(w) for w in self.waiting}
-        for tenant in {tenant_of(r) for r in given} - queued:
+        for tenant in {tenant_of(r) for r in given} - self._queued_tenants():
             self.fairness.left(tenant)
+
+    def _queued_tenants(self) -> set[str]:
+        return {tenant_of(w) for w in self.waiting}
 
     def _admit(self, req: Req) -> None:
         if self.config.reject_infeasible and self._late(req):
@@ -180,7 +184,7 @@ class Policy(Actor[PolicyMsg]):
             _end(req, "abort", "the request cannot get its first token by its deadline behind the queue ahead of it", 503, "deadline_infeasible")
             return
         if self.fairness is not None:
-            self.fairness.arrived(tenant_of(req), {tenant_of(w) for w in self.waiting})
+            self.fairness.arrived(tenant_of(req), self._queued_tenants())
         limit = self.config.max_queued_requests
         if limit is None or len(self.waiting) < limit:
             self.waiting.append(req)

@@ -123,6 +123,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         return self.schedule_policy
 
     def validation_error(self) -> str | None:
+        weights_error = _weights_error(self.tenant_weights)
         checks = [
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy {self.schedule_policy!r} is unknown; choose one of {', '.join(SCHEDULE_POLICIES)}"),
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
@@ -139,7 +140,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.default_slo_ttft_ms is None or self.default_slo_ttft_ms > 0, f"default_slo_ttft_ms must be positive, got {self.default_slo_ttft_ms}"),
             (not self.reject_infeasible or self.schedule_policy == "edf", "reject_infeasible estimates the wait in deadline order: use schedule_policy edf"),
             (self.fairness in FAIRNESS, f"fairness {self.fairness!r} is unknown; choose one of {', '.join(FAIRNESS)}"),
-            (_weights_error(self.tenant_weights) is None, str(_weights_error(self.tenant_weights))),
+            (weights_error is None, str(weights_error)),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
             (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),

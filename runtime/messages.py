@@ -1,7 +1,7 @@
 """The messages between actors, one tagged union per mailbox.
 
     Receiver  <- Submit | AbortRequest
-    Policy    <- Enqueue | Pull | Requeue | Wake | GrammarCompiled (from itself)
+    Policy    <- Enqueue | Pull | Requeue | Wake | Served | GrammarCompiled (from itself)
     Adder     <- Ranked | StepDone | Wake | FlushCache
     Executor  <- Batch
     Output    <- StepOut
