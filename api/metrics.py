@@ -80,7 +80,7 @@ class ServerMetrics:
 class RequestTracker:
     """Latency bookkeeping of one engine request, fed every delta it yields."""
 
-    __slots__ = ("metrics", "labels", "service", "start", "first", "last", "tokens", "ended")
+    __slots__ = ("metrics", "labels", "service", "start", "first", "last", "tokens", "ended", "_itl")
 
     def __init__(self, metrics: ServerMetrics, labels: dict[str, str], service: ServiceClass):
         self.metrics = metrics
@@ -91,6 +91,7 @@ class RequestTracker:
         self.last: float | None = None
         self.tokens = 0
         self.ended = False
+        self._itl: Any = None  # this class's ITL series, looked up once: every later delta observes it
 
     def on_delta(self, delta: Delta) -> None:
         m, now, n = self.metrics, time.perf_counter(), len(delta.output_ids)
@@ -101,9 +102,10 @@ class RequestTracker:
             else:
                 # A delta may carry several tokens (stream_interval): spread the gap over them.
                 gap = (now - self.last) / n  # type: ignore[operator]
-                itl = m.itl.labels(**self.labels)
+                if self._itl is None:
+                    self._itl = m.itl.labels(**self.labels)
                 for _ in range(n):
-                    itl.observe(gap)
+                    self._itl.observe(gap)
             self.last = now
             self.tokens += n
             m.generation_tokens.inc(n)
