@@ -64,12 +64,15 @@ class Job:
 class Outcome:
     job: Job
     sent_s: float  # offsets from the start of the run
-    first_token_s: float | None  # None: refused
     end_s: float
     queue_s: float
     prompt_tokens: int
     cached_tokens: int
-    token_times: list[tuple[float, int]]  # (when, tokens) per delta
+    token_times: list[tuple[float, int]]  # (when, tokens) per delta; none: refused
+
+    @property
+    def first_token_s(self) -> float | None:
+        return self.token_times[0][0] if self.token_times else None
 
     @property
     def refused(self) -> bool:
@@ -122,8 +125,8 @@ async def _one(engine: Engine, job: Job, start: float) -> Outcome:
             queue = delta.queue_time if delta.queue_time is not None else queue
             cached = delta.cached_tokens or cached
     except Rejected:
-        return Outcome(job, sent, None, time.perf_counter() - start, 0.0, prompt, 0, [])
-    return Outcome(job, sent, times[0][0], time.perf_counter() - start, queue, prompt, cached, times)
+        return Outcome(job, sent, time.perf_counter() - start, 0.0, prompt, 0, [])
+    return Outcome(job, sent, time.perf_counter() - start, queue, prompt, cached, times)
 
 
 async def capacity(requests: Sequence[Request], setting: Setting, device: DeviceModel, pool_tokens: int) -> float:

@@ -13,7 +13,7 @@ from bench.workloads import Request
 def _outcome(klass: str, sent: float, admitted: float, prompt: int = 10, tokens: list[tuple[float, int]] | None = None, priority: int = 0) -> Outcome:
     job = Job(Request(0, [1] * prompt, 4, priority=priority), klass)
     times = tokens if tokens is not None else [(admitted + 0.01, 1)]
-    return Outcome(job, sent, times[0][0], times[-1][0], admitted - sent, prompt, 0, times)
+    return Outcome(job, sent, times[-1][0], admitted - sent, prompt, 0, times)
 
 
 def test_overtaking_counts_only_requests_from_outside_the_window():
