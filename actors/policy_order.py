@@ -24,6 +24,11 @@ enqueue time (reset when a preempted or retracted request is requeued). Aging ch
 only: priority preemption and queue eviction still compare the priorities the requests came with.
 tests/test_aging.py checks the bound with a simulated clock.
 
+Cold lane (`--cold-lane-share F`, lpm and dfs-weight): after the levels, up to a share F of the
+positions go to the oldest requests with little of their prompt cached, so a cold prompt waits for
+the cold backlog ahead of it, not for the hot queue; it moves requests only within a level. Its
+rule and bounds are in actors/cold_lane.py.
+
 Earliest deadline first (`edf`): by when the first token is due (`slo_ttft_ms` or `deadline_ms`
 after arrival, else `default_slo_ttft_ms`); requests with no deadline after all others, first
 come first served.
@@ -53,6 +58,7 @@ from collections import Counter
 import time
 from collections.abc import Iterator, Sequence
 
+from actors.cold_lane import ColdLane
 from actors.prefill_adder import match_key
 from gpu.prefix_cache import MatchResult, PrefixCache, RadixCache, RadixNode
 from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
@@ -90,6 +96,10 @@ class QueueOrderer:
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
         self._scratch = RadixCache.scratch(self.cache.page_size) if self.cache is not None else None
+        # Only the cache-aware policies starve cold prompts; fcfs (their fallback) serves the oldest.
+        share = config.cold_lane_share
+        self.cold_lane = ColdLane(share) if share is not None and self.policy in CACHE_AWARE_POLICIES else None
+        self.cold_lane_threshold = config.cold_lane_threshold
 
     def active_policy(self, queue_len: int) -> str:
         """The policy this round runs: lpm over a long queue is fcfs (matching it all costs too much)."""
@@ -103,10 +113,22 @@ class QueueOrderer:
         policy = self.active_policy(len(waiting))
         # random and routing-key ignore priority, as in SGLang; aging applies to every policy.
         by_priority = self.priority_on and policy not in ("random", "routing-key")
-        out = self._policy_order(policy, waiting, running_routing_keys, by_priority)
+        lane = self.cold_lane if policy in CACHE_AWARE_POLICIES else None
+        cold: set[int] = set()
+        if lane is not None:
+            out, cold = self._cache_aware_with_cold(policy, waiting)
+        else:
+            out = self._policy_order(policy, waiting, running_routing_keys, by_priority)
+        levels: list[int] | None = None
         if by_priority or self.aging_s is not None:
             levels = self._levels(out, by_priority, time.monotonic() if now is None else now)
-            out = [out[i] for i in sorted(range(len(out)), key=levels.__getitem__)]
+            ranks = sorted(range(len(out)), key=levels.__getitem__)
+            out = [out[i] for i in ranks]
+            levels = [levels[i] for i in ranks] if lane is not None else None
+        if lane is not None:
+            return lane.interleave(out, cold, levels)
+        if self.cold_lane is not None:
+            self.cold_lane.pause()
         return out
 
     def _policy_order(self, policy: str, waiting: Sequence[Req], running: Counter[str] | None, by_priority: bool) -> list[Req]:
@@ -162,9 +184,29 @@ class QueueOrderer:
 
     # -- cache-aware ---------------------------------------------------------------------------
 
+    def _cache_aware_with_cold(self, policy: str, waiting: Sequence[Req]) -> tuple[list[Req], set[int]]:
+        """The lpm or dfs-weight order, and the id() of each request the cold lane serves: those
+        whose cached prefix covers less than `cold_lane_threshold` of the prompt (one match per
+        request serves both)."""
+        keys = self._keys_for(waiting)
+        threshold = self.cold_lane_threshold
+        if policy == "lpm":
+            lengths = [match.length for match in self._match_all(waiting, keys)]
+            out = self._lpm_order(waiting, keys, lengths)
+        else:
+            lengths, nodes = [], []
+            for match in self._match_all(waiting, keys):
+                lengths.append(match.length)
+                nodes.append(match.last_node)
+            out = self._dfs_order(waiting, nodes)
+        cold = {id(req) for req, key, n in zip(waiting, keys, lengths) if n < threshold * len(key)}
+        return out, cold
+
     def _lpm(self, waiting: Sequence[Req]) -> list[Req]:
         keys = self._keys_for(waiting)
-        lengths = [match.length for match in self._match_all(waiting, keys)]
+        return self._lpm_order(waiting, keys, [match.length for match in self._match_all(waiting, keys)])
+
+    def _lpm_order(self, waiting: Sequence[Req], keys: list[array], lengths: list[int]) -> list[Req]:
         held_back = self._in_batch_held_back(waiting, keys, lengths)
         # Plain ints, not tuples: a queue of a thousand requests is ordered every round, and fewer
         # container objects means fewer garbage-collector passes. Any positive rank sorts after
@@ -194,9 +236,12 @@ class QueueOrderer:
         return held_back
 
     def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
+        return self._dfs_order(waiting, [match.last_node for match in self._match_all(waiting, self._keys_for(waiting))])
+
+    def _dfs_order(self, waiting: Sequence[Req], nodes: list[RadixNode]) -> list[Req]:
         groups: dict[RadixNode, list[Req]] = {}
-        for req, match in zip(waiting, self._match_all(waiting, self._keys_for(waiting))):
-            groups.setdefault(match.last_node, []).append(req)
+        for req, node in zip(waiting, nodes):
+            groups.setdefault(node, []).append(req)
         out = _dfs_order(self.cache.root, groups)  # type: ignore[union-attr]
         assert len(out) == len(waiting)
         return out

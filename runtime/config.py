@@ -81,6 +81,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # A waiting request gains one priority level per this many seconds waited, under any policy
     # (actors/policy_order.py states the wait bound this gives); None: no aging, as SGLang.
     priority_aging_s: float | None = None
+    # lpm and dfs-weight: up to this share of admissions goes to the oldest cold requests (cached
+    # prefix below cold_lane_threshold of the prompt), ahead of better cache matches
+    # (actors/cold_lane.py states the bounds); None: no lane, as SGLang.
+    cold_lane_share: float | None = None
+    cold_lane_threshold: float = 0.5
     # Deadlines: a request's first token is due slo_ttft_ms (or deadline_ms) after arrival, else
     # this many ms after; edf orders by that, and reject_infeasible refuses (503
     # deadline_infeasible) a request the queue ahead of it would make late.
@@ -137,6 +142,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.max_queued_requests is None or self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}"),
             (self.queue_timeout_s is None or self.queue_timeout_s > 0, f"queue_timeout_s must be positive, got {self.queue_timeout_s}"),
             (self.priority_aging_s is None or self.priority_aging_s > 0, f"priority_aging_s must be positive, got {self.priority_aging_s}"),
+            (self.cold_lane_share is None or 0.0 < self.cold_lane_share <= 1.0, f"cold_lane_share must be in (0, 1], got {self.cold_lane_share}"),
+            (0.0 < self.cold_lane_threshold <= 1.0, f"cold_lane_threshold must be in (0, 1], got {self.cold_lane_threshold}"),
+            (
+                self.cold_lane_share is None or self.schedule_policy in CACHE_AWARE_POLICIES,
+                f"cold_lane_share reorders the cache-aware policies: use schedule_policy {' or '.join(CACHE_AWARE_POLICIES)} (got {self.schedule_policy!r})",
+            ),
+            (
+                self.cold_lane_share is None or self.fairness == "none",
+                "cold_lane_share cannot be combined with fairness vtc: VTC reorders the queue after the lane and would void its bounds",
+            ),
             (self.default_slo_ttft_ms is None or self.default_slo_ttft_ms > 0, f"default_slo_ttft_ms must be positive, got {self.default_slo_ttft_ms}"),
             (not self.reject_infeasible or self.schedule_policy == "edf", "reject_infeasible estimates the wait in deadline order: use schedule_policy edf"),
             (self.fairness in FAIRNESS, f"fairness {self.fairness!r} is unknown; choose one of {', '.join(FAIRNESS)}"),
