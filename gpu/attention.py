@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from gpu.cpu_ops import DecodeAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
 
@@ -124,6 +125,16 @@ class _SharedPrefixes:
 
 
 @dataclass(slots=True)
+class _PagedDecode:
+    """A decode batch for the compiled kernel: request i attends to the slots at positions
+    key_begin[i] .. key_end[i] - 1 of its table row (key_begin: the shared prefix it skips)."""
+
+    req_rows: torch.Tensor  # [batch] int64
+    key_begin: torch.Tensor  # [batch] int64
+    key_end: torch.Tensor  # [batch] int64
+
+
+@dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
     buckets: list[_Bucket]
@@ -133,13 +144,17 @@ class _TorchMetadata:
     plain_causal: bool
     # Shared prefixes of a decode batch; the buckets then hold only the keys after them.
     shared: _SharedPrefixes | None
+    # A decode batch the compiled kernel attends in place (no buckets then).
+    paged: _PagedDecode | None = None
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float):
+    def __init__(self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float, decode_kernel: DecodeAttention | None = None):
         self.kv = kv
         self.req_to_token = req_to_token
         self.scale = scale
+        # gpu/cpu_ops.py's paged decode attention (CPU decode batches), or None for the torch path.
+        self.decode_kernel = decode_kernel
         self._meta: _TorchMetadata | None = None
         # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
         # layer is served by mmap and page-faulted on first touch, which costs more than the copy.
@@ -151,6 +166,11 @@ class TorchAttention(AttentionBackend):
             self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True, shared=None)
             return
         shared, skip = self._shared_prefixes(batch)
+        if self.decode_kernel is not None and batch.input_ids.device.type == "cpu" and all(n == 1 for n in batch.extend_lens):
+            paged = _PagedDecode(batch.req_rows, torch.tensor(skip, dtype=torch.int64), torch.tensor(batch.seq_lens, dtype=torch.int64))
+            self._grow_buffers(shared.slots.numel() if shared else 0)
+            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=False, plain_causal=False, shared=shared, paged=paged)
+            return
         # Keys each request attends through the buckets: all but its shared prefix.
         key_lens = [s - k for s, k in zip(batch.seq_lens, skip)]
         groups = plan_buckets(batch.extend_lens, key_lens)
@@ -159,11 +179,13 @@ class TorchAttention(AttentionBackend):
             starts.append(starts[-1] + n)
         buckets = [self._bucket(batch, group, starts, key_lens, skip) for group in groups]
         in_order = len(groups) == 1 and groups[0] == list(range(batch.batch_size))
-        max_kv_rows = max([b.size * b.max_seq for b in buckets] + [shared.slots.numel() if shared else 0])
-        if self._k_buf.shape[0] < max_kv_rows:
-            self._k_buf = self._k_buf.new_empty((max_kv_rows, *self._k_buf.shape[1:]))
-            self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
+        self._grow_buffers(max([b.size * b.max_seq for b in buckets] + [shared.slots.numel() if shared else 0]))
         self._meta = _TorchMetadata(batch.out_cache_loc, buckets, in_order, plain_causal=False, shared=shared)
+
+    def _grow_buffers(self, kv_rows: int) -> None:
+        if self._k_buf.shape[0] < kv_rows:
+            self._k_buf = self._k_buf.new_empty((kv_rows, *self._k_buf.shape[1:]))
+            self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
 
     def _shared_prefixes(self, batch: ForwardBatch) -> tuple[_SharedPrefixes | None, list[int]]:
         """The shared prefixes of a CPU decode batch, and how many leading keys of each request
@@ -242,6 +264,8 @@ class TorchAttention(AttentionBackend):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True
             )
             return out[0].transpose(0, 1)
+        if meta.paged:
+            return self._decode_paged(q, meta, layer_id)
         if meta.shared:
             return self._decode_with_shared_prefixes(q, meta, layer_id)
         if meta.in_order:
@@ -250,6 +274,17 @@ class TorchAttention(AttentionBackend):
         for bucket in meta.buckets:
             out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
         return out
+
+    def _decode_paged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
+        """The compiled kernel over each request's keys in place (after its shared prefix, if
+        any), merged with the shared prefixes' attention as the torch path does."""
+        paged = meta.paged
+        assert paged is not None and self.decode_kernel is not None
+        q = q.contiguous()
+        out, lse = self.decode_kernel(
+            q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, paged.req_rows, paged.key_begin, paged.key_end, self.scale
+        )
+        return out if meta.shared is None else self._merge_shared(q, out, lse, meta.shared, layer_id)
 
     def _decode_with_shared_prefixes(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
         """Each request's own keys through the buckets, each shared prefix once for all its
@@ -260,8 +295,12 @@ class TorchAttention(AttentionBackend):
             o, l = self._decode_lse(q.index_select(0, bucket.token_index), bucket, layer_id)
             out.index_copy_(0, bucket.token_index, o)
             lse.index_copy_(0, bucket.token_index, l)
-        shared = meta.shared
-        assert shared is not None
+        assert meta.shared is not None
+        return self._merge_shared(q, out, lse, meta.shared, layer_id)
+
+    def _merge_shared(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shared: _SharedPrefixes, layer_id: int) -> torch.Tensor:
+        """`out`/`lse`: attention over each request's own keys; merged in place with its shared
+        prefix's by log-sum-exp (softmax over a union of key sets, exactly)."""
         o, l = self._prefixes_lse(q, shared, layer_id)
         own_o, own_l = out.index_select(0, shared.members), lse.index_select(0, shared.members)
         top = torch.maximum(l, own_l)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from gpu.attention import AttentionBackend, TorchAttention
+from gpu.cpu_ops import decode_attention_kernel
 from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
@@ -48,6 +49,7 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: by GPU memory (SGLang's table), at most max_running_requests
+    cpu_decode_kernel: bool = True  # CPU decode attention by the compiled kernel (gpu/cpu_ops.py) when it builds
 
 
 class ModelRunner:
@@ -151,7 +153,8 @@ class ModelRunner:
         mc = self.model_config
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
-            return TorchAttention(self.kv, self.req_to_token.table, scale=scale)
+            use_kernel = self.device.type == "cpu" and self.config.cpu_decode_kernel
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, decode_kernel=decode_attention_kernel() if use_kernel else None)
         shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 

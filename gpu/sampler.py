@@ -318,6 +318,13 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def greedy_ids(logits: Tensor) -> Tensor:
+    """The argmax of each row. `max(dim)` picks the same index as `argmax` (the first of equal
+    maxima, NaN first) and on a CPU is 4x faster on bfloat16, whose argmax is not vectorised
+    (5.7 ms against 1.4 ms for 64 rows of 49,152)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Turns one batch of logits into token ids (and logprobs when asked)."""
 
@@ -348,11 +355,11 @@ class Sampler:
             # Out of place: `penalised` may be the caller's logits, which the logprobs read raw.
             penalised = penalised.float().index_put((rows, tokens), values, accumulate=True)
         if info.all_greedy:
-            token_ids = penalised.argmax(dim=-1)
+            token_ids = greedy_ids(penalised)
         else:
             token_ids = self._draw(filtered_probs(penalised, info), info, steps)
             if info.any_greedy:
-                token_ids = torch.where(info.greedy, penalised.argmax(dim=-1), token_ids)
+                token_ids = torch.where(info.greedy, greedy_ids(penalised), token_ids)
         return _with_logprobs(logits, token_ids, info)
 
     def _draw(self, probs: Tensor, info: SamplingInfo, steps: Sequence[int] | None) -> Tensor:

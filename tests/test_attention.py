@@ -15,6 +15,7 @@ import torch
 
 import gpu.attention as attention
 from gpu.attention import TorchAttention, plan_buckets
+from gpu.cpu_ops import DecodeAttention, decode_attention_kernel
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
 from runtime.forward_mode import ForwardMode
@@ -25,7 +26,8 @@ TOLERANCE = 1e-5
 
 def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int, dim: int = 16, seed: int = 0,
          dtype: torch.dtype = torch.float32, shared: list[tuple[list[int], int]] = (),
-         backend_out: list[TorchAttention] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
+         backend_out: list[TorchAttention] | None = None, kernel: DecodeAttention | None = None,
+         ) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
     """(backend outputs per layer, float64 reference outputs per layer, the batch).
 
     `shared`: (requests, length) pairs; those requests' first `length` positions use the first
@@ -49,7 +51,7 @@ def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: i
     new_ids = [[1] * e for e in extend_lens]
     batch = ForwardBatch.build(new_ids, list(range(1, len(seq_lens) + 1)), prefix_lens, out_loc)
     scale = dim**-0.5
-    backend = TorchAttention(kv, table, scale)
+    backend = TorchAttention(kv, table, scale, decode_kernel=kernel)
     backend.init_forward_metadata(batch)
     if backend_out is not None:
         backend_out.append(backend)
@@ -213,3 +215,100 @@ def test_shared_prefixes_in_bfloat16():
     outs, refs, _ = _run([80, 150, 95], [1, 1, 1], 8, 4, dtype=torch.bfloat16, shared=[([0, 1, 2], 70)])
     for out, ref in zip(outs, refs):
         assert torch.allclose(out.double(), ref, atol=5e-2)
+
+
+# --- the compiled paged decode kernel -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeAttention:
+    found = decode_attention_kernel()
+    if found is None:
+        pytest.skip("the CPU decode attention kernel did not build here (no C++ compiler?)")
+    return found
+
+
+DECODE_CASES = [c for c, (_, extend) in CASES.items() if all(n == 1 for n in extend)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take the unrolled paths
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_kernel_matches_reference(kernel, case, heads, kv_heads, dim):
+    prefix, extend = CASES[case]
+    backends: list[TorchAttention] = []
+    outs, refs, _ = _run(prefix, extend, heads, kv_heads, dim=dim, kernel=kernel, backend_out=backends)
+    assert backends[0]._meta.paged is not None
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+
+
+def test_kernel_random_ragged_batches(kernel):
+    rng = random.Random(1)
+    for trial in range(10):
+        prefix = [rng.choice([rng.randint(1, 40), rng.randint(300, 700)]) for _ in range(rng.choice([1, 3, 17, 40]))]
+        outs, refs, _ = _run(prefix, [1] * len(prefix), 6, 2, dim=64, seed=trial, kernel=kernel)
+        for out, ref in zip(outs, refs):
+            torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_kernel_in_half_precision(kernel, dtype, tolerance):
+    outs, refs, _ = _run([1, 5, 60, 300, 33], [1] * 5, 9, 3, dim=64, dtype=dtype, kernel=kernel)
+    for out, ref in zip(outs, refs):
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3)])
+def test_kernel_with_shared_prefixes(kernel, heads, kv_heads):
+    """Each request's own keys through the kernel, the shared prefixes once, merged by lse."""
+    prefix = [80, 150, 95, 120, 130, 101, 70, 90, 200]
+    groups = [([0, 1, 2, 3], 70), ([4, 5], 100), ([6, 7], 40)]
+    backends: list[TorchAttention] = []
+    outs, refs, _ = _run(prefix, [1] * len(prefix), heads, kv_heads, dim=64, shared=groups, backend_out=backends, kernel=kernel)
+    assert _groups(backends[0]) == {(0, 1, 2, 3): 70, (4, 5): 100}
+    assert backends[0]._meta.paged.key_begin.tolist() == [70, 70, 70, 70, 100, 100, 0, 0, 0]
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+
+
+def test_kernel_pages_of_several_slots(kernel):
+    """A paged pool's layout: each request's slots run in whole pages of 4, pages scattered."""
+    gen = torch.Generator().manual_seed(3)
+    page, seq_lens, kv_heads, heads, dim = 4, [13, 4, 29, 1], 2, 8, 64
+    pages = [-(-n // page) for n in seq_lens]
+    order = (torch.randperm(sum(pages) + 4, generator=gen) + 1)[: sum(pages)].split(pages)
+    table = torch.zeros((len(seq_lens) + 1, 32), dtype=torch.int32)
+    for i, (n, p) in enumerate(zip(seq_lens, order)):
+        table[i + 1, :n] = (p[:, None] * page + torch.arange(page)).reshape(-1)[:n].to(torch.int32)
+    slots = (sum(pages) + 5) * page
+    k_pool = torch.randn((slots, kv_heads, dim), generator=gen)
+    v_pool = torch.randn((slots, kv_heads, dim), generator=gen)
+    q = torch.randn((len(seq_lens), heads, dim), generator=gen)
+    rows = torch.arange(1, len(seq_lens) + 1)
+    begin, end = torch.tensor([2, 0, 10, 0]), torch.tensor(seq_lens)
+    out, lse = kernel(q, k_pool, v_pool, table, rows, begin, end, 0.125)
+    for i in range(len(seq_lens)):
+        s = table[i + 1, begin[i] : end[i]].long()
+        keys = k_pool[s].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        values = v_pool[s].double().repeat_interleave(heads // kv_heads, 1).transpose(0, 1)
+        scores = (q[i].double()[:, None, :] @ keys.transpose(1, 2))[:, 0] * 0.125  # [heads, keys]
+        torch.testing.assert_close(lse[i].double(), scores.logsumexp(-1), atol=1e-5, rtol=0)
+        expected = (scores.softmax(-1)[:, None, :] @ values)[:, 0]
+        torch.testing.assert_close(out[i].double(), expected, atol=TOLERANCE, rtol=0)
+
+
+def test_kernel_refuses_bad_input_by_name(kernel):
+    q, pool = torch.zeros(2, 4, 16), torch.zeros(10, 2, 16)
+    table, rows, ends = torch.zeros(3, 8, dtype=torch.int32), torch.tensor([1, 2]), torch.tensor([3, 3])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel(q, pool.double(), pool.double(), table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of K/V heads"):
+        kernel(torch.zeros(2, 3, 16), pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernel(q, pool, pool, table.long(), rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
+    with pytest.raises(RuntimeError, match="key range"):
+        kernel(q, pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), torch.tensor([3, 9]), 1.0)
+    with pytest.raises(RuntimeError, match="key range"):
+        kernel(q, pool, pool, table, rows, torch.tensor([3, 0]), ends, 1.0)

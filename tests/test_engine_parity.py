@@ -73,13 +73,13 @@ PARITY_CASES = [pytest.param(name, True, id=f"{name}-inline") for name in CONFIG
 async def test_greedy_parity(workload, name, inline_core, monkeypatch):
     path, prompts, max_new, expected = workload
     shared_prefix_steps = []
-    cascade = TorchAttention._decode_with_shared_prefixes
+    merge = TorchAttention._merge_shared
 
-    def counted(self, q, meta, layer_id):
-        shared_prefix_steps.append(len(meta.shared.sizes))
-        return cascade(self, q, meta, layer_id)
+    def counted(self, q, out, lse, shared, layer_id):
+        shared_prefix_steps.append(len(shared.sizes))
+        return merge(self, q, out, lse, shared, layer_id)
 
-    monkeypatch.setattr(TorchAttention, "_decode_with_shared_prefixes", counted)  # seen inline only
+    monkeypatch.setattr(TorchAttention, "_merge_shared", counted)  # seen inline only
     engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, inline_core=inline_core, **CONFIGS[name])
     async with engine:
         got = await _run_all(engine, prompts, max_new)

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu.sampler import Sampler, SamplingInfo, TokenSpans, apply_penalties, filtered_probs, mix_seed
+from gpu.sampler import Sampler, SamplingInfo, TokenSpans, apply_penalties, filtered_probs, greedy_ids, mix_seed
 from runtime.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -464,3 +464,13 @@ def test_low_precision_logits(dtype: torch.dtype, device: str) -> None:
 def test_logits_shape_must_match_the_batch() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, 4), info_for([SamplingParams()]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_ids_pick_what_argmax_picks_with_ties_and_nan(dtype):
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        logits = torch.randint(0, 3, (16, 4099), generator=gen).to(dtype)  # many equal maxima per row
+        if trial % 2:
+            logits[trial % 16, 77] = float("nan")
+        assert torch.equal(greedy_ids(logits), logits.argmax(dim=-1))
