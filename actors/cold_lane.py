@@ -18,31 +18,38 @@ admitted count: the next round reads them off the queue it orders (the requests 
 gone from its front, or back with a new enqueue time, were admitted) and restores c to what it was
 after them, so candidates the Adder handed back cost the lane nothing.
 
-The bounds (F in (0, 1]; without priority scheduling or aging, so every request has one level):
+The bounds (F in (0, 1]; n counts admissions, A is the admission rate in requests/s):
 
 - Share. c stays in [0, 1], so in any n consecutive admissions the lane takes at most
-  floor(n * F) + 1 positions: at most that many admissions leave lpm's order, which bounds the
-  cache thrash the lane can add.
-- Wait. Let R be a request that stays cold from its arrival, and C_R the requests enqueued before
-  R and still waiting when it arrived that the lane serves before it (at most the cold backlog
-  ahead of it; only older requests can, as the lane is oldest first). While R waits the lane is
-  never empty, so after n admissions c = c0 + n * F - k < 1 with k the lane's picks, i.e.
-  k > n * F - 1; every pick before R's is one of those C_R. So R is among the first
-  ceil((C_R + 1) / F) admissions after its arrival: at an admission rate of A requests/s it waits
-  at most (C_R + 1) / (F * A), whatever the hot queue holds (plain lpm: no bound; aging:
-  (B + L * S) / A with B *every* request queued ahead and L the arrival rate).
+  floor(n * F) + 1: at most that many admissions leave the policy's order, which bounds the cache
+  thrash the lane can add, and the others keep at least 1 - F of the admissions.
+- Cold wait. Let R be a request that stays cold from its arrival, and C_R the requests enqueued
+  before it and still waiting when it arrived that the lane serves before it (at most the cold
+  backlog ahead of it: the lane is oldest first, so nothing younger goes first). While R waits the
+  lane is never empty, so after n admissions c = c0 + n * F - k < 1 with k the lane's picks, i.e.
+  k > n * F - 1, and each of those picks is one of the C_R. So R is among the first
+  ceil((C_R + 1) / F) admissions after its arrival, a wait of at most (C_R + 1) / (F * A)
+  whatever the hot queue holds (plain lpm: no bound; aging: (B + L * S) / A with B *every*
+  request queued ahead of R and L the arrival rate).
+- With aging (`--priority-aging-s S`). The lane passes aging levels, so aging's bound of
+  actors/policy_order.py holds for every admission except the lane's: nothing from outside R's
+  window (D + 1) * S is admitted before R other than a lane pick. By the share bound at least
+  n * (1 - F) - 1 of n admissions follow the aged order, and at most B_R + W_R of those come
+  before R (B_R queued at its arrival, W_R arriving in its window), so for F < 1 R is among the
+  first floor((B_R + W_R + 1) / (1 - F)) + 1 admissions after its arrival. Aging keeps lpm's own
+  starvation inside the hot class in check (a hot request one matched token short of the others
+  waits until the hot queue drains, which with a lane serving the cold ones may be never).
 
-With priority scheduling or aging on, the lane only moves a request ahead of others at the same
-level (the level of the policy's next request): a level still outranks the cache, so the aging
-bound of actors/policy_order.py holds unchanged, and the wait bound above holds among the
-admissions at R's level. Requests held back by lpm's in-batch prefix check may still be taken by
-the lane (its bound does not depend on them). tests/test_cold_lane.py checks both bounds on a
-simulated clock with the real QueueOrderer.
+Priority scheduling: the lane only takes requests of the best priority waiting, so it never moves
+a request ahead of a more important one; the cold wait bound holds while R's priority is the best
+waiting. Requests held back by lpm's in-batch prefix check may still be taken by the lane (its
+bounds do not depend on them). tests/test_cold_lane.py checks the bounds on a simulated clock with
+the real QueueOrderer.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -73,12 +80,13 @@ class ColdLane:
     def credit(self) -> Fraction:
         return Fraction(self._credit, self._unit)
 
-    def interleave(self, order: Sequence[Req], cold: set[int], levels: Sequence[int] | None) -> list[Req]:
-        """`order` (the policy's, by level when `levels` is given) with the lane's picks moved
-        forward; `cold` holds the id() of each cold request."""
+    def interleave(self, order: Sequence[Req], cold: set[int], priorities: Sequence[int] | None) -> list[Req]:
+        """`order` (the policy's, levels applied) with the lane's picks moved forward. `cold`
+        holds the id() of each cold request; `priorities` (lower first, None: priority
+        scheduling off) keep the lane to the best priority still waiting."""
         self._settle(order)
         credit, step, unit = self._credit, self._step, self._unit
-        lanes = _lanes(order, cold, levels)
+        lanes, best = _lanes(order, cold, priorities)
         placed = bytearray(len(order))
         out: list[Req] = []
         trace = [credit]
@@ -86,7 +94,7 @@ class ColdLane:
         for _ in range(len(order)):
             while placed[p]:
                 p += 1
-            lane = lanes.get(levels[p] if levels is not None else 0)
+            lane = lanes.get(best.first())
             while lane and placed[lane[0]]:
                 lane.popleft()  # the policy placed it already
             credit += step
@@ -98,6 +106,7 @@ class ColdLane:
                 if not lane:
                     credit = min(credit, unit)
             placed[i] = 1
+            best.remove(priorities[i] if priorities is not None else 0)
             out.append(order[i])
             trace.append(credit)
         self._plan = [(req, req.enqueue_time) for req in out]
@@ -124,10 +133,29 @@ class ColdLane:
         self.pause()
 
 
-def _lanes(order: Sequence[Req], cold: set[int], levels: Sequence[int] | None) -> dict[int, deque[int]]:
-    """Positions of the cold requests, oldest first, per level (ties keep the policy's order)."""
+def _lanes(order: Sequence[Req], cold: set[int], priorities: Sequence[int] | None) -> tuple[dict[int, deque[int]], _Best]:
+    """Positions of the cold requests, oldest first (ties keep the policy's order), per priority;
+    and the count of requests per priority."""
+    keys = priorities if priorities is not None else [0] * len(order)
     positions = sorted((i for i, req in enumerate(order) if id(req) in cold), key=lambda i: order[i].enqueue_time)
     lanes: dict[int, deque[int]] = {}
     for i in positions:
-        lanes.setdefault(levels[i] if levels is not None else 0, deque()).append(i)
-    return lanes
+        lanes.setdefault(keys[i], deque()).append(i)
+    return lanes, _Best(keys)
+
+
+class _Best:
+    """The best (lowest) priority among the requests not placed yet."""
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        self.left = Counter(keys)
+        self.keys = sorted(self.left)
+        self.at = 0
+
+    def first(self) -> int | None:
+        return self.keys[self.at] if self.at < len(self.keys) else None
+
+    def remove(self, key: int) -> None:
+        self.left[key] -= 1
+        while self.at < len(self.keys) and not self.left[self.keys[self.at]]:
+            self.at += 1

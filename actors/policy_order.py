@@ -26,8 +26,10 @@ tests/test_aging.py checks the bound with a simulated clock.
 
 Cold lane (`--cold-lane-share F`, lpm and dfs-weight): after the levels, up to a share F of the
 positions go to the oldest requests with little of their prompt cached, so a cold prompt waits for
-the cold backlog ahead of it, not for the hot queue; it moves requests only within a level. Its
-rule and bounds are in actors/cold_lane.py.
+the cold backlog ahead of it, not for the hot queue. The lane never passes a better priority, but
+it does pass aging levels: with both on, the aging bound above holds for every admission but the
+lane's, and R waits at most (B + L * (D + 1) * S + 1) / (1 - F) + 1 admissions. Its rule and
+bounds are in actors/cold_lane.py.
 
 Earliest deadline first (`edf`): by when the first token is due (`slo_ttft_ms` or `deadline_ms`
 after arrival, else `default_slo_ttft_ms`); requests with no deadline after all others, first
@@ -119,14 +121,12 @@ class QueueOrderer:
             out, cold = self._cache_aware_with_cold(policy, waiting)
         else:
             out = self._policy_order(policy, waiting, running_routing_keys, by_priority)
-        levels: list[int] | None = None
         if by_priority or self.aging_s is not None:
             levels = self._levels(out, by_priority, time.monotonic() if now is None else now)
-            ranks = sorted(range(len(out)), key=levels.__getitem__)
-            out = [out[i] for i in ranks]
-            levels = [levels[i] for i in ranks] if lane is not None else None
+            out = [out[i] for i in sorted(range(len(out)), key=levels.__getitem__)]
         if lane is not None:
-            return lane.interleave(out, cold, levels)
+            # The lane passes aging levels (its share bounds what that costs) but no priority.
+            return lane.interleave(out, cold, [req.priority * self.priority_sign for req in out] if by_priority else None)
         if self.cold_lane is not None:
             self.cold_lane.pause()
         return out
