@@ -16,7 +16,8 @@ Workloads:
   how many requests were admitted before one they arrived more than (D + 1) * S after.
 - lpm: 90% of prompts share a hot 1,024-token prefix, 10% are cold (as long, nothing shared),
   at capacity (`--lpm-overload`, x capacity); lpm (no fallback to fcfs, as a deployment that raised
-  `--lpm-fallback-queue-len` runs) without and with aging: the cold class's TTFT, the hit rate.
+  `--lpm-fallback-queue-len` runs) alone, with aging (`--lpm-aging`), with a cold lane
+  (`--lpm-cold-lane`) and with both (`--lpm-cold-lane-aging`): each class's TTFT, the hit rate.
 - slo: W5's request sizes (no priorities), each asking TTFT <= 500 ms (its slo_ttft_ms) and
   TPOT <= 50 ms:
   the arrival rate where fcfs meets 90% of them (bisected), then edf with --reject-infeasible at it:
@@ -257,14 +258,27 @@ async def lpm_starvation(args: argparse.Namespace, device: DeviceModel) -> None:
     jobs = [Job(r, "hot" if r.group == 0 else "cold") for r in with_arrivals(base, rate, args.seed)]
     print(f"\nlpm starvation, {len(jobs)} requests (10% cold) on {device.name}: capacity {cap:.1f} req/s, arrivals at {rate:.1f} req/s")
     settings = [plain] + [Setting(f"lpm + aging {s:g} s", {**common, "priority_aging_s": s}) for s in args.lpm_aging]
+    settings += [Setting(f"lpm + cold lane {f:g}", {**common, "cold_lane_share": f}) for f in args.lpm_cold_lane]
+    settings += [
+        Setting(f"lpm + cold lane {f:g} + aging {s:g} s", {**common, "cold_lane_share": f, "priority_aging_s": s})
+        for f in args.lpm_cold_lane for s in args.lpm_cold_lane_aging
+    ]
     print(HEADER)
-    summary = []
+    results = {}
     for setting in settings:
-        outs = await run(jobs, setting, device, args.pool_tokens)
+        results[setting.name] = outs = await run(jobs, setting, device, args.pool_tokens)
         print("\n".join(class_rows(setting.name, outs)))
-        cold = [o.ttft_s for o in outs if o.job.klass == "cold"]
-        summary.append(f"{setting.name}: hit rate {hit_rate(outs):.1f}%, cold TTFT p99 {_p(cold, 0.99) * 1e3:.0f} ms, {tokens_per_s(outs):.0f} tok/s")
-    print("\n".join(summary))
+    base_cold, base_hit = _p(_ttfts(results[plain.name], "cold"), 0.99), hit_rate(results[plain.name])
+    print("\n| setting | hit rate % | vs lpm, points | cold TTFT p99 ms | lpm's / this | hot TTFT p50 / p99 ms | output tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, outs in results.items():
+        cold, hot, hit = _p(_ttfts(outs, "cold"), 0.99), _ttfts(outs, "hot"), hit_rate(outs)
+        print(f"| {name} | {hit:.1f} | {hit - base_hit:+.1f} | {cold:.0f} | {base_cold / cold:.1f}x | "
+              f"{statistics.median(hot):.0f} / {_p(hot, 0.99):.0f} | {tokens_per_s(outs):.0f} |")
+
+
+def _ttfts(outs: Sequence[Outcome], klass: str) -> list[float]:
+    return [o.ttft_s * 1e3 for o in outs if o.job.klass == klass and not o.refused]
 
 
 # --- slo goodput -------------------------------------------------------------------------------------
@@ -403,6 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--lpm-requests", type=int, default=3000)
     p.add_argument("--lpm-overload", type=float, default=1.0)
     p.add_argument("--lpm-aging", type=_floats, default=[0.5, 0.1])
+    p.add_argument("--lpm-cold-lane", type=_floats, default=[0.2, 0.5], help="cold-lane shares (--cold-lane-share) to run")
+    p.add_argument("--lpm-cold-lane-aging", type=_floats, default=[0.1], help="each share also runs with these --priority-aging-s")
     p.add_argument("--slo-requests", type=int, default=2000)
     p.add_argument("--slo-loads", type=_floats, default=[1.0, 1.2], help="loads (x capacity) where fcfs meets >= 90%% and < 90%%")
     p.add_argument("--slo-search-steps", type=int, default=4)

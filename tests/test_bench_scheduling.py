@@ -49,6 +49,18 @@ def test_a_small_run_prints_its_table(workload, capsys):
     assert ("lpm + vtc" in out) if workload == "tenants" else ("+ aging 0.5 s" in out and "largest wait / bound" in out)
 
 
+def test_a_small_lpm_run_compares_the_cold_lane_with_plain_lpm(capsys):
+    small = ["--lpm-requests", "60", "--lpm-aging", "", "--lpm-cold-lane", "0.5", "--lpm-cold-lane-aging", "0.1",
+             "--max-running", "16", "--pool-tokens", "40000"]
+    scheduling.main(["--workload", "lpm", "--device-model", "h100-qwen3-8b", *small])
+    out = capsys.readouterr().out
+    for name in ("lpm", "lpm + cold lane 0.5", "lpm + cold lane 0.5 + aging 0.1 s"):
+        assert out.count(f"| {name} |") == 3, name  # the cold and hot rows, and the summary's
+    # The summary compares each setting with plain lpm: lpm's own row is the reference.
+    reference = next(line for line in out.splitlines() if line.startswith("| lpm |") and "x |" in line)
+    assert "| +0.0 |" in reference and "| 1.0x |" in reference
+
+
 def test_settings_and_presets_are_plain_data():
     assert Setting("x", {"fairness": "vtc"}).config == {"fairness": "vtc"}
     assert "h100-qwen3-8b" in DEVICE_MODELS
