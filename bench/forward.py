@@ -8,7 +8,9 @@ to the longest request is what such a batch costs). transformers gets the mixed 
 static batching does, left-padded to the longest context with an attention mask. The KV content
 does not change the cost, so both sides start from random KV instead of a slow real prefill.
 Prefill: one 512-token prompt; both sides compute logits for the last token only.
-Times are medians over --repeats runs of --steps decode steps each.
+Times are medians over --repeats runs of --steps decode steps each. On a CPU, "torch path" is the
+same runner without the CPU kernels (compiled decode attention, packed linears: `cpu_kernels`), and
+"its matmuls alone" times the prefill's linear layers by themselves, the bound for the prefill.
 --tp-size N adds a column: the same runner split over N tensor-parallel ranks (gloo on a CPU), each
 with cpu_count / N torch threads; the other columns use every thread.
 """
@@ -16,6 +18,7 @@ with cpu_count / N torch threads; the other columns use every thread.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -42,25 +46,27 @@ def main() -> None:
     pool = max_bs * (max(CONTEXT, MIXED_CONTEXT[1]) + args.steps + 1) + PREFILL
     config = RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool)
     runner = ModelRunner(config)
+    # The same runner without the CPU kernels: the compiled decode attention and packed linears.
+    plain = ModelRunner(dataclasses.replace(config, cpu_kernels=False)) if runner.device.type == "cpu" and not args.no_torch_path else None
     hf = _hf_model(runner.model_dir, runner.dtype)
     threads = torch.get_num_threads()
     split = _split_runner(config, args.tp_size, threads) if args.tp_size > 1 else None
     print(f"model={args.model} dtype={args.dtype} threads={threads} steps={args.steps} repeats={args.repeats}")
-    tp_column = f"{f'engine tp={args.tp_size} ms':>18}" if split else ""
-    print(f"{'case':<30}{'engine ms':>12}{tp_column}{'transformers ms':>18}{'engine speedup':>16}")
+    headers = ["engine ms"] + (["torch path ms"] if plain else []) + ([f"engine tp={args.tp_size} ms"] if split else [])
+    print(f"{'case':<30}" + "".join(f"{h:>18}" for h in headers + ["transformers ms", "engine speedup"]))
     cases = [(f"decode bs={bs} ctx={CONTEXT}", [CONTEXT] * bs) for bs in args.batches]
     lo, hi = MIXED_CONTEXT
     cases += [(f"decode bs={bs} ctx={lo}..{hi}", torch.randint(lo, hi + 1, (bs,)).tolist()) for bs in args.mixed_batches]
     try:
         for case, contexts in cases:
-            engine = _median(lambda: _engine_decode(runner, contexts, args.steps), args.repeats) / args.steps
-            tp = _on_split(split, lambda r: _median(lambda: _engine_decode(r, contexts, args.steps), args.repeats) / args.steps)
+            decode = lambda r: _median(lambda: _engine_decode(r, contexts, args.steps), args.repeats) / args.steps  # noqa: E731
             baseline = _median(lambda: _hf_decode(hf, contexts, args.steps), args.repeats) / args.steps
-            _row(case, engine, tp, baseline)
-        engine = _median(lambda: _engine_prefill(runner), args.repeats)
-        tp = _on_split(split, lambda r: _median(lambda: _engine_prefill(r), args.repeats))
+            _row(case, [decode(runner), decode(plain) if plain else None, _on_split(split, decode)], baseline)
+        prefill = lambda r: _median(lambda: _engine_prefill(r), args.repeats)  # noqa: E731
         baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
-        _row(f"prefill {PREFILL} tokens", engine, tp, baseline)
+        _row(f"prefill {PREFILL} tokens", [prefill(runner), prefill(plain) if plain else None, _on_split(split, prefill)], baseline)
+        limit = _median(lambda: _prefill_matmuls(runner), args.repeats)
+        print(f"{'  its matmuls alone':<30}{limit * 1e3:>18.2f}   (prefill / matmuls: {prefill(runner) / limit:.2f}x)")
     finally:
         if split is not None:
             split[0].close(graceful=True)
@@ -95,6 +101,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tp-size", type=int, default=1, help="also time the runner split over this many tensor-parallel ranks")
+    p.add_argument("--no-torch-path", action="store_true", help="skip the column without the CPU kernels")
     return p.parse_args()
 
 
@@ -122,9 +129,9 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def _row(case: str, engine_s: float, tp_s: float | None, baseline_s: float) -> None:
-    tp = "" if tp_s is None else f"{tp_s * 1e3:>18.2f}"
-    print(f"{case:<30}{engine_s * 1e3:>12.2f}{tp}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s:>15.2f}x")
+def _row(case: str, engine_s: list[float | None], baseline_s: float) -> None:
+    cells = "".join(f"{t * 1e3:>18.2f}" for t in engine_s if t is not None)
+    print(f"{case:<30}{cells}{baseline_s * 1e3:>18.2f}{baseline_s / engine_s[0]:>17.2f}x")
 
 
 def _engine_decode(runner: ModelRunner, contexts: list[int], steps: int) -> float:
@@ -183,6 +190,28 @@ def _engine_prefill(runner: ModelRunner) -> float:
     finally:
         runner.allocator.free(slots)
         runner.req_to_token.free(row)
+
+
+def _prefill_matmuls(runner: ModelRunner) -> float:
+    """The prefill's linear layers alone, as the runner runs them (packed or not), on inputs of the
+    prefill's shapes: the bound the rest of the forward is measured against."""
+    model, layout = runner.model, runner.layout
+    hidden = torch.randn(PREFILL, runner.model_config.hidden_size, dtype=runner.dtype)
+    heads_out = torch.randn(PREFILL, layout.num_heads * runner.model_config.head_dim, dtype=runner.dtype)
+    mlp_out = torch.randn(PREFILL, layout.intermediate_size, dtype=runner.dtype)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj in [attn.qkv] if attn.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]:
+                proj(hidden)
+            attn.o_proj(heads_out)
+            for proj in [mlp.gate_up] if mlp.gate_up is not None else [mlp.gate_proj, mlp.up_proj]:
+                proj(hidden)
+            mlp.down_proj(mlp_out)
+        last = hidden[-1:]
+        model.packed_head(last) if model.packed_head is not None else F.linear(last, model.output_weight())
+    return time.perf_counter() - start
 
 
 def _hf_prefill(hf, vocab_size: int) -> float:

@@ -3,7 +3,9 @@
 PyTorch has no decode attention that reads K/V where it lies in a paged pool: the torch path
 copies every request's keys and values out of the pool in every layer and then runs a flash kernel
 made for long query blocks, which together cost twice what reading the pool once does. The kernel
-here walks each request's slots directly (gpu/csrc/decode_attention.cpp).
+here walks each request's slots directly (gpu/csrc/decode_attention.cpp). RMSNorm (with the
+residual add before it), SiLU-and-multiply and RoPE are each one pass instead of four to eight ops
+(gpu/csrc/elementwise.cpp), rounding where the torch code rounds.
 
 It is built with torch's extension builder (ninja, the system C++ compiler, `-march=native`) into
 `build/cpu_ops/` beside the sources; a machine without a compiler, or a failed build, falls back
@@ -14,10 +16,12 @@ to the torch path with one warning, so nothing depends on the kernel being there
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -25,7 +29,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / "decode_attention.cpp"]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "elementwise.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "cpu_ops"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -33,16 +38,32 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DecodeAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True, slots=True)
+class CpuKernels:
+    decode_attention: DecodeAttention
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    # (residual, x, weight, eps): residual += x in place, returns rms_norm(residual)
+    add_rms_norm_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+    silu_mul: Callable[[torch.Tensor], torch.Tensor]  # [rows, 2 * inter] gate then up -> [rows, inter]
+    rope_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (x, positions, cos, sin), in place
+
+
 @cache
-def decode_attention_kernel() -> DecodeAttention | None:
-    """The compiled paged decode attention, or None (with the reason logged once) when it
-    cannot be built or loaded here."""
+def cpu_kernels() -> CpuKernels | None:
+    """The compiled kernels, or None (with the reason logged once) when they cannot be built or
+    loaded here."""
     try:
         _load()
     except Exception as exc:  # a missing compiler surfaces as any of several error types
-        log.warning("CPU decode attention kernel unavailable, using the torch path: %s", exc)
+        log.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
-    return torch.ops.actorserve.decode_attention
+    ops = torch.ops.actorserve
+    return CpuKernels(ops.decode_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_)
+
+
+def decode_attention_kernel() -> DecodeAttention | None:
+    kernels = cpu_kernels()
+    return kernels.decode_attention if kernels else None
 
 
 def _load() -> None:
@@ -56,7 +77,8 @@ def _load() -> None:
         cpp_extension.load(
             name="actorserve_cpu_ops",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=FLAGS,
+            # torch rebuilds when the sources or flags change; the digest makes a header change count.
+            extra_cflags=[*FLAGS, f"-DACTORSERVE_CSRC_DIGEST={_csrc_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(BUILD_DIR),
             is_python_module=False,
@@ -66,7 +88,13 @@ def _load() -> None:
         os.environ["PATH"] = path
 
 
+def _csrc_digest() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    kernel = decode_attention_kernel()
-    print(f"CPU decode attention kernel: {'built in ' + str(BUILD_DIR) if kernel else 'unavailable (torch path)'}")
+    print(f"CPU kernels: {'built in ' + str(BUILD_DIR) if cpu_kernels() else 'unavailable (torch path)'}")

@@ -23,13 +23,14 @@ from pathlib import Path
 import torch
 
 from gpu.attention import AttentionBackend, TorchAttention
-from gpu.cpu_ops import decode_attention_kernel
+from gpu.cpu_ops import cpu_kernels
 from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
+from gpu.packed_linear import can_pack, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout
 from gpu.tp_batch import BatchChannel
@@ -49,7 +50,9 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: by GPU memory (SGLang's table), at most max_running_requests
-    cpu_decode_kernel: bool = True  # CPU decode attention by the compiled kernel (gpu/cpu_ops.py) when it builds
+    # On a CPU: decode attention by the compiled kernel (gpu/cpu_ops.py, when it builds) and linear
+    # layers fused and packed for oneDNN (gpu/packed_linear.py). False keeps the plain torch path.
+    cpu_kernels: bool = True
 
 
 class ModelRunner:
@@ -67,6 +70,11 @@ class ModelRunner:
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device, tp)
+        kernels = cpu_kernels() if config.cpu_kernels and self.device.type == "cpu" else None
+        if config.cpu_kernels and can_pack(self.dtype, self.device):
+            pack_for_cpu(self.model)
+        if kernels is not None:
+            self.model.use_cpu_kernels(kernels)
         self.context_len = self._context_len()
         pool_tokens = self._agreed(config.max_total_tokens or self._default_pool_tokens())
         self.allocator = TokenSlotAllocator(pool_tokens, config.page_size, self.device)
@@ -153,8 +161,8 @@ class ModelRunner:
         mc = self.model_config
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
-            use_kernel = self.device.type == "cpu" and self.config.cpu_decode_kernel
-            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, decode_kernel=decode_attention_kernel() if use_kernel else None)
+            kernels = cpu_kernels() if self.device.type == "cpu" and self.config.cpu_kernels else None
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, decode_kernel=kernels.decode_attention if kernels else None)
         shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.attention import AttentionBackend
+from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import ModelConfig, RopeConfig
+from gpu.packed_linear import PackedLinear, linear
 from gpu.tensor_parallel import TPGroup, TPLayout
 
 
@@ -25,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels: CpuKernels | None = None  # gpu/cpu_ops.py: the same math in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 like the reference implementation, then scale in the input dtype.
         dtype = x.dtype
         x32 = x.float()
@@ -61,8 +66,13 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.kernels: CpuKernels | None = None  # gpu/cpu_ops.py: rotates q and k in place
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernels is not None:
+            self.kernels.rope_(q, positions, self.cos, self.sin)
+            self.kernels.rope_(k, positions, self.cos, self.sin)
+            return q, k
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -82,11 +92,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
+        self.packed: PackedLinear | None = None  # gpu/packed_linear.py; holds the bias when tp.size == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed)
+        y = self.tp.all_reduce(linear(x, self.weight, None, self.packed))
         return y if self.bias is None else y + self.bias
 
 
@@ -121,6 +132,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(q_size, hidden, config.o_proj_bias, tp)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv: PackedLinear | None = None  # q, k and v in one packed matmul (gpu/packed_linear.py)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -129,9 +142,13 @@ class Attention(nn.Module):
         self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(hidden).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -146,9 +163,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
+        self.gate_up: PackedLinear | None = None  # gate and up in one packed matmul (gpu/packed_linear.py)
+        self.kernels: CpuKernels | None = None  # gpu/cpu_ops.py: SiLU and multiply in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is not None and self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(self.gate_up(x)))
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -158,12 +183,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config, layout, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.kernels: CpuKernels | None = None  # gpu/cpu_ops.py: the residual add fused into the norm
 
     def forward(
         self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        delta = self.self_attn(self.input_layernorm(hidden), positions, rotary, attn)
+        if self.kernels is None:
+            hidden = hidden + delta
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # In place: `hidden` is this forward's own activation (the embedding's or the last layer's).
+        norm = self.post_attention_layernorm
+        normed = self.kernels.add_rms_norm_(hidden, delta.contiguous(), norm.weight, norm.eps)
+        return hidden.add_(self.mlp(normed))
 
 
 class DecoderModel(nn.Module):
@@ -186,11 +218,20 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, layout.vocab_shard, bias=False)
         self.rotary: RotaryEmbedding | None = None
+        self.packed_head: PackedLinear | None = None  # the output layer packed (gpu/packed_linear.py)
 
     def init_rotary(self, device: torch.device | str) -> None:
         """Build the RoPE tables; separate from __init__ so the model can be created on `meta`."""
         cfg = self.config
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings).to(device)
+
+    def use_cpu_kernels(self, kernels: CpuKernels) -> None:
+        """Run RMSNorm, RoPE, SiLU-and-multiply and the residual adds through gpu/cpu_ops.py."""
+        assert self.rotary is not None, "call init_rotary() first"
+        self.rotary.kernels = kernels
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, MLP, DecoderLayer)):
+                module.kernels = kernels
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -208,7 +249,8 @@ class CausalLM(nn.Module):
             hidden = hidden[batch.logit_index]
         elif not batch.return_all_logits:
             hidden = hidden[batch.last_token_index()]
-        logits = F.linear(self.model.norm(hidden), self.output_weight())
+        hidden = self.model.norm(hidden)
+        logits = self.packed_head(hidden) if self.packed_head is not None else F.linear(hidden, self.output_weight())
         if self.tp.size == 1:
             return logits
         return self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]

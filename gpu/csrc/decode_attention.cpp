@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -20,21 +22,14 @@
 
 namespace {
 
+using actorserve::exp_nonpositive;
+
 constexpr int64_t BLOCK = 32;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
-// bfloat16 is the top half of a float32: widening by a shift vectorises, c10's conversion does not.
-template <>
-inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) out[d] = static_cast<uint32_t>(bits[d]) << 16;
+  for (int64_t d = 0; d < n; ++d) dst[d] = actorserve::load_f32(src + d);
 }
 
 // Rows are scattered over the pool, so the hardware prefetcher cannot see the next one coming.
@@ -51,27 +46,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : sum)
   for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
   return sum;
-}
-
-// exp(x) for x <= 0 (scores less their maximum), vectorisable: 2^n * p(r) with r = x - n ln 2.
-// Relative error ~2e-7; exp(-inf) = 0. libm's expf is a scalar call per element.
-inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.f);  // below, 2^n would leave float's normal range
-  const float n = std::nearbyint(clamped * 1.44269504f);
-  const float r = clamped - n * 0.693145752f - n * 1.42860677e-6f;  // ln 2 split in two for accuracy
-  float p = 1.98756912e-4f;
-  p = p * r + 1.39819994e-3f;
-  p = p * r + 8.33345205e-3f;
-  p = p * r + 4.16657962e-2f;
-  p = p * r + 1.66666657e-1f;
-  p = p * r + 0.5f;
-  p = p * r * r + r + 1.f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof bits);
-  bits += static_cast<int32_t>(n) << 23;
-  float result;
-  std::memcpy(&result, &bits, sizeof result);
-  return x < -87.f ? 0.f : result;
 }
 
 // Attention of `group` query heads (q: [group, dim] floats, already scaled) over keys `begin` to
@@ -167,7 +141,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
       else call(std::integral_constant<int64_t, 0>{});
       T* o = out_data + (b * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) o[i] = static_cast<T>(result[i]);
+      for (int64_t i = 0; i < group * dim; ++i) actorserve::store_f32(o + i, result[i]);
     }
   });
 }

@@ -1,0 +1,175 @@
+// The transformer's small elementwise chains in one pass each, on a CPU.
+//
+// In PyTorch each of RMSNorm, SiLU-and-multiply and RoPE is four to eight separate ops, each a
+// pass over the activations (and, on a decode step, each a few microseconds of dispatch). These
+// do one pass and round to the tensor's dtype exactly where the torch code in gpu/models.py
+// rounds, so both paths agree bit for bit wherever the float32 math does.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using actorserve::load_f32;
+using actorserve::round_to;
+using actorserve::store_f32;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), name, " must be on a CPU");
+  TORCH_CHECK(x.dim() >= 1 && x.stride(-1) == 1, name, " needs a contiguous last dimension");
+}
+
+// torch: weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype). With `residual`, first
+// residual += x (rounded to the dtype, as `hidden + delta` is) and normalise the sum.
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t dim = x.size(-1), rows = x.numel() / dim;
+  const T* xd = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* res = residual ? residual->data_ptr<T>() : nullptr;
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+    std::vector<float> v(dim);
+    for (int64_t r = first; r < last; ++r) {
+      const T* src = xd + r * dim;
+      float sum = 0.f;
+      if (res) {
+        T* acc = res + r * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) {
+          v[d] = round_to<T>(load_f32(acc + d) + load_f32(src + d));
+          store_f32(acc + d, v[d]);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) v[d] = load_f32(src + d);
+      }
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < dim; ++d) sum += v[d] * v[d];
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + static_cast<float>(eps));
+      T* o = od + r * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) store_f32(o + d, load_f32(w + d) * round_to<T>(v[d] * inv));
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [", x.size(-1), "] in x's dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm",
+                                  [&] { rms_norm_rows<scalar_t>(x, nullptr, weight, eps, out); });
+  return out;
+}
+
+// residual += x in place; returns rms_norm(residual).
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual and x must match");
+  TORCH_CHECK(residual.is_contiguous() && x.is_contiguous(), "residual and x must be contiguous");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [", x.size(-1), "] in x's dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm_",
+                                  [&] { rms_norm_rows<scalar_t>(x, &residual, weight, eps, out); });
+  return out;
+}
+
+// torch: silu(gate) * up, each rounded to the dtype; gate_up is [rows, 2 * inter] (gate first).
+template <typename T>
+void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t inter = out.size(-1), rows = out.numel() / inter;
+  const T* in = gate_up.data_ptr<T>();
+  T* od = out.data_ptr<T>();
+  at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const T* gate = in + r * 2 * inter;
+      const T* up = gate + inter;
+      T* o = od + r * inter;
+#pragma omp simd
+      for (int64_t d = 0; d < inter; ++d) {
+        const float silu = round_to<T>(actorserve::silu(load_f32(gate + d)));
+        store_f32(o + d, silu * load_f32(up + d));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.is_contiguous() && gate_up.size(-1) % 2 == 0, "gate_up must be contiguous with an even last dimension");
+  auto sizes = gate_up.sizes().vec();
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] { silu_mul_rows<scalar_t>(gate_up, out); });
+  return out;
+}
+
+// torch (half-split layout): x * cos + rotate_half(x) * sin with cos/sin first cast to the dtype,
+// each product and the sum rounded to it. In place on x: [tokens, heads, dim] with any strides
+// but a contiguous last dimension; cos/sin: [positions, dim] float32 tables.
+template <typename T>
+void rope_rows(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  T* xd = x.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cd = cos.data_ptr<float>();
+  const float* sd = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, 4, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t) {
+      const float* c = cd + pos[t] * dim;
+      const float* s = sd + pos[t] * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = xd + t * s0 + h * s1;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = load_f32(v + i), b = load_f32(v + i + half);
+          const float ca = round_to<T>(c[i]), sa = round_to<T>(s[i]);
+          const float cb = round_to<T>(c[i + half]), sb = round_to<T>(s[i + half]);
+          store_f32(v + i, round_to<T>(a * ca) + round_to<T>(-b * sa));
+          store_f32(v + i + half, round_to<T>(b * cb) + round_to<T>(a * sb));
+        }
+      }
+    }
+  });
+}
+
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x must be [tokens, heads, even dim]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be int64 [tokens]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.dim() == 2 && cos.size(1) == x.size(2) && cos.sizes() == sin.sizes(),
+              "cos and sin must be float32 [positions, dim]");
+  if (positions.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(positions);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cos.size(0), "a position is outside the rotary table");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope_", [&] { rope_rows<scalar_t>(x, positions, cos, sin); });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(actorserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}
