@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from gpu.cpu_ops import DecodeAttention
+from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
 
@@ -135,6 +135,16 @@ class _PagedDecode:
 
 
 @dataclass(slots=True)
+class _PagedExtend:
+    """Any other batch for the compiled kernel: request i's new tokens are positions
+    prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1, each attending causally."""
+
+    req_rows: torch.Tensor  # [batch] int64
+    prefix_lens: torch.Tensor  # [batch] int64
+    extend_lens: torch.Tensor  # [batch] int64
+
+
+@dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
     buckets: list[_Bucket]
@@ -144,17 +154,18 @@ class _TorchMetadata:
     plain_causal: bool
     # Shared prefixes of a decode batch; the buckets then hold only the keys after them.
     shared: _SharedPrefixes | None
-    # A decode batch the compiled kernel attends in place (no buckets then).
+    # A batch the compiled kernels attend in place (no buckets then).
     paged: _PagedDecode | None = None
+    extend: _PagedExtend | None = None
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float, decode_kernel: DecodeAttention | None = None):
+    def __init__(self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float, kernels: CpuKernels | None = None):
         self.kv = kv
         self.req_to_token = req_to_token
         self.scale = scale
-        # gpu/cpu_ops.py's paged decode attention (CPU decode batches), or None for the torch path.
-        self.decode_kernel = decode_kernel
+        # gpu/cpu_ops.py's paged attention kernels (CPU batches), or None for the torch path.
+        self.kernels = kernels
         self._meta: _TorchMetadata | None = None
         # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
         # layer is served by mmap and page-faulted on first touch, which costs more than the copy.
@@ -162,12 +173,17 @@ class TorchAttention(AttentionBackend):
         self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        on_cpu = self.kernels is not None and batch.input_ids.device.type == "cpu"
+        if on_cpu and any(n != 1 for n in batch.extend_lens):
+            extend = _PagedExtend(batch.req_rows, _int64(batch.prefix_lens), _int64(batch.extend_lens))
+            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=False, plain_causal=False, shared=None, extend=extend)
+            return
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
             self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True, shared=None)
             return
         shared, skip = self._shared_prefixes(batch)
-        if self.decode_kernel is not None and batch.input_ids.device.type == "cpu" and all(n == 1 for n in batch.extend_lens):
-            paged = _PagedDecode(batch.req_rows, torch.tensor(skip, dtype=torch.int64), torch.tensor(batch.seq_lens, dtype=torch.int64))
+        if on_cpu:  # a decode batch
+            paged = _PagedDecode(batch.req_rows, _int64(skip), _int64(batch.seq_lens))
             self._grow_buffers(shared.slots.numel() if shared else 0)
             self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=False, plain_causal=False, shared=shared, paged=paged)
             return
@@ -266,6 +282,12 @@ class TorchAttention(AttentionBackend):
             return out[0].transpose(0, 1)
         if meta.paged:
             return self._decode_paged(q, meta, layer_id)
+        if meta.extend:
+            assert self.kernels is not None
+            e = meta.extend
+            return self.kernels.extend_attention(
+                q.contiguous(), self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, e.req_rows, e.prefix_lens, e.extend_lens, self.scale
+            )
         if meta.shared:
             return self._decode_with_shared_prefixes(q, meta, layer_id)
         if meta.in_order:
@@ -279,9 +301,9 @@ class TorchAttention(AttentionBackend):
         """The compiled kernel over each request's keys in place (after its shared prefix, if
         any), merged with the shared prefixes' attention as the torch path does."""
         paged = meta.paged
-        assert paged is not None and self.decode_kernel is not None
+        assert paged is not None and self.kernels is not None
         q = q.contiguous()
-        out, lse = self.decode_kernel(
+        out, lse = self.kernels.decode_attention(
             q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, paged.req_rows, paged.key_begin, paged.key_end, self.scale
         )
         return out if meta.shared is None else self._merge_shared(q, out, lse, meta.shared, layer_id)
@@ -386,6 +408,10 @@ def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: 
     """PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale)
     return out, lse.float()
+
+
+def _int64(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

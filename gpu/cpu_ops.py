@@ -3,7 +3,9 @@
 PyTorch has no decode attention that reads K/V where it lies in a paged pool: the torch path
 copies every request's keys and values out of the pool in every layer and then runs a flash kernel
 made for long query blocks, which together cost twice what reading the pool once does. The kernel
-here walks each request's slots directly (gpu/csrc/decode_attention.cpp). RMSNorm (with the
+here walks each request's slots directly (gpu/csrc/decode_attention.cpp); new tokens (prefill,
+extend) attend causally the same way, in tiles that skip keys past their last position
+(gpu/csrc/extend_attention.cpp), where PyTorch's CPU flash kernel computes whole blocks. RMSNorm (with the
 residual add before it), SiLU-and-multiply and RoPE are each one pass instead of four to eight ops
 (gpu/csrc/elementwise.cpp), rounding where the torch code rounds.
 
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("decode_attention.cpp", "elementwise.cpp")]
+SOURCES = [CSRC / name for name in ("decode_attention.cpp", "extend_attention.cpp", "elementwise.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "cpu_ops"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -38,9 +40,14 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 DecodeAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+# (q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, scale) -> out
+ExtendAttention = Callable[..., torch.Tensor]
+
+
 @dataclass(frozen=True, slots=True)
 class CpuKernels:
     decode_attention: DecodeAttention
+    extend_attention: ExtendAttention
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     # (residual, x, weight, eps): residual += x in place, returns rms_norm(residual)
     add_rms_norm_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -58,7 +65,7 @@ def cpu_kernels() -> CpuKernels | None:
         log.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
     ops = torch.ops.actorserve
-    return CpuKernels(ops.decode_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_)
+    return CpuKernels(ops.decode_attention, ops.extend_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_)
 
 
 def decode_attention_kernel() -> DecodeAttention | None:

@@ -162,7 +162,7 @@ class ModelRunner:
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
             kernels = cpu_kernels() if self.device.type == "cpu" and self.config.cpu_kernels else None
-            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, decode_kernel=kernels.decode_attention if kernels else None)
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, kernels=kernels)
         shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 

@@ -15,7 +15,7 @@ import torch
 
 import gpu.attention as attention
 from gpu.attention import TorchAttention, plan_buckets
-from gpu.cpu_ops import DecodeAttention, decode_attention_kernel
+from gpu.cpu_ops import CpuKernels, cpu_kernels
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
 from runtime.forward_mode import ForwardMode
@@ -26,7 +26,7 @@ TOLERANCE = 1e-5
 
 def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: int, dim: int = 16, seed: int = 0,
          dtype: torch.dtype = torch.float32, shared: list[tuple[list[int], int]] = (),
-         backend_out: list[TorchAttention] | None = None, kernel: DecodeAttention | None = None,
+         backend_out: list[TorchAttention] | None = None, kernels: CpuKernels | None = None,
          ) -> tuple[list[torch.Tensor], list[torch.Tensor], ForwardBatch]:
     """(backend outputs per layer, float64 reference outputs per layer, the batch).
 
@@ -51,7 +51,7 @@ def _run(prefix_lens: list[int], extend_lens: list[int], heads: int, kv_heads: i
     new_ids = [[1] * e for e in extend_lens]
     batch = ForwardBatch.build(new_ids, list(range(1, len(seq_lens) + 1)), prefix_lens, out_loc)
     scale = dim**-0.5
-    backend = TorchAttention(kv, table, scale, decode_kernel=kernel)
+    backend = TorchAttention(kv, table, scale, kernels=kernels)
     backend.init_forward_metadata(batch)
     if backend_out is not None:
         backend_out.append(backend)
@@ -221,59 +221,69 @@ def test_shared_prefixes_in_bfloat16():
 
 
 @pytest.fixture(scope="module")
-def kernel() -> DecodeAttention:
-    found = decode_attention_kernel()
+def kernels() -> CpuKernels:
+    found = cpu_kernels()
     if found is None:
-        pytest.skip("the CPU decode attention kernel did not build here (no C++ compiler?)")
+        pytest.skip("the CPU kernels did not build here (no C++ compiler?)")
     return found
-
-
-DECODE_CASES = [c for c, (_, extend) in CASES.items() if all(n == 1 for n in extend)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take the unrolled paths
-@pytest.mark.parametrize("case", DECODE_CASES)
-def test_kernel_matches_reference(kernel, case, heads, kv_heads, dim):
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_match_reference(kernels, case, heads, kv_heads, dim):
     prefix, extend = CASES[case]
     backends: list[TorchAttention] = []
-    outs, refs, _ = _run(prefix, extend, heads, kv_heads, dim=dim, kernel=kernel, backend_out=backends)
-    assert backends[0]._meta.paged is not None
+    outs, refs, _ = _run(prefix, extend, heads, kv_heads, dim=dim, kernels=kernels, backend_out=backends)
+    meta = backends[0]._meta
+    assert (meta.paged is not None) == all(n == 1 for n in extend) and (meta.extend is not None) == any(n != 1 for n in extend)
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
 
 
-def test_kernel_random_ragged_batches(kernel):
-    rng = random.Random(1)
+@pytest.mark.parametrize("kind", ["decode", "extend", "mixed"])
+def test_kernels_random_ragged_batches(kernels, kind):
+    rng = random.Random(kind)
     for trial in range(10):
-        prefix = [rng.choice([rng.randint(1, 40), rng.randint(300, 700)]) for _ in range(rng.choice([1, 3, 17, 40]))]
-        outs, refs, _ = _run(prefix, [1] * len(prefix), 6, 2, dim=64, seed=trial, kernel=kernel)
+        prefix, extend = _random_batch(rng, rng.choice([1, 3, 17, 40]), kind)
+        if kind == "decode" and trial % 2:
+            prefix = [rng.choice([rng.randint(1, 40), rng.randint(300, 700)]) for _ in prefix]  # long and short contexts
+        outs, refs, _ = _run(prefix, extend, 6, 2, dim=64, seed=trial, kernels=kernels)
         for out, ref in zip(outs, refs):
             torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
 
 
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-def test_kernel_in_half_precision(kernel, dtype, tolerance):
-    outs, refs, _ = _run([1, 5, 60, 300, 33], [1] * 5, 9, 3, dim=64, dtype=dtype, kernel=kernel)
+def test_extend_kernel_on_a_long_prompt_after_a_prefix(kernels):
+    """Tiles of several key blocks, causal skipping and a partial last tile."""
+    outs, refs, _ = _run([0, 45], [300, 77], 9, 3, dim=64, kernels=kernels)
     for out, ref in zip(outs, refs):
-        assert out.dtype == dtype
-        torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=0)
+        torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_kernels_in_half_precision(kernels, dtype, tolerance):
+    for extend in ([1] * 5, [1, 20, 1, 3, 40]):
+        outs, refs, _ = _run([1, 5, 60, 300, 33], extend, 9, 3, dim=64, dtype=dtype, kernels=kernels)
+        for out, ref in zip(outs, refs):
+            assert out.dtype == dtype
+            torch.testing.assert_close(out.double(), ref, atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3)])
-def test_kernel_with_shared_prefixes(kernel, heads, kv_heads):
+def test_kernel_with_shared_prefixes(kernels, heads, kv_heads):
     """Each request's own keys through the kernel, the shared prefixes once, merged by lse."""
     prefix = [80, 150, 95, 120, 130, 101, 70, 90, 200]
     groups = [([0, 1, 2, 3], 70), ([4, 5], 100), ([6, 7], 40)]
     backends: list[TorchAttention] = []
-    outs, refs, _ = _run(prefix, [1] * len(prefix), heads, kv_heads, dim=64, shared=groups, backend_out=backends, kernel=kernel)
+    outs, refs, _ = _run(prefix, [1] * len(prefix), heads, kv_heads, dim=64, shared=groups, backend_out=backends, kernels=kernels)
     assert _groups(backends[0]) == {(0, 1, 2, 3): 70, (4, 5): 100}
     assert backends[0]._meta.paged.key_begin.tolist() == [70, 70, 70, 70, 100, 100, 0, 0, 0]
     for out, ref in zip(outs, refs):
         torch.testing.assert_close(out.double(), ref, atol=TOLERANCE, rtol=0)
 
 
-def test_kernel_pages_of_several_slots(kernel):
+def test_kernel_pages_of_several_slots(kernels):
+    kernel = kernels.decode_attention
     """A paged pool's layout: each request's slots run in whole pages of 4, pages scattered."""
     gen = torch.Generator().manual_seed(3)
     page, seq_lens, kv_heads, heads, dim = 4, [13, 4, 29, 1], 2, 8, 64
@@ -299,7 +309,8 @@ def test_kernel_pages_of_several_slots(kernel):
         torch.testing.assert_close(out[i].double(), expected, atol=TOLERANCE, rtol=0)
 
 
-def test_kernel_refuses_bad_input_by_name(kernel):
+def test_kernel_refuses_bad_input_by_name(kernels):
+    kernel = kernels.decode_attention
     q, pool = torch.zeros(2, 4, 16), torch.zeros(10, 2, 16)
     table, rows, ends = torch.zeros(3, 8, dtype=torch.int32), torch.tensor([1, 2]), torch.tensor([3, 3])
     with pytest.raises(RuntimeError, match="share a dtype"):
@@ -312,3 +323,8 @@ def test_kernel_refuses_bad_input_by_name(kernel):
         kernel(q, pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), torch.tensor([3, 9]), 1.0)
     with pytest.raises(RuntimeError, match="key range"):
         kernel(q, pool, pool, table, rows, torch.tensor([3, 0]), ends, 1.0)
+    extend = kernels.extend_attention
+    with pytest.raises(RuntimeError, match="q has 2"):
+        extend(q, pool, pool, table, rows, torch.tensor([0, 0]), torch.tensor([1, 2]), 1.0)
+    with pytest.raises(RuntimeError, match="outside req_to_token"):
+        extend(q, pool, pool, table, rows, torch.tensor([8, 0]), torch.tensor([1, 1]), 1.0)

@@ -123,12 +123,16 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   T* out_data = out.data_ptr<T>();
   float* lse_data = lse.data_ptr<float>();
   const int64_t slot_stride = kv_heads * dim;
-  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t first, int64_t last) {
+  const int64_t num_tasks = batch * kv_heads;
+  // Dynamic scheduling: contexts differ, and with them the cost of each task.
+#pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
+  {
     std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(group * dim);
-    for (int64_t task = first; task < last; ++task) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const T* q_head = q_data + (b * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) qf[i] = static_cast<float>(q_head[i]) * static_cast<float>(scale);
+      for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
       const T* k_head = k_data + h * dim;
       const T* v_head = v_data + h * dim;
       const int32_t* slots = table + rows[b] * table_stride;
@@ -143,7 +147,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       T* o = out_data + (b * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) actorserve::store_f32(o + i, result[i]);
     }
-  });
+  }
 }
 
 // q: [batch, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim] (same dtype as q);
