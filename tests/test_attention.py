@@ -229,7 +229,7 @@ def kernels() -> CpuKernels:
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4), (8, 1)])
-@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take the unrolled paths
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])  # 32, 64 and 128 take the unrolled paths
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_match_reference(kernels, case, heads, kv_heads, dim):
     prefix, extend = CASES[case]

@@ -141,7 +141,8 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
         attend<T, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
                                                rows_buf.data(), scores.data(), result.data(), lse_out);
       };
-      if (dim == 64) call(std::integral_constant<int64_t, 64>{});
+      if (dim == 32) call(std::integral_constant<int64_t, 32>{});
+      else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
       else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
       else call(std::integral_constant<int64_t, 0>{});
       T* o = out_data + (b * heads + h * group) * dim;

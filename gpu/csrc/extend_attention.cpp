@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -173,15 +174,14 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       const T* v_head = v_data + task.kv_head * dim;
       const int32_t* slots = table + rows[b] * table_stride;
       const int64_t first_pos = prefix[b] + task.first;
-      if (dim == 64)
-        attend_tile<T, 64>(q_data + offset, out_data + offset, q_row_stride, k_head, v_head, slot_stride, slots, first_pos, tile, group, dim,
-                           static_cast<float>(scale), scratch);
-      else if (dim == 128)
-        attend_tile<T, 128>(q_data + offset, out_data + offset, q_row_stride, k_head, v_head, slot_stride, slots, first_pos, tile, group,
-                            dim, static_cast<float>(scale), scratch);
-      else
-        attend_tile<T, 0>(q_data + offset, out_data + offset, q_row_stride, k_head, v_head, slot_stride, slots, first_pos, tile, group, dim,
-                          static_cast<float>(scale), scratch);
+      auto call = [&](auto fixed_dim) {
+        attend_tile<T, decltype(fixed_dim)::value>(q_data + offset, out_data + offset, q_row_stride, k_head, v_head, slot_stride, slots,
+                                                   first_pos, tile, group, dim, static_cast<float>(scale), scratch);
+      };
+      if (dim == 32) call(std::integral_constant<int64_t, 32>{});
+      else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
+      else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
+      else call(std::integral_constant<int64_t, 0>{});
     }
   }
 }
