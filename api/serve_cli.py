@@ -68,7 +68,7 @@ FIELD_HELP: dict[str, str] = {
     "fairness": "vtc: serve the backlogged tenant with the least weighted service first (OSDI'24 VTC)",
     "tenant_weights": "vtc shares, e.g. a=2,b=1 (tenants not named: 1)",
     "priority_aging_s": "a waiting request gains one priority level per this many seconds (none: no aging; sjf: 5)",
-    "cold_lane_share": "lpm/dfs-weight: up to this share of admissions goes to the oldest cold requests, ahead of better cache matches (none: no lane)",
+    "cold_lane_share": "lpm/dfs-weight: up to this share of admissions goes to the oldest cold requests, ahead of better cache matches; pair with --priority-aging-s (none: no lane)",
     "cold_lane_threshold": "a waiting request is cold while its cached prefix covers less than this share of its prompt",
     "stream_interval": "tokens per streamed chunk",
     "tokenize_off_loop_chars": "prompts longer than this are tokenized in a thread",
