@@ -26,6 +26,7 @@ import uvloop  # noqa: E402
 # summary, after the engine tests, and there CPython 3.11.7's AST validator can fail
 # ("AST constructor recursion depth mismatch") on a run of files that never imported it.
 
+from gpu.cpu_ops import CpuKernels, cpu_kernels  # noqa: E402
 from gpu.tiny_model import make_tiny_model  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
@@ -68,6 +69,15 @@ def tiny_qwen2(tiny_model_factory: TinyModelFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_model_factory: TinyModelFactory) -> Path:
     return tiny_model_factory("qwen3")
+
+
+@pytest.fixture(scope="session")
+def kernels() -> CpuKernels:
+    """The compiled CPU kernels (gpu/cpu_ops.py); tests of them skip where they cannot build."""
+    found = cpu_kernels()
+    if found is None:
+        pytest.skip("the CPU kernels did not build here (no C++ compiler?)")
+    return found
 
 
 @pytest.fixture(scope="session")

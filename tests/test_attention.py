@@ -15,7 +15,7 @@ import torch
 
 import gpu.attention as attention
 from gpu.attention import TorchAttention, plan_buckets
-from gpu.cpu_ops import CpuKernels, cpu_kernels
+from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
 from runtime.forward_mode import ForwardMode
@@ -218,14 +218,6 @@ def test_shared_prefixes_in_bfloat16():
 
 
 # --- the compiled paged decode kernel -----------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    found = cpu_kernels()
-    if found is None:
-        pytest.skip("the CPU kernels did not build here (no C++ compiler?)")
-    return found
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 4), (9, 3), (4, 4), (8, 1)])

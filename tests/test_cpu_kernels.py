@@ -13,19 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu.cpu_ops import CpuKernels, cpu_kernels
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import RopeConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.models import RMSNorm, RotaryEmbedding
-
-
-@pytest.fixture(scope="module")
-def kernels() -> CpuKernels:
-    found = cpu_kernels()
-    if found is None:
-        pytest.skip("the CPU kernels did not build here (no C++ compiler?)")
-    return found
 
 
 def _torch_norm(dim: int, weight: torch.Tensor) -> RMSNorm:

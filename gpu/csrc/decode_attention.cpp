@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "paged_inputs.h"
 
 #include <algorithm>
 #include <cmath>
@@ -158,13 +159,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
                                                     const at::Tensor& key_begin, const at::Tensor& key_end, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "decode_attention runs on a CPU");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-dimensional");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "q, k_pool and v_pool must be contiguous");
-  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(), "q and the pools must share a dtype");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2), "pool shapes do not match q");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of K/V heads");
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token must be int32 with contiguous rows");
+  actorserve::check_paged_inputs("decode_attention", q, k_pool, v_pool, req_to_token);
   for (const auto* t : {&req_rows, &key_begin, &key_end}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == q.size(0), "req_rows, key_begin and key_end must be int64 [batch]");
   }

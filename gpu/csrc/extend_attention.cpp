@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "paged_inputs.h"
 
 namespace {
 
@@ -27,7 +28,6 @@ using actorserve::store_f32;
 
 constexpr int64_t TILE = 16;   // query positions per task: one float vector of scores
 constexpr int64_t BLOCK = 32;  // keys per softmax update
-constexpr int64_t MAX_DIM = 256;
 
 struct Task {
   int64_t request, kv_head, first;  // first: index of the tile's first new token in the request
@@ -117,7 +117,7 @@ void attend_tile(const T* q, T* out, int64_t q_row_stride, const T* k_pool, cons
       for (int64_t i = 0; i < TILE; ++i) l[i] = l[i] * rescale[i] + block_sum[i];
       for (int64_t i = 0; i < TILE; ++i) {
         // A local copy the compiler can keep in registers across the block's values.
-        float local[FIXED_DIM ? FIXED_DIM : MAX_DIM];
+        float local[FIXED_DIM ? FIXED_DIM : actorserve::MAX_HEAD_DIM];
         float* a = s.acc.data() + (g * TILE + i) * DIM;
         const float r = rescale[i];
 #pragma omp simd
@@ -197,14 +197,7 @@ std::vector<int64_t> to_vector(const at::Tensor& t, int64_t size, const char* na
 // req_rows, prefix_lens, extend_lens: [batch] int64. Returns [tokens, heads, dim] in q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
                             const at::Tensor& req_rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "extend_attention runs on a CPU");
-  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-dimensional");
-  TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous(), "q, k_pool and v_pool must be contiguous");
-  TORCH_CHECK(k_pool.scalar_type() == q.scalar_type() && v_pool.scalar_type() == q.scalar_type(), "q and the pools must share a dtype");
-  TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2), "pool shapes do not match q");
-  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of K/V heads");
-  TORCH_CHECK(q.size(2) <= MAX_DIM, "head dim ", q.size(2), " is over the kernel's ", MAX_DIM);
-  TORCH_CHECK(req_to_token.scalar_type() == at::kInt && req_to_token.stride(1) == 1, "req_to_token must be int32 with contiguous rows");
+  actorserve::check_paged_inputs("extend_attention", q, k_pool, v_pool, req_to_token);
   const int64_t batch = req_rows.numel();
   const auto rows = to_vector(req_rows, batch, "req_rows");
   const auto prefix = to_vector(prefix_lens, batch, "prefix_lens");
