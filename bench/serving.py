@@ -27,6 +27,13 @@ requests, conversations for multi-turn). W3 / W5 draw their own arrivals at the 
 datasets draw theirs from default_rng([seed, 1]), so the prompts do not depend on the rate.
 Every request is greedy with `ignore_eos` (`--disable-ignore-eos` to let EOS end it).
 
+Classes: W5 gives each request a priority. `--tenants a=3,b=1` gives each request (each
+conversation, for multi-turn) a tenant drawn with those weights, sent as the `tenant` field;
+`--slo-classes 200=1,1000=3` a TTFT target in ms drawn likewise (`none` for requests with none),
+sent as `slo_ttft_ms` and held against each request's own TTFT in goodput and SLO attainment.
+Both are off by default. The result then splits TTFT, TPOT, E2E, queue time (`--engine`), goodput
+and SLO attainment by priority, tenant and SLO class ("By class").
+
 Before the timed run: `--warmup-requests` short requests with their own ids, then the prefix
 cache is flushed (before every run of a sweep too; `--no-flush-cache` keeps it).
 
@@ -62,10 +69,14 @@ from bench.serving_datasets import (
     BenchRequest,
     Dataset,
     MultiTurn,
+    Service,
     gsp_dataset,
     multi_turn_dataset,
+    parse_slo_classes,
+    parse_tenants,
     random_ids_dataset,
     sharegpt_dataset,
+    with_services,
     workload_dataset,
 )
 from bench.serving_metrics import LATENCIES, RequestOutput, compute_metrics, distserve_goodput, format_rate, metrics_by_class
@@ -132,26 +143,28 @@ async def run_dataset(
         return await make()
 
     async def single(r: BenchRequest) -> list[RequestOutput]:
-        out = await send(Call(r.output_len, input_ids=r.input_ids, text=r.text, priority=r.priority))
-        out.klass = f"priority {r.priority}" if r.priority is not None else ""
-        return [out]
+        out = await send(Call(r.output_len, input_ids=r.input_ids, text=r.text, priority=r.priority,
+                              tenant=r.service.tenant, slo_ttft_ms=r.service.slo_ttft_ms))
+        return [labelled(out, r.priority, r.service)]
 
     async def conversation(c: MultiTurn) -> list[RequestOutput]:
         outs: list[RequestOutput] = []
         history: list[int] = []
         messages: list[dict[str, str]] = []
+        service = {"tenant": c.service.tenant, "slo_ttft_ms": c.service.slo_ttft_ms}  # every turn's
         for turn, user in enumerate(c.turns):
             if backend.name == "openai-chat":
                 assert c.texts is not None, "openai-chat needs the turns as text"
                 messages = [*messages, {"role": "user", "content": c.texts[turn]}]
-                call = Call(c.output_len, messages=messages)
+                call = Call(c.output_len, messages=messages, **service)
             else:
-                call = Call(c.output_len, input_ids=history + user)
-            out = await send(call)
+                call = Call(c.output_len, input_ids=history + user, **service)
+            out = labelled(await send(call), None, c.service)
             outs.append(out)
             if not out.success:
                 for _ in c.turns[turn + 1 :]:  # the conversation cannot go on
-                    outs.append(RequestOutput(error=f"turn {turn} failed", requested_output_len=c.output_len))
+                    lost = RequestOutput(error=f"turn {turn} failed", requested_output_len=c.output_len)
+                    outs.append(labelled(lost, None, c.service))
                     if progress is not None:
                         progress.update()
                 break
@@ -170,6 +183,14 @@ async def run_dataset(
     results = await asyncio.gather(*tasks)
     duration = serving_backends.clock() - t0
     return [o for group in results for o in group], duration
+
+
+def labelled(out: RequestOutput, priority: int | None, service: Service) -> RequestOutput:
+    """`out` with the classes of its request (the per-class split) and its own TTFT target."""
+    given = {"priority": None if priority is None else str(priority), "tenant": service.tenant, "slo": service.slo_class}
+    out.classes = {dim: value for dim, value in given.items() if value is not None}
+    out.slo_ttft_ms = service.slo_ttft_ms
+    return out
 
 
 async def warm_up(backend: Backend, count: int, vocab_size: int, seed: int, chat_text: Callable[[list[int]], str] | None) -> None:
@@ -192,7 +213,7 @@ async def warm_up(backend: Backend, count: int, vocab_size: int, seed: int, chat
 
 # --- reporting -----------------------------------------------------------------------------------
 
-LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
+LATENCY_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E", "queue": "Queue"}
 
 
 def format_table(m: dict[str, Any], header: dict[str, Any]) -> str:
@@ -213,30 +234,50 @@ def format_table(m: dict[str, Any], header: dict[str, Any]) -> str:
         ("Cache hit rate (cached / prompt tokens)", f"{m['cache_hit_rate']:.1%}"),
     ]
     if "goodput" in m:
-        rows.append((f"Goodput (req/s, TTFT<={m['slo_ttft_ms']} ms, TPOT<={m['slo_tpot_ms']} ms)", f"{m['goodput']:.2f}"))
+        rows.append((f"Goodput (req/s, {_slo_text(m)})", f"{m['goodput']:.2f}"))
         rows.append(("Requests meeting the SLOs", f"{m['slo_attained']:.1%}"))
     if "device_busy" in m:
         rows.append(("Device busy (server forward_s / wall)", f"{m['device_busy']:.1%}"))
     lines += [f"{k + ':':<46}{str(v):>20}" for k, v in rows]
     lines.append("{s:-^66}".format(s=" Latency (ms) "))
     lines.append(f"{'':<8}" + "".join(f"{c:>11}" for c in ("mean", "median", "p90", "p95", "p99")))
-    for name in LATENCIES:
-        lines.append(f"{LATENCY_NAMES[name]:<8}" + "".join(f"{m[f'{s}_{name}_ms']:>11.2f}" for s in ("mean", "median", "p90", "p95", "p99")))
+    for name in (*LATENCIES, "queue"):
+        if f"mean_{name}_ms" in m:  # queue time only where the backend reports it
+            lines.append(f"{LATENCY_NAMES[name]:<8}" + "".join(f"{m[f'{s}_{name}_ms']:>11.2f}" for s in ("mean", "median", "p90", "p95", "p99")))
     lines += _class_lines(m.get("by_class", {}))
     lines.append("=" * 66)
     return "\n".join(lines)
 
 
+def _slo_text(m: dict[str, Any]) -> str:
+    """The SLOs goodput was measured against: "TTFT<=500.0 ms, TPOT<=None ms", or with
+    --slo-classes "TTFT<=own (200, 1000 ms), TPOT<=None ms" (plus "else" the flag's target)."""
+    ttft = f"{m['slo_ttft_ms']} ms"
+    own = m.get("slo_ttft_ms_per_request")
+    if own:
+        ttft = f"own ({', '.join(f'{t:g}' for t in own)} ms)" + ("" if m["slo_ttft_ms"] is None else f" else {ttft}")
+    return f"TTFT<={ttft}, TPOT<={m['slo_tpot_ms']} ms"
+
+
+CLASS_COLUMNS = (("requests", "completed"), ("TTFT p50", "median_ttft_ms"), ("TTFT p99", "p99_ttft_ms"),
+                 ("TPOT p99", "p99_tpot_ms"), ("E2E p99", "p99_e2e_ms"), ("Queue p99", "p99_queue_ms"))
+
+
 def _class_lines(by_class: dict[str, dict[str, Any]]) -> list[str]:
-    """Per request class: requests, TTFT median and p99, TPOT p99, E2E p99 (ms), SLO attained."""
+    """Per request class: requests, TTFT median and p99, TPOT p99, E2E p99, queue p99 (ms, where
+    reported), then SLO attainment and goodput (req/s) when the run measured them."""
     if not by_class:
         return []
+    classes = list(by_class.values())
+    columns = [(title, key) for title, key in CLASS_COLUMNS if all(key in c for c in classes)]
+    width = max(14, *(len(name) + 2 for name in by_class))  # tenant names can be long
+    with_slo = all("slo_attained" in c for c in classes)
     lines = ["{s:-^66}".format(s=" By class (ms) ")]
-    lines.append(f"{'':<14}" + "".join(f"{c:>10}" for c in ("requests", "TTFT p50", "TTFT p99", "TPOT p99", "E2E p99")) + "  SLO")
+    lines.append(f"{'':<{width}}" + "".join(f"{title:>10}" for title, _ in columns) + ("  SLO  goodput" if with_slo else ""))
     for name, c in by_class.items():
-        slo = f"  {c['slo_attained']:.0%}" if "slo_attained" in c else ""
-        values = (c["completed"], c["median_ttft_ms"], c["p99_ttft_ms"], c["p99_tpot_ms"], c["p99_e2e_ms"])
-        lines.append(f"{name:<14}{values[0]:>10}" + "".join(f"{v:>10.1f}" for v in values[1:]) + slo)
+        cells = [f"{c[key]:>10}" if key == "completed" else f"{c[key]:>10.1f}" for _, key in columns]
+        slo = f"  {c['slo_attained']:>4.0%}  {c['goodput']:>7.2f}" if with_slo else ""
+        lines.append(f"{name:<{width}}" + "".join(cells) + slo)
     return lines
 
 
@@ -277,6 +318,8 @@ def json_record(args: argparse.Namespace, result: RunResult, dataset_name: str, 
         "seed": args.seed,
         "warmup_requests": args.warmup_requests,
         "ignore_eos": not args.disable_ignore_eos,
+        **({"tenants": args.tenants.as_dict()} if args.tenants else {}),
+        **({"slo_classes": args.slo_classes.as_dict()} if args.slo_classes else {}),
         **result.metrics,
         "errors": errors,
         "engine_config": config,
@@ -298,6 +341,19 @@ def append_json_line(path: Path, record: dict[str, Any]) -> None:
 
 
 # --- the command ---------------------------------------------------------------------------------
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from a parser raising ValueError: argparse then prints the message
+    after the flag's name (its own wording for ValueError is only "invalid value")."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def parse_rate(text: str) -> float:
@@ -348,6 +404,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ld.add_argument("--no-flush-cache", action="store_true", help="keep the prefix cache between warm-up and runs")
     ld.add_argument("--disable-ignore-eos", action="store_true", help="let EOS end answers early")
     ld.add_argument("--extra-request-body", type=json.loads, default={}, help="JSON merged into every request body (engine: sampling params)")
+    ld.add_argument("--tenants", type=_flag_type(parse_tenants), default=None, metavar="NAME[=WEIGHT],...",
+                    help="give each request (conversation) a tenant drawn with these weights, sent as the tenant field")
+    ld.add_argument("--slo-classes", type=_flag_type(parse_slo_classes), default=None, metavar="MS|none[=WEIGHT],...",
+                    help="give each request (conversation) a TTFT target drawn with these weights, sent as slo_ttft_ms "
+                         "and used for its goodput (none: no target)")
     ld.add_argument("--rate-sweep", type=lambda s: [parse_rate(x) for x in s.split(",")], default=None,
                     help="comma-separated rates: run W3-online (or the dataset given) at each, one row per rate")
     o = p.add_argument_group("results")
@@ -475,7 +536,7 @@ def _deviations(args: argparse.Namespace, name: str, rate: float) -> list[str]:
 async def run_once(
     args: argparse.Namespace, backend: Backend, info: ModelInfo, name: str, rate: float, desc: str
 ) -> RunResult:
-    dataset = build_dataset(args, name, rate, info)
+    dataset = with_services(build_dataset(args, name, rate, info), args.seed, args.tenants, args.slo_classes)
     if backend.name == "openai-chat":
         dataset = as_chat(dataset, info.tokenizer())
     if not args.no_flush_cache and not await backend.flush_cache():

@@ -4,6 +4,10 @@ server's native /generate, /v1/completions or /v1/chat/completions, streamed.
 A chunk "carries output" when it brings new tokens: native, meta_info.completion_tokens grew;
 engine, the delta has output ids; openai, the chunk has text (the openai streams do not say how
 many tokens a chunk holds; the counts come from the closing usage chunk).
+
+A request's priority, tenant and TTFT target travel as the top-level `priority`, `tenant` and
+`slo_ttft_ms` of every body (the engine: Engine.stream's arguments of those names). Queue time
+comes from the engine's deltas only: the HTTP APIs do not report it.
 """
 
 from __future__ import annotations
@@ -33,10 +37,18 @@ class Call:
     text: str | None = None
     messages: list[dict[str, str]] | None = None  # openai-chat
     priority: int | None = None
+    tenant: str | None = None
+    slo_ttft_ms: float | None = None
 
     @property
     def local_prompt_len(self) -> int:
         return len(self.input_ids) if self.input_ids is not None else 0
+
+    def scheduling(self) -> dict[str, Any]:
+        """The fields the server schedules by, each only when given: the native and OpenAI bodies
+        carry them at the top level under the same names as Engine.stream's arguments."""
+        given = {"priority": self.priority, "tenant": self.tenant, "slo_ttft_ms": self.slo_ttft_ms}
+        return {k: v for k, v in given.items() if v is not None}
 
 
 class Backend:
@@ -95,14 +107,15 @@ class EngineBackend(Backend):
         self.extra = extra
 
     async def _stream(self, call: Call, out: RequestOutput):
-        options = {"priority": call.priority} if call.priority is not None else {}
         ids: list[int] = []
-        stream = self.engine.stream(call.text, input_ids=call.input_ids, sampling_params={**self._sampling(call), **self.extra}, **options)
+        stream = self.engine.stream(call.text, input_ids=call.input_ids, sampling_params={**self._sampling(call), **self.extra}, **call.scheduling())
         async with contextlib.aclosing(stream) as deltas:
             async for delta in deltas:
                 now = clock()
                 ids.extend(delta.output_ids)
                 out.text += delta.text
+                if delta.queue_time is not None:  # only the engine says how long a request queued
+                    out.queue_time = delta.queue_time
                 if delta.finish_reason is not None:
                     out.prompt_len = delta.prompt_tokens or out.prompt_len
                     out.cached_tokens = delta.cached_tokens
@@ -187,8 +200,7 @@ class HttpBackend(Backend):
             else:
                 body["prompt"] = call.input_ids if call.input_ids is not None else call.text
                 path = "/v1/completions"
-        if call.priority is not None:
-            body["priority"] = call.priority
+        body.update(call.scheduling())
         return path, {**body, **{k: v for k, v in self.extra.items() if k != "sampling_params"}}
 
     async def _stream(self, call: Call, out: RequestOutput):

@@ -4,6 +4,10 @@ requests, and the datasets `random-ids`, `generated-shared-prefix`, `multi-turn`
 Token ids come from [10, vocab_size - 10) with numpy default_rng(seed). Datasets that draw no
 arrival times of their own take them from default_rng([seed, 1]), a generator apart from the
 prompts', so every request rate sends the same prompts.
+
+`--tenants` and `--slo-classes` (a `Mix` each) give every request, or every conversation, a tenant
+and a TTFT target drawn with the weights given, from default_rng([seed, 3]) and ([seed, 4]): the
+prompts and arrivals stay those of a run without them.
 """
 
 from __future__ import annotations
@@ -12,13 +16,57 @@ import json
 import math
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from bench.workloads import ID_MARGIN, arrival_offsets, make_workload, shared_prefix_requests
+from runtime.service import MAX_TENANT_CHARS, ServiceClass
+
+T = TypeVar("T")
+TENANT_SEED, SLO_SEED = 3, 4  # default_rng([seed, n]) streams apart from prompts (0), arrivals (1), warm-up (2)
+
+
+# --- tenants and SLO classes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Mix(Generic[T]):
+    """Values drawn with weights (`--tenants a=3,b=1`: a three times as often as b)."""
+
+    values: tuple[T, ...]
+    weights: tuple[float, ...]
+
+    def draw(self, rng: np.random.Generator, n: int) -> list[T]:
+        p = np.asarray(self.weights) / sum(self.weights)
+        return [self.values[i] for i in rng.choice(len(self.values), size=n, p=p)]
+
+    def as_dict(self) -> dict[str, float]:
+        """For the JSON line: value -> weight, values as given on the command line."""
+        return {_as_given(v): w for v, w in zip(self.values, self.weights)}
+
+
+def _as_given(value: object) -> str:
+    if value is None:
+        return "none"  # an SLO class without a target
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Service:
+    """What a request tells the server about itself besides its priority. `slo_class` is the
+    /metrics label of the target (`ttft<=500ms`, or `none` when the drawn class has no target);
+    None when the run draws no SLO classes, so such requests are not split by it."""
+
+    tenant: str | None = None
+    slo_ttft_ms: float | None = None
+    slo_class: str | None = None
+
+
+NO_SERVICE = Service()
 
 
 @dataclass(slots=True)
@@ -30,6 +78,7 @@ class BenchRequest:
     arrival_s: float = 0.0
     priority: int | None = None
     group: int | None = None
+    service: Service = NO_SERVICE
 
     @property
     def prompt_len(self) -> int:
@@ -45,6 +94,7 @@ class MultiTurn:
     output_len: int
     arrival_s: float = 0.0
     texts: list[str] | None = None  # the turns decoded, for openai-chat
+    service: Service = NO_SERVICE
 
 
 @dataclass(slots=True)
@@ -169,3 +219,83 @@ def workload_dataset(name: str, vocab_size: int, seed: int, num_prompts: int | N
 
 def _with_arrivals(reqs: list[BenchRequest], offsets: list[float]) -> list[BenchRequest]:
     return [replace(r, arrival_s=t) for r, t in zip(reqs, offsets)]
+
+
+# --- drawing tenants and SLO classes -------------------------------------------------------------
+
+
+def parse_mix(text: str, parse_value: Callable[[str], T]) -> Mix[T]:
+    """`v1=w1,v2,...` (weight 1 when left out) -> Mix; ValueError naming the bad entry (the
+    command line puts the flag's name before it)."""
+    values: list[T] = []
+    weights: list[float] = []
+    for entry in text.split(","):
+        name, sep, weight_text = entry.strip().partition("=")
+        try:
+            value = parse_value(name.strip())
+        except ValueError as exc:
+            raise ValueError(f"entry {entry!r}: {exc}") from None
+        weight = _positive(weight_text) if sep else 1.0
+        if weight is None:
+            raise ValueError(f"entry {entry!r}: the weight must be a positive number")
+        if value in values:
+            raise ValueError(f"entry {entry!r}: {name.strip()} is given twice")
+        values.append(value)
+        weights.append(weight)
+    return Mix(tuple(values), tuple(weights))
+
+
+def _positive(text: str) -> float | None:
+    """A positive finite number, or None."""
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if math.isfinite(x) and x > 0 else None
+
+
+def tenant_name(text: str) -> str:
+    # The server's own limit (runtime.service): a longer name would be a 400 on every request.
+    if not 0 < len(text) <= MAX_TENANT_CHARS:
+        raise ValueError(f"a tenant is 1 to {MAX_TENANT_CHARS} characters")
+    return text
+
+
+def slo_target(text: str) -> float | None:
+    """A TTFT target in ms, or None for `none` (requests of that class ask for no target)."""
+    if text == "none":
+        return None
+    ms = _positive(text)
+    if ms is None:
+        raise ValueError("an SLO class is a TTFT target in ms (a positive number) or none")
+    return ms
+
+
+def parse_tenants(text: str) -> Mix[str]:
+    return parse_mix(text, tenant_name)
+
+
+def parse_slo_classes(text: str) -> Mix[float | None]:
+    return parse_mix(text, slo_target)
+
+
+def draw_services(n: int, seed: int, tenants: Mix[str] | None, slo_classes: Mix[float | None] | None) -> list[Service]:
+    """One Service per request (or conversation); each mix from its own generator, so adding
+    --slo-classes to a run does not change who its tenants are."""
+    who: list[str | None] = tenants.draw(np.random.default_rng([seed, TENANT_SEED]), n) if tenants else [None] * n
+    targets: list[float | None] = slo_classes.draw(np.random.default_rng([seed, SLO_SEED]), n) if slo_classes else [None] * n
+    return [
+        Service(tenant, ms, ServiceClass(slo_ttft_ms=ms).slo_class() if slo_classes else None)
+        for tenant, ms in zip(who, targets)
+    ]
+
+
+def with_services(dataset: Dataset, seed: int, tenants: Mix[str] | None, slo_classes: Mix[float | None] | None) -> Dataset:
+    """The dataset, in place, with a Service drawn for each request and each conversation (all
+    its turns share it: a conversation is one user's); unchanged when neither mix is given."""
+    if tenants is None and slo_classes is None:
+        return dataset
+    services = draw_services(len(dataset.requests) + len(dataset.conversations), seed, tenants, slo_classes)
+    for item, service in zip([*dataset.requests, *dataset.conversations], services):
+        item.service = service
+    return dataset

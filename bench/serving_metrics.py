@@ -9,20 +9,27 @@ benchmark conventions"):
 - TPOT: (e2e - ttft) / (output_len - 1), per request with output_len > 1. For goodput a
   one-token request has TPOT 0 (it meets any TPOT SLO), as in vLLM.
 - E2E: from sending the request to the end of its stream.
+- Queue time: from arrival to first admission, as the engine reports it (`--engine` only: the
+  HTTP APIs do not carry it); absent from the metrics when no request reported one.
 - Percentiles: numpy's linear interpolation (`np.percentile`), the mean and the median.
 - Throughput: completed requests, input tokens and output tokens over the run's duration (from
   the first request's scheduled start to the last answer).
 - Concurrency: sum(e2e) / duration, the mean number of requests in flight.
-- Goodput (vLLM): completed requests meeting every SLO given, per second of the run.
+- Goodput (vLLM): completed requests meeting every SLO given, per second of the run. A request
+  with a TTFT target of its own (`--slo-classes`) is held to that target instead of
+  `--slo-ttft-ms`; one with no target at all meets the TTFT SLO. SLO attainment: the share of
+  all requests sent (failed ones included) that met them.
 - Cache hit rate: prompt tokens the server reported as served from its prefix cache / prompt tokens.
 
-Failed requests count in `failed` and nowhere else. With requests of several classes (W5's
-priorities), `metrics_by_class` gives the same figures per class.
+Failed requests count in `failed` and nowhere else. With requests of several classes,
+`metrics_by_class` gives the same figures per class: by priority (W5), by tenant (`--tenants`) and
+by SLO class (`--slo-classes`), each dimension split when the run has two or more values of it.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +38,9 @@ import numpy as np
 
 PERCENTILES = (90, 95, 99)
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
+# The per-class split's dimensions, in the table's order; /metrics names them priority, tenant and
+# slo_class, with the same values.
+CLASS_DIMENSIONS = ("priority", "tenant", "slo")
 
 
 @dataclass(slots=True)
@@ -51,7 +61,11 @@ class RequestOutput:
     chunk_times: list[float] = field(default_factory=list)  # offsets of the non-empty chunks
     output_ids: list[int] | None = None  # when the backend returns them (native, engine)
     text: str = ""
-    klass: str = ""  # the request's class (e.g. "priority 10"), for the per-class split
+    # The request's class in each dimension it has one in (e.g. {"priority": "10", "tenant": "a"}),
+    # for the per-class split.
+    classes: dict[str, str] = field(default_factory=dict)
+    slo_ttft_ms: float | None = None  # the request's own TTFT target (--slo-classes)
+    queue_time: float | None = None  # seconds, where the backend reports it
 
     @property
     def tpot(self) -> float | None:
@@ -78,9 +92,11 @@ def summarize(values: Sequence[float], scale: float = 1000.0) -> dict[str, float
 
 
 def meets_slo(o: RequestOutput, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """Did `o` succeed within its TTFT target (its own, else `slo_ttft_ms`) and `slo_tpot_ms`?"""
     if not o.success:
         return False
-    if slo_ttft_ms is not None and o.ttft * 1000.0 > slo_ttft_ms:
+    ttft_target = o.slo_ttft_ms if o.slo_ttft_ms is not None else slo_ttft_ms
+    if ttft_target is not None and o.ttft * 1000.0 > ttft_target:
         return False
     tpot = o.tpot or 0.0
     return slo_tpot_ms is None or tpot * 1000.0 <= slo_tpot_ms
@@ -92,8 +108,11 @@ def compute_metrics(
     *,
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
+    with_slo: bool = False,
 ) -> dict[str, Any]:
-    """One flat dict of a run's metrics (latencies in ms): the JSON line's numbers."""
+    """One flat dict of a run's metrics (latencies in ms): the JSON line's numbers. Goodput and
+    SLO attainment when an SLO is given, a request has a target of its own, or `with_slo` (a
+    class of a run that has targets, so that its classes add up to the run)."""
     ok = [o for o in outputs if o.success]
     duration = max(duration_s, 1e-9)
     prompt = sum(o.prompt_len for o in ok)
@@ -124,10 +143,17 @@ def compute_metrics(
     for name in LATENCIES:
         for stat, value in summarize(series[name]).items():
             m[f"{stat}_{name}_ms"] = value
-    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+    queued = [o.queue_time for o in ok if o.queue_time is not None]
+    if queued:
+        for stat, value in summarize(queued).items():
+            m[f"{stat}_queue_ms"] = value
+    own_targets = sorted({o.slo_ttft_ms for o in outputs if o.slo_ttft_ms is not None})
+    if with_slo or slo_ttft_ms is not None or slo_tpot_ms is not None or own_targets:
         good = sum(meets_slo(o, slo_ttft_ms, slo_tpot_ms) for o in outputs)
         m["slo_ttft_ms"] = slo_ttft_ms
         m["slo_tpot_ms"] = slo_tpot_ms
+        if own_targets:
+            m["slo_ttft_ms_per_request"] = own_targets
         m["slo_attained"] = good / len(outputs) if outputs else 0.0
         m["goodput"] = good / duration
     return m
@@ -136,14 +162,25 @@ def compute_metrics(
 def metrics_by_class(
     outputs: Sequence[RequestOutput], duration_s: float, *, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
 ) -> dict[str, dict[str, Any]]:
-    """compute_metrics per request class; empty when every request is of one class."""
-    classes = sorted({o.klass for o in outputs})
-    if len(classes) < 2:
-        return {}
-    return {
-        k: compute_metrics([o for o in outputs if o.klass == k], duration_s, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
-        for k in classes
-    }
+    """compute_metrics per request class, keyed "<dimension> <value>" ("priority 10", "tenant a",
+    "slo ttft<=500ms"): dimension by dimension (CLASS_DIMENSIONS), values in natural order. A
+    dimension with fewer than two values is left out (its one class is the whole run); empty
+    when no dimension has two. Throughputs and goodput are over the whole run's duration."""
+    out: dict[str, dict[str, Any]] = {}
+    with_slo = slo_ttft_ms is not None or slo_tpot_ms is not None or any(o.slo_ttft_ms is not None for o in outputs)
+    for dim in CLASS_DIMENSIONS:
+        values = sorted({o.classes[dim] for o in outputs if dim in o.classes}, key=_natural)
+        if len(values) < 2:
+            continue
+        for value in values:
+            mine = [o for o in outputs if o.classes.get(dim) == value]
+            out[f"{dim} {value}"] = compute_metrics(mine, duration_s, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, with_slo=with_slo)
+    return out
+
+
+def _natural(label: str) -> tuple[Any, ...]:
+    """Numbers inside a label compare as numbers: priority 2 before 10, ttft<=500ms before 2000ms."""
+    return tuple(float(part) if i % 2 else part for i, part in enumerate(re.split(r"(-?\d+(?:\.\d+)?)", label)))
 
 
 def distserve_goodput(rows: Sequence[tuple[float, float]], target: float = 0.9) -> float | None:
