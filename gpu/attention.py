@@ -23,6 +23,10 @@ through the buckets as usual; the two partial results merge exactly through thei
 Without it, every request copies the shared prefix again in every layer. Everything is batched:
 on a CPU each extra small op costs tens of microseconds, so a loop over prefixes would eat the
 gain.
+
+With `kernels` (gpu/cpu_ops.py, CPU only) the compiled kernels read K/V where it lies in the pool
+instead: decode batches one query per request (still merged with shared prefixes as above), any
+other batch causally per new token. No buckets, gathers or masks then.
 """
 
 from __future__ import annotations

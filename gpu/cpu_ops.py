@@ -5,9 +5,9 @@ copies every request's keys and values out of the pool in every layer and then r
 made for long query blocks, which together cost twice what reading the pool once does. The kernel
 here walks each request's slots directly (gpu/csrc/decode_attention.cpp); new tokens (prefill,
 extend) attend causally the same way, in tiles that skip keys past their last position
-(gpu/csrc/extend_attention.cpp), where PyTorch's CPU flash kernel computes whole blocks. RMSNorm (with the
-residual add before it), SiLU-and-multiply and RoPE are each one pass instead of four to eight ops
-(gpu/csrc/elementwise.cpp), rounding where the torch code rounds.
+(gpu/csrc/extend_attention.cpp), where PyTorch's CPU flash kernel computes whole blocks. RMSNorm
+(with the residual add before it), SiLU-and-multiply and RoPE are each one pass instead of four
+to eight ops (gpu/csrc/elementwise.cpp), rounding where the torch code rounds.
 
 It is built with torch's extension builder (ninja, the system C++ compiler, `-march=native`) into
 `build/cpu_ops/` beside the sources; a machine without a compiler, or a failed build, falls back
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +39,6 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 # (q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale) -> (out, lse)
 DecodeAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
 # (q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, scale) -> out
 ExtendAttention = Callable[..., torch.Tensor]
 
@@ -68,18 +67,15 @@ def cpu_kernels() -> CpuKernels | None:
     return CpuKernels(ops.decode_attention, ops.extend_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_)
 
 
-def decode_attention_kernel() -> DecodeAttention | None:
-    kernels = cpu_kernels()
-    return kernels.decode_attention if kernels else None
-
-
 def _load() -> None:
     from torch.utils import cpp_extension
 
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
-    # torch's builder runs `ninja` from PATH; the pip-installed one sits beside this interpreter.
+    # torch's builder runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
+    # which is not on PATH when the venv is not activated.
     path = os.environ.get("PATH", "")
-    os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
         cpp_extension.load(
             name="actorserve_cpu_ops",

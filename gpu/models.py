@@ -4,6 +4,10 @@ The families differ only in switches read from `ModelConfig`: q/k/v biases (Qwen
 `attention_bias`), per-head q/k RMSNorm before RoPE (Qwen3), and tied embeddings. Parameter names
 follow Hugging Face's, so a checkpoint's state dict loads as it is. Under tensor parallelism each
 rank builds the same modules with its shard's shapes (`TPLayout`, gpu/tensor_parallel.py).
+
+On a CPU the model runner fuses and packs the linear layers (gpu/packed_linear.py) and hands the
+modules the compiled one-pass kernels (`use_cpu_kernels`, gpu/cpu_ops.py); each module keeps its
+plain torch code, which is the reference path everywhere else.
 """
 
 from __future__ import annotations

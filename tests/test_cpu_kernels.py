@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import gpu.cpu_ops as cpu_ops
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import RopeConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -94,6 +95,19 @@ def test_kernels_refuse_bad_input_by_name(kernels):
         kernels.rope_(torch.zeros(2, 1, 8), torch.tensor([0, 99]), torch.zeros(10, 8), torch.zeros(10, 8))
     with pytest.raises(RuntimeError, match="positions must be int64"):
         kernels.rope_(torch.zeros(2, 1, 8), torch.tensor([0, 1], dtype=torch.int32), torch.zeros(10, 8), torch.zeros(10, 8))
+
+
+def test_a_failed_build_leaves_the_torch_path(monkeypatch, caplog):
+    def no_compiler() -> None:
+        raise OSError("no C++ compiler")
+
+    monkeypatch.setattr(cpu_ops, "_load", no_compiler)
+    cpu_ops.cpu_kernels.cache_clear()
+    try:
+        assert cpu_ops.cpu_kernels() is None
+        assert "using the torch path: no C++ compiler" in caplog.text
+    finally:
+        cpu_ops.cpu_kernels.cache_clear()  # the next caller loads the real kernels again
 
 
 @pytest.fixture(scope="module", params=[("qwen3", "bfloat16"), ("qwen3", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
