@@ -50,8 +50,9 @@ class RunnerConfig:
     attention_backend: str = "auto"  # auto | torch | flashinfer
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None  # None: by GPU memory (SGLang's table), at most max_running_requests
-    # On a CPU: decode attention by the compiled kernel (gpu/cpu_ops.py, when it builds) and linear
-    # layers fused and packed for oneDNN (gpu/packed_linear.py). False keeps the plain torch path.
+    # On a CPU: attention and the elementwise chains by the compiled kernels (gpu/cpu_ops.py, when
+    # they build), linear layers fused and packed for oneDNN (gpu/packed_linear.py). False keeps
+    # the plain torch path.
     cpu_kernels: bool = True
 
 
@@ -70,11 +71,11 @@ class ModelRunner:
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device, tp)
-        kernels = cpu_kernels() if config.cpu_kernels and self.device.type == "cpu" else None
+        self.cpu_kernels = cpu_kernels() if config.cpu_kernels and self.device.type == "cpu" else None
         if config.cpu_kernels and can_pack(self.dtype, self.device):
             pack_for_cpu(self.model)
-        if kernels is not None:
-            self.model.use_cpu_kernels(kernels)
+        if self.cpu_kernels is not None:
+            self.model.use_cpu_kernels(self.cpu_kernels)
         self.context_len = self._context_len()
         pool_tokens = self._agreed(config.max_total_tokens or self._default_pool_tokens())
         self.allocator = TokenSlotAllocator(pool_tokens, config.page_size, self.device)
@@ -161,8 +162,7 @@ class ModelRunner:
         mc = self.model_config
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
-            kernels = cpu_kernels() if self.device.type == "cpu" and self.config.cpu_kernels else None
-            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, kernels=kernels)
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, kernels=self.cpu_kernels)
         shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 

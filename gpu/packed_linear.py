@@ -29,7 +29,6 @@ class PackedLinear(nn.Module):
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        self.out_features = weight.shape[0]
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), persistent=False)
         bias = None if all(b is None for b in biases) else torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
         self.register_buffer("bias", bias, persistent=False)
