@@ -39,6 +39,18 @@ class Admitted:
     round: int
 
 
+def arriving(arrivals: list[Arrival], r: int) -> list[tuple[Req, Arrival]]:
+    """The requests arriving in round r (request i from arrivals[i]), enqueued at its start."""
+    out = []
+    for i, a in enumerate(arrivals):
+        if a.round == r:
+            prompt = (HOT if a.hot else [7]) + [1 + (i + j) % 50 for j in range(a.length)]
+            req = Req(rid=f"r{i}", origin_input_ids=prompt, prompt_key=token_array(prompt),
+                      sampling=SamplingParams(max_new_tokens=8), priority=a.priority, enqueue_time=r * ROUND_S)
+            out.append((req, a))
+    return out
+
+
 def simulate(orderer: QueueOrderer, arrivals: list[Arrival], per_round: int) -> list[Admitted]:
     """Each round: the round's arrivals join the queue, the orderer orders it at the round's
     time, and the first `per_round` are admitted (the Adder admits in order and stops at the first
@@ -49,15 +61,10 @@ def simulate(orderer: QueueOrderer, arrivals: list[Arrival], per_round: int) -> 
     last = max((a.round for a in arrivals), default=0)
     r = 0
     while r <= last or waiting:
-        now = r * ROUND_S
-        for i, a in enumerate(arrivals):
-            if a.round == r:
-                prompt = (HOT if a.hot else [7]) + [1 + (i + j) % 50 for j in range(a.length)]
-                req = Req(rid=f"r{i}", origin_input_ids=prompt, prompt_key=token_array(prompt),
-                          sampling=SamplingParams(max_new_tokens=8), priority=a.priority, enqueue_time=now)
-                by_rid[req.rid] = a
-                waiting.append(req)
-        ordered = orderer.order(waiting, None, now=now)
+        for req, a in arriving(arrivals, r):
+            by_rid[req.rid] = a
+            waiting.append(req)
+        ordered = orderer.order(waiting, None, now=r * ROUND_S)
         for req in ordered[:per_round]:
             admitted.append(Admitted(req, by_rid[req.rid], r))
         waiting = ordered[per_round:]

@@ -16,11 +16,10 @@ from hypothesis import strategies as st
 from actors.cold_lane import ColdLane
 from actors.policy_order import QueueOrderer
 from api.engine import Engine
-from gpu.prefix_cache import token_array
 from runtime.config import EngineConfig
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
-from tests.test_aging import HOT, ROUND_S, Arrival, simulate
+from tests.test_aging import HOT, ROUND_S, Arrival, arriving, simulate
 from tests.test_policy_order import cache_tokens, radix
 
 # Hot prompts are HOT (24 tokens, cached) + at most 30 more: at least 44% cached. Cold ones share
@@ -36,10 +35,6 @@ class Admission:
     promoted: bool  # cold, and a hot request came after it in its round's order
 
 
-def _prompt(i: int, a: Arrival) -> list[int]:
-    return (HOT if a.hot else [7]) + [1 + (i + j) % 50 for j in range(a.length)]
-
-
 def simulate_with_returns(orderer: QueueOrderer, arrivals: list[Arrival], rounds: list[tuple[int, int]]) -> list[Admission]:
     """As the Policy and Adder do: each round the first `offer` of the order are handed out, the
     Adder admits the first `admit` of them and hands the rest back to the front of the queue
@@ -50,15 +45,10 @@ def simulate_with_returns(orderer: QueueOrderer, arrivals: list[Arrival], rounds
     last = max((a.round for a in arrivals), default=0)
     r = 0
     while r <= last or waiting:
-        now = r * ROUND_S
-        for i, a in enumerate(arrivals):
-            if a.round == r:
-                prompt = _prompt(i, a)
-                req = Req(rid=f"r{i}", origin_input_ids=prompt, prompt_key=token_array(prompt),
-                          sampling=SamplingParams(max_new_tokens=8), priority=a.priority, enqueue_time=now)
-                by_rid[req.rid] = a
-                waiting.append(req)
-        ordered = orderer.order(waiting, None, now=now)
+        for req, a in arriving(arrivals, r):
+            by_rid[req.rid] = a
+            waiting.append(req)
+        ordered = orderer.order(waiting, None, now=r * ROUND_S)
         offer, admit = rounds[r % len(rounds)]
         admit = min(admit, offer)
         for j, req in enumerate(ordered[:admit]):
