@@ -39,8 +39,8 @@ from actors.prefill_adder import (
     select_preemption_victims,
     select_retraction_victims,
 )
+from cache import PrefixCache
 from gpu.model_runner import ModelRunner
-from gpu.prefix_cache import PrefixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode

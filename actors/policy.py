@@ -28,7 +28,7 @@ from actors.fairness import VirtualTokenCounter, tenant_of
 from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
 from actors.prefill_adder import may_preempt
-from gpu.prefix_cache import PrefixCache
+from cache import PrefixMatcher
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
@@ -39,7 +39,7 @@ QUEUE_FULL = "The request queue is full."
 
 
 class Policy(Actor[PolicyMsg]):
-    def __init__(self, config: EngineConfig, prefix_cache: PrefixCache, adder: Actor[AdderMsg], grammars: GrammarCompiler | None = None):
+    def __init__(self, config: EngineConfig, prefix_cache: PrefixMatcher, adder: Actor[AdderMsg], grammars: GrammarCompiler | None = None):
         super().__init__("policy")
         self.config = config
         self.adder = adder

@@ -62,7 +62,7 @@ from collections.abc import Iterator, Sequence
 
 from actors.cold_lane import ColdLane
 from actors.prefill_adder import match_key
-from gpu.prefix_cache import MatchResult, PrefixCache, RadixCache, RadixNode
+from cache import MatchResult, PrefixMatcher, PrefixSet, RadixNode
 from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
 from runtime.req import Req
 
@@ -78,7 +78,7 @@ class QueueOrderer:
     def __init__(
         self,
         config: EngineConfig,
-        prefix_cache: PrefixCache | None,
+        prefix_cache: PrefixMatcher | None,
         rng: random.Random,
         *,
         in_batch_check_threshold: int = IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
@@ -86,7 +86,7 @@ class QueueOrderer:
     ) -> None:
         # Only a RadixCache shares prefixes; with ChunkCache every match is empty and the in-batch
         # check would hold back requests for a cache hit that never comes.
-        self.cache = prefix_cache if isinstance(prefix_cache, RadixCache) and not prefix_cache.is_scratch else None
+        self.cache = prefix_cache if prefix_cache is not None and prefix_cache.shares_prefixes else None
         policy = config.effective_schedule_policy
         self.policy = "fcfs" if policy in CACHE_AWARE_POLICIES and self.cache is None else policy
         self.rng = rng
@@ -97,7 +97,7 @@ class QueueOrderer:
         self.lpm_fallback_queue_len = config.lpm_fallback_queue_len
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
-        self._scratch = RadixCache.scratch(self.cache.page_size) if self.cache is not None else None
+        self._in_batch = PrefixSet(self.cache.page_size) if self.cache is not None else None
         # Only the cache-aware policies starve cold prompts; fcfs (their fallback) serves the oldest.
         share = config.cold_lane_share
         self.cold_lane = ColdLane(share) if share is not None and self.policy in CACHE_AWARE_POLICIES else None
@@ -223,16 +223,16 @@ class QueueOrderer:
         held_back: set[int] = set()
         if self.in_batch_check_threshold < 0:
             return held_back
-        scratch = self._scratch
-        assert scratch is not None
-        scratch.reset()  # only this round's queue counts
+        in_batch = self._in_batch
+        assert in_batch is not None
+        in_batch.reset()  # only this round's queue counts
         for i, (req, key, cached) in enumerate(zip(waiting, keys, lengths)):
             if cached > self.in_batch_check_threshold:
                 continue
-            if scratch.match_prefix(key, req.extra_key).length >= self.in_batch_deprioritize_threshold:
+            if in_batch.shares_prefix(key, req.extra_key, self.in_batch_deprioritize_threshold):
                 held_back.add(i)
             else:
-                scratch.insert(key, None, req.extra_key)
+                in_batch.insert(key, req.extra_key)
         return held_back
 
     def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:

@@ -52,7 +52,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpu.prefix_cache import ChunkCache, MatchResult, PrefixCache, token_array
+from cache import ChunkCache, MatchResult, PrefixCache, token_array
 from runtime.req import Req
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on max_new_tokens in admission estimates only

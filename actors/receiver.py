@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from gpu.prefix_cache import token_array
+from cache import token_array
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, PolicyMsg, Submit, Wake

@@ -22,10 +22,10 @@ from actors.grammar import GrammarCompiler
 from actors.output import OutputProcessor
 from actors.policy import Policy
 from actors.receiver import ModelLimits
+from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.loader import load_tokenizer, resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
 from gpu.tensor_parallel import TPLayout
 from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor

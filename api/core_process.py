@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from api.core import Core, CoreSetup, load_core
-from gpu.prefix_cache import token_array
+from cache import token_array
 from gpu.tp_ranks import TPRanks
 from runtime.actor import Actor
 from runtime.config import EngineConfig

@@ -67,7 +67,7 @@ from api.engine import Engine
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests
-from gpu.prefix_cache import token_array
+from cache import token_array
 from runtime.actor import Actor
 from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, StepOut

@@ -1,4 +1,4 @@
-"""Prefix-cache speed: match_prefix / insert / evict of gpu.prefix_cache.RadixCache.
+"""Prefix-cache speed: match_prefix / insert / evict of cache.RadixCache.
 
     python -m bench.prefix_cache [--rounds 15] [--trees 1000,10000]
 
@@ -29,8 +29,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from cache import RadixCache, token_array
 from gpu.kv_pool import TokenSlotAllocator
-from gpu.prefix_cache import RadixCache, token_array
 
 VOCAB = 151_000
 SYSTEM_LENGTHS = (64, 256, 1024, 4096)

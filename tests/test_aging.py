@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from actors.policy_order import QueueOrderer
 from api.engine import Engine
-from gpu.prefix_cache import token_array
+from cache import token_array
 from runtime.config import SJF_DEFAULT_AGING_S, EngineConfig
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams

@@ -13,8 +13,8 @@ import pytest
 from actors.policy import BacklogRate, Policy, estimated_first_token_s
 from actors.policy_order import QueueOrderer
 from api.engine import Engine, InvalidRequest
+from cache import RadixCache
 from gpu.kv_pool import TokenSlotAllocator
-from gpu.prefix_cache import RadixCache
 from runtime.config import EngineConfig
 from runtime.messages import Enqueue, Pull
 from runtime.req import Req

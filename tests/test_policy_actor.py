@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from actors.policy import Policy
+from cache import RadixCache
 from gpu.kv_pool import TokenSlotAllocator
-from gpu.prefix_cache import RadixCache
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import Enqueue, Pull, Ranked

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from actors import policy_order
 from actors.policy_order import QueueOrderer
+from cache import ChunkCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
-from gpu.prefix_cache import ChunkCache, RadixCache
 from runtime.config import SCHEDULE_POLICIES, EngineConfig
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
@@ -196,7 +196,7 @@ def test_in_batch_prefix_caching_defers_all_but_the_first_sharer():
     ]
     o = orderer("lpm", cache)
     assert rids(o.order(queue)) == ["hit", "s1", "other", "s2", "s3"]
-    # The scratch tree is reset every round: the same queue gives the same order again.
+    # The in-batch prefix set is reset every round: the same queue gives the same order again.
     assert rids(o.order(queue)) == ["hit", "s1", "other", "s2", "s3"]
     # Once s1's prefix is cached, nobody is held back and s2, s3 (64 cached tokens) lead.
     cache_tokens(cache, shared + [1, 2])
@@ -391,7 +391,7 @@ def test_every_policy_returns_a_permutation(data, policy, priority, page_size, f
     )
     o = QueueOrderer(config, cache, random.Random(1), in_batch_check_threshold=check, in_batch_deprioritize_threshold=deprioritize)
     now = 10.0  # every enqueue_time is in [0, 10]
-    for _ in range(2):  # a second round reuses the cached match keys and the reset scratch tree
+    for _ in range(2):  # a second round reuses the cached match keys and the reset in-batch prefix set
         out = o.order(queue, running, now=now)
         assert len(out) == len(queue)
         assert {id(r) for r in out} == {id(r) for r in queue}

@@ -18,8 +18,8 @@ from actors.prefill_adder import (
     select_preemption_victims,
     select_retraction_victims,
 )
+from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
-from gpu.prefix_cache import ChunkCache, PrefixCache, RadixCache
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Reference cases for gpu/prefix_cache.py (RadixCache, ChunkCache), per reference/sglang-behaviour.md."""
+"""Reference cases for the prefix caches of cache/ (RadixCache, ChunkCache), per reference/sglang-behaviour.md."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from array import array
 import pytest
 import torch
 
-from gpu import prefix_cache
+from cache import ChunkCache, MatchResult, PrefixCache, RadixCache, RadixNode, token_array
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
-from gpu.prefix_cache import ChunkCache, MatchResult, PrefixCache, RadixCache, RadixNode
 
 
 class RecordingAllocator(TokenSlotAllocator):
@@ -76,7 +75,7 @@ def test_match_accepts_lists_tuples_arrays_and_tensors():
     cache, alloc = make()
     slots = put(cache, alloc, [7, 8, 9, 10])
     query = [7, 8, 9, 11]
-    for form in (query, tuple(query), array("i", query), torch.tensor(query), prefix_cache.token_array(query)):
+    for form in (query, tuple(query), array("i", query), torch.tensor(query), token_array(query)):
         result = cache.match_prefix(form)
         assert result.length == 3 and result.slots.tolist() == slots[:3].tolist()
 
@@ -85,7 +84,7 @@ def test_array_queries_ignore_the_unaligned_tail():
     """array('i') queries are encoded whole; a node must still not match past the last whole page."""
     cache, alloc = make(size=64, page_size=4)
     slots = put(cache, alloc, list(range(1, 9)))
-    result = cache.match_prefix(prefix_cache.token_array(range(1, 8)))  # 7 tokens: one whole page
+    result = cache.match_prefix(token_array(range(1, 8)))  # 7 tokens: one whole page
     assert result.length == 4 and result.slots.tolist() == slots[:4].tolist()
     assert cache.match_prefix(array("i", range(1, 9))).length == 8
 
@@ -188,9 +187,9 @@ def test_split_keeps_total_size_and_slots():
 def test_long_keys_across_encoding_chunks():
     """Mismatches around the lazy-encoding chunk boundaries are found exactly."""
     rng = random.Random(1)
-    cache = RadixCache.scratch()
     base = [rng.randrange(1, 200_000) for _ in range(9000)]
-    cache.insert(base)
+    cache, alloc = make(size=9000)
+    cache.insert(base, alloc.alloc(9000))
     for cut in (1, 2047, 2048, 2049, 4095, 4096, 4097, 8191, 8999):
         query = base[:cut] + [0] + base[cut + 1 :]
         assert cache.match_prefix(query).length == cut
@@ -453,23 +452,7 @@ def test_chunk_cache_matches_nothing_and_frees_everything():
     assert "disabled" in cache.pretty()
 
 
-# -- scratch, reset, dump -----------------------------------------------------------------------
-
-
-def test_scratch_mode_matches_token_sequences_without_slots():
-    scratch = RadixCache.scratch(page_size=2)
-    assert scratch.is_scratch and scratch.allocator is None
-    assert scratch.insert([1, 2, 3, 4, 5]) == 0
-    assert scratch.insert([1, 2, 9, 9]) == 2
-    result = scratch.match_prefix([1, 2, 3, 4, 5, 6])
-    assert result.length == 4 and result.slots.numel() == 0
-    assert scratch.total_size() == 6
-    assert scratch.evict(100) == 6 and scratch.total_size() == 0
-    scratch.insert([1, 2])
-    scratch.reset()
-    assert scratch.match_prefix([1, 2]).length == 0 and scratch.total_size() == 0
-    with pytest.raises(RuntimeError, match="scratch"):
-        scratch.cache_finished_req([1, 2], torch.tensor([1, 2]), scratch.root)
+# -- reset, dump -------------------------------------------------------------------------------
 
 
 def test_reset_returns_every_slot_and_is_refused_while_locked():
@@ -510,5 +493,3 @@ def test_insert_needs_slots_for_every_cached_token():
     cache, alloc = make()
     with pytest.raises(ValueError, match="slots"):
         cache.insert([1, 2, 3], alloc.alloc(2))
-    with pytest.raises(ValueError, match="needs the KV slots"):
-        cache.insert([1, 2, 3], None)

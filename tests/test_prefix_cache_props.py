@@ -18,9 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gpu import prefix_cache
+from cache import RadixCache, RadixNode
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
-from gpu.prefix_cache import RadixCache, RadixNode
 
 POOL = 48  # a multiple of every page size below
 MAX_LEN = 12
@@ -57,19 +56,13 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @initialize(page=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["lru", "lfu", "fifo"]), chunk=st.sampled_from([1, 3, 2048]))
     def setup(self, page: int, policy: str, chunk: int) -> None:
         # A tiny first encoding chunk makes short keys cross the lazy-encoding boundaries too.
-        self.saved_chunk = prefix_cache._FIRST_CHUNK
-        prefix_cache._FIRST_CHUNK = chunk
         self.page = page
         self.alloc = RecordingAllocator(POOL, page)
-        self.cache = RadixCache(self.alloc, eviction_policy=policy)
+        self.cache = RadixCache(self.alloc, eviction_policy=policy, first_chunk=chunk)
         self.rows = ReqToTokenPool(max_requests=5, context_len=MAX_LEN)
         self.model: dict[Prefix, tuple[int, ...]] = {}
         self.live: list[LiveReq] = []
         self.external: list[tuple[RadixNode, str | None, tuple[int, ...]]] = []  # locks held without a request
-
-    def teardown(self) -> None:
-        if hasattr(self, "saved_chunk"):
-            prefix_cache._FIRST_CHUNK = self.saved_chunk
 
     # -- the reference model ------------------------------------------------------------------
 

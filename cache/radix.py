@@ -1,151 +1,42 @@
-"""Prefix caches over the paged KV pool: `RadixCache` shares prefixes, `ChunkCache` shares nothing.
+"""`RadixCache`: the radix tree of cached prefixes over the paged KV pool (the slot ownership rule
+is in cache/base.py).
 
-Who owns a KV slot, at any moment, is exactly one of: the allocator (free), the cache (a tree
-node), or one live request. A request that locked `last_node` at admission *borrows* the tree's
-slots for positions `0 .. last_node.depth - 1` and owns the slots of every later position. The
-calls that end or advance a request (`cache_finished_req`, `cache_unfinished_req`, `release_req`)
-use `last_node.depth` to tell borrowed slots from owned ones, so each slot is freed exactly once:
-
-    allocator free + evictable_size() + protected_size() + owned by live requests == pool size
-
-The cache belongs to the Adder. The Policy may call `match_prefix` too (to order the queue); a
-match only splits nodes and touches access times, never changes what is cached or locked.
-
-Keys are page-aligned token ids stored as int32 bytes, so comparing a node with a query is one
-memcmp (`bytes.startswith` at an offset) instead of a Python loop over tokens. Encoding a list of
-ints costs ~7 ns a token (struct), so a query is encoded lazily, as far as the walk needs it, and a
-short hit on a long prompt stays cheap. Token ids as `array('i')` (see `token_array`), built once
-per request, skip the encoding entirely. Token ids must fit in int32.
+Keys are page-aligned token ids in the int32 encoding of cache/keys.py. A query is encoded lazily,
+as far as the walk needs it, so a short hit on a long prompt stays cheap; an `array('i')` query is
+taken whole with one memcpy.
 """
 
 from __future__ import annotations
 
 import heapq
 import struct
-from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from cache.base import MatchResult, PrefixCache, RadixNode, new_root
+from cache.keys import TOKEN_BYTES, as_token_list, first_diff, pack_tokens
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
-
-_TOKEN_BYTES = 4  # int32 per token id
-_FIRST_CHUNK = 256  # tokens encoded at least, on a query's first need
-assert array("i").itemsize == _TOKEN_BYTES, "array('i') must be 4 bytes for the zero-copy path"
-
-# struct compiles `={n}i` into one repeated code, so a Struct per length costs a few dozen bytes.
-_PACKERS: dict[int, Callable[..., bytes]] = {}
-
-
-def _pack(tokens: Sequence[int]) -> bytes:
-    """int32 bytes of `tokens` in native order (struct is the fastest list-to-bytes path in the stdlib)."""
-    n = len(tokens)
-    packer = _PACKERS.get(n)
-    if packer is None:
-        packer = _PACKERS[n] = struct.Struct(f"={n}i").pack
-    return packer(*tokens)
-
-
-def token_array(token_ids: Sequence[int]) -> array:
-    """Token ids as `array('i')`: build it once per request and its matches skip the encoding."""
-    out = array("i")
-    out.frombytes(_pack(_as_list(token_ids)))
-    return out
-
-
-def _as_list(token_ids: Sequence[int]) -> Sequence[int]:
-    """A list or tuple of plain ints (dict keys of the tree are ints or tuples of ints)."""
-    if type(token_ids) is list or type(token_ids) is tuple:
-        return token_ids
-    if hasattr(token_ids, "tolist"):  # tensors, numpy and array('i') of another typecode
-        return token_ids.tolist()  # type: ignore[no-any-return]
-    return list(token_ids)
-
-
-def _unpack(key: bytes) -> list[int]:
-    decoded = array("i")
-    decoded.frombytes(key)
-    return decoded.tolist()
-
-
-def _first_diff(a: bytes, b: bytes) -> int:
-    """Index of the first differing token of two equally long, unequal encodings."""
-    # XOR of the big-endian readings: its highest set bit lies in the first differing byte.
-    x = int.from_bytes(a, "big") ^ int.from_bytes(b, "big")
-    return (len(a) - (x.bit_length() + 7) // 8) // _TOKEN_BYTES
-
-
-@dataclass(slots=True, eq=False, repr=False)
-class RadixNode:
-    """One edge of the radix tree: a page-aligned run of token ids and the KV slots holding them."""
-
-    key: bytes  # the token ids, int32 native order
-    value: torch.Tensor | None  # int64 KV slots, one per token; None in scratch mode
-    parent: RadixNode | None  # None for the root and for evicted nodes
-    edge: Hashable  # this node's key in parent.children: first token (page 1) or first page
-    depth: int  # tokens from the root to the end of this node
-    uid: int  # unique: breaks ties in the eviction heap
-    created: int = 0  # logical time of creation (FIFO); a split keeps it
-    last_access: int = 0  # logical time of the last match or insert through this node (LRU)
-    hit_count: int = 0  # matches and inserts through this node (LFU: fewest first, then oldest access)
-    lock_ref: int = 0  # requests whose locked prefix runs through this node
-    children: dict[Hashable, RadixNode] = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.key) // _TOKEN_BYTES
-
-    def token_ids(self) -> list[int]:
-        return _unpack(self.key)
-
-    def __repr__(self) -> str:
-        return f"RadixNode(tokens={self.num_tokens}, depth={self.depth}, lock_ref={self.lock_ref}, children={len(self.children)})"
-
-
-class MatchResult:
-    """The cached prefix of a query: its length, the node it ends at and its KV slots.
-
-    `slots` is concatenated on first use: the Policy only needs the length and the node.
-    """
-
-    __slots__ = ("length", "last_node", "_parts", "_slots")
-
-    def __init__(self, length: int, last_node: RadixNode, parts: list[torch.Tensor]) -> None:
-        self.length = length
-        self.last_node = last_node
-        self._parts = parts
-        self._slots: torch.Tensor | None = None
-
-    @property
-    def slots(self) -> torch.Tensor:
-        """int64 KV slot of every matched token (a fresh tensor, safe to modify)."""
-        if self._slots is None:
-            parts = self._parts
-            self._slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
-        return self._slots
-
-    def __repr__(self) -> str:
-        return f"MatchResult(length={self.length}, last_node={self.last_node!r})"
+FIRST_CHUNK = 256  # tokens encoded at least, on a query's first need
 
 
 class _Query:
     """Token ids of one call and their int32 encoding, grown on demand."""
 
-    __slots__ = ("tokens", "n", "buf", "enc")
+    __slots__ = ("tokens", "n", "buf", "enc", "first_chunk")
 
-    def __init__(self, token_ids: Sequence[int], page_size: int) -> None:
+    def __init__(self, token_ids: Sequence[int], page_size: int, first_chunk: int) -> None:
+        self.first_chunk = first_chunk
         self.buf = b""
         self.enc = 0  # tokens encoded so far
         if type(token_ids) is array and token_ids.typecode == "i":
             self.buf = token_ids.tobytes()  # a memcpy; `enc` is set to the whole pages below
             tokens: Sequence[int] = token_ids
         else:
-            tokens = _as_list(token_ids)
+            tokens = as_token_list(token_ids)
         self.tokens = tokens
         self.n = len(tokens) // page_size * page_size  # only whole pages are ever cached
         if self.buf:
@@ -158,91 +49,18 @@ class _Query:
         the node being compared can waste up to that node's length when the query diverges
         inside it, but the match then splits the node there, so the waste does not repeat.
         """
-        end = max(need, 2 * self.enc, _FIRST_CHUNK)
+        end = max(need, 2 * self.enc, self.first_chunk)
         if 2 * end >= self.n:
             end = self.n  # past half the query: finish it in one call (at most doubling the work)
         tokens = self.tokens
         # Packing the caller's list itself saves a slice: the whole query of a short prompt.
-        self.buf += _pack(tokens if self.enc == 0 and end == len(tokens) else tokens[self.enc : end])
+        self.buf += pack_tokens(tokens if self.enc == 0 and end == len(tokens) else tokens[self.enc : end])
         self.enc = end
 
     def encoded(self, start: int, end: int) -> bytes:
         if self.enc < end:
             self.grow(end)
-        return self.buf[start * _TOKEN_BYTES : end * _TOKEN_BYTES]
-
-
-class PrefixCache(ABC):
-    """What the Adder (and, for `match_prefix` only, the Policy) needs from a prefix cache."""
-
-    page_size: int
-    root: RadixNode
-
-    @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        """Longest cached page-aligned prefix of `token_ids`; the caller passes at most len-1 tokens of a new request."""
-
-    @abstractmethod
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor | None, extra_key: str | None = None) -> int:
-        """Cache the page-aligned prefix of `token_ids` with `slots`; returns the length that was already cached."""
-
-    @abstractmethod
-    def inc_lock_ref(self, node: RadixNode) -> None:
-        """Protect the path root..node from eviction (one more holder)."""
-
-    @abstractmethod
-    def dec_lock_ref(self, node: RadixNode) -> None:
-        """Drop one holder of the path root..node."""
-
-    @abstractmethod
-    def evictable_size(self) -> int:
-        """Cached tokens that no request holds (O(1))."""
-
-    @abstractmethod
-    def protected_size(self) -> int:
-        """Cached tokens that some request holds (O(1))."""
-
-    @abstractmethod
-    def evict(self, num_tokens: int) -> int:
-        """Free at least min(num_tokens, evictable_size()) cached tokens; returns the number freed."""
-
-    @abstractmethod
-    def cache_finished_req(
-        self, token_ids: Sequence[int], slots: torch.Tensor, last_node: RadixNode, extra_key: str | None = None
-    ) -> None:
-        """Take a finished request's KV: cache its pages, free the rest, unlock `last_node`."""
-
-    @abstractmethod
-    def cache_unfinished_req(
-        self,
-        token_ids: Sequence[int],
-        req_to_token: ReqToTokenPool,
-        row: int,
-        last_node: RadixNode,
-        extra_key: str | None = None,
-    ) -> MatchResult:
-        """Cache a running request's computed pages (after a chunk or a prefill) and move its lock; returns its new cached prefix."""
-
-    @abstractmethod
-    def release_req(self, slots: torch.Tensor, last_node: RadixNode) -> None:
-        """Drop a request without caching it (abort, retract): free the slots it owns, unlock `last_node`."""
-
-    @abstractmethod
-    def reset(self) -> None:
-        """Drop every cached prefix, returning its slots to the allocator."""
-
-    @abstractmethod
-    def pretty(self) -> str:
-        """A readable multi-line dump of the cache, for debugging."""
-
-    def total_size(self) -> int:
-        """Cached tokens, held or not."""
-        return self.evictable_size() + self.protected_size()
-
-
-def _new_root() -> RadixNode:
-    # The root's lock is never released: it is never evicted and lock walks stop there.
-    return RadixNode(key=b"", value=None, parent=None, edge=None, depth=0, uid=0, lock_ref=1)
+        return self.buf[start * TOKEN_BYTES : end * TOKEN_BYTES]
 
 
 _PRIORITIES: dict[str, Callable[[RadixNode], Any]] = {
@@ -253,41 +71,37 @@ _PRIORITIES: dict[str, Callable[[RadixNode], Any]] = {
 
 
 class RadixCache(PrefixCache):
-    """Radix tree of cached prefixes with locks, O(1) size counters and leaf eviction.
+    """Radix tree of cached prefixes with locks, O(1) size counters and leaf eviction."""
 
-    With `allocator=None` it is a scratch tree (see `scratch`): token sequences only, no KV slots.
-    """
+    shares_prefixes = True
 
     def __init__(
-        self, allocator: TokenSlotAllocator | None, page_size: int | None = None, eviction_policy: str = "lru"
+        self,
+        allocator: TokenSlotAllocator,
+        page_size: int | None = None,
+        eviction_policy: str = "lru",
+        *,
+        first_chunk: int = FIRST_CHUNK,
     ) -> None:
+        """`page_size`, where given, must be the allocator's; `first_chunk` is how many tokens of a
+        query are encoded at least (tests shrink it so short keys cross the chunk boundaries)."""
         if eviction_policy not in _PRIORITIES:
-            raise ValueError(f"unknown eviction policy {eviction_policy!r}; allowed: {', '.join(EVICTION_POLICIES)}")
-        if allocator is not None and page_size not in (None, allocator.page_size):
+            raise ValueError(f"unknown eviction policy {eviction_policy!r}; allowed: {', '.join(_PRIORITIES)}")
+        if page_size not in (None, allocator.page_size):
             raise ValueError(f"page_size {page_size} differs from the allocator's page size {allocator.page_size}")
         self.allocator = allocator
-        self.page_size = allocator.page_size if allocator is not None else (1 if page_size is None else page_size)
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        self.page_size = allocator.page_size
         self.eviction_policy = eviction_policy
         self._priority = _PRIORITIES[eviction_policy]
-        self._device = allocator.device if allocator is not None else "cpu"
+        self._device = allocator.device
+        self._first_chunk = first_chunk
         self._page_struct = struct.Struct(f"={self.page_size}i")
         self._clock = 0
         self._uid = 0
         self._reset_tree()
 
-    @classmethod
-    def scratch(cls, page_size: int = 1) -> RadixCache:
-        """A tree of token sequences without KV slots: the Policy's in-batch prefix check."""
-        return cls(None, page_size=page_size)
-
-    @property
-    def is_scratch(self) -> bool:
-        return self.allocator is None
-
     def _reset_tree(self) -> None:
-        self.root = _new_root()
+        self.root = new_root()
         self._evictable = 0
         self._protected = 0
         self._leaves: set[RadixNode] = set()  # unlocked leaves: the eviction candidates
@@ -296,8 +110,7 @@ class RadixCache(PrefixCache):
         """Drop every cached prefix, returning its slots to the allocator; refused while a request holds a lock."""
         if self._protected:
             raise RuntimeError(f"reset while requests hold {self._protected} cached tokens")
-        if self.allocator is not None:
-            self._free([node.value for node in self._nodes() if node.value is not None])
+        self._free([node.value for node in self._nodes()])  # type: ignore[misc]
         self._reset_tree()
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -318,19 +131,18 @@ class RadixCache(PrefixCache):
         given: for a new request the caller passes at most `len - 1` tokens, so that at least
         one token is computed and yields logits.
         """
-        q = _Query(token_ids, self.page_size)
-        parts: list[torch.Tensor] | None = None if self.allocator is None else []
-        node, length = self._walk(q, extra_key, parts)
-        return MatchResult(length, node, parts or [])
+        parts: list[torch.Tensor] = []
+        node, length = self._walk(self._query(token_ids), extra_key, parts)
+        return MatchResult(length, node, parts)
 
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor | None = None, extra_key: str | None = None) -> int:
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache the whole pages of `token_ids`; `slots[i]` holds the KV of token i.
 
         Returns how many leading tokens were already cached. The tree takes `slots[result:aligned]`
         (aligned = len rounded down to pages); the caller still owns `slots[:result]` (duplicates,
         apart from any it borrowed from the tree) and `slots[aligned:]`.
         """
-        q = _Query(token_ids, self.page_size)
+        q = self._query(token_ids)
         self._check_slots(q, slots)
         return self._insert(q, slots, extra_key)[1]
 
@@ -405,8 +217,7 @@ class RadixCache(PrefixCache):
         everything past the last whole page, then unlocks `last_node`. Afterwards the request
         holds no slot.
         """
-        self._require_slots()
-        q = _Query(token_ids, self.page_size)
+        q = self._query(token_ids)
         self._check_slots(q, slots)
         prefix = last_node.depth
         present = self._insert(q, slots, extra_key, min_present=prefix)[1]
@@ -429,8 +240,7 @@ class RadixCache(PrefixCache):
         `result.last_node`, which replaces `last_node`) and still owns its row from
         `result.length` on, the unaligned tail included.
         """
-        self._require_slots()
-        q = _Query(token_ids, self.page_size)
+        q = self._query(token_ids)
         prefix = last_node.depth
         own = req_to_token.slots(row, q.n).to(torch.int64)  # read before the row is rewritten
         node, present = self._insert(q, own, extra_key, min_present=prefix)
@@ -452,7 +262,7 @@ class RadixCache(PrefixCache):
     def pretty(self, max_tokens: int = 8) -> str:
         lines = [
             f"RadixCache(page_size={self.page_size}, policy={self.eviction_policy}, "
-            f"evictable={self._evictable}, protected={self._protected}{', scratch' if self.is_scratch else ''})"
+            f"evictable={self._evictable}, protected={self._protected})"
         ]
         stack = [(child, 1) for child in self._sorted_children(self.root)]
         while stack:
@@ -495,10 +305,10 @@ class RadixCache(PrefixCache):
             child = node.children.get(edge)
             if child is None:
                 return node, pos
-            size = len(child.key) // _TOKEN_BYTES
+            size = len(child.key) // TOKEN_BYTES
             # The common case: the whole node in one memcmp. It fails (safely) where the encoded
             # query is too short, and the query never holds a partial page past q.n.
-            if q.buf.startswith(child.key, pos * _TOKEN_BYTES):
+            if q.buf.startswith(child.key, pos * TOKEN_BYTES):
                 matched = size
             else:
                 matched = self._common(q, child.key, pos, min(size, n - pos)) // p * p
@@ -518,21 +328,21 @@ class RadixCache(PrefixCache):
         """How many of the first `limit` tokens of `key` equal the query from `pos` on."""
         if q.enc < pos + limit:
             q.grow(pos + limit)
-        segment = key[: limit * _TOKEN_BYTES]
-        start = pos * _TOKEN_BYTES
+        segment = key[: limit * TOKEN_BYTES]
+        start = pos * TOKEN_BYTES
         if q.buf.startswith(segment, start):
             return limit
-        return _first_diff(segment, q.buf[start : start + len(segment)])
+        return first_diff(segment, q.buf[start : start + len(segment)])
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child` after `at` tokens; the new upper node takes its place under the parent."""
         assert 0 < at < child.num_tokens and at % self.page_size == 0, (at, child.num_tokens)
         parent = child.parent
         assert parent is not None
-        cut = at * _TOKEN_BYTES
+        cut = at * TOKEN_BYTES
         upper = RadixNode(
             key=child.key[:cut],
-            value=None if child.value is None else child.value[:at],
+            value=child.value[:at],  # type: ignore[index]
             parent=parent,
             edge=child.edge,
             depth=child.depth - (child.num_tokens - at),
@@ -544,14 +354,14 @@ class RadixCache(PrefixCache):
         )
         parent.children[child.edge] = upper
         child.key = child.key[cut:]
-        child.value = None if child.value is None else child.value[at:]
+        child.value = child.value[at:]  # type: ignore[index]
         child.parent = upper
         child.edge = self._edge_of(child.key)
         upper.children[child.edge] = child
         return upper
 
     def _insert(
-        self, q: _Query, slots: torch.Tensor | None, extra_key: str | None, min_present: int = 0
+        self, q: _Query, slots: torch.Tensor, extra_key: str | None, min_present: int = 0
     ) -> tuple[RadixNode, int]:
         """Insert the query's whole pages; returns the node ending at them and the length already present."""
         node, present = self._walk(q, extra_key, None)
@@ -565,12 +375,11 @@ class RadixCache(PrefixCache):
         return node, present
 
     def _add_leaf(
-        self, parent: RadixNode, q: _Query, start: int, slots: torch.Tensor | None, extra_key: str | None
+        self, parent: RadixNode, q: _Query, start: int, slots: torch.Tensor, extra_key: str | None
     ) -> RadixNode:
         key = q.encoded(start, q.n)
-        value = None
-        if slots is not None:  # a copy: callers pass views of rows that get rewritten
-            value = slots[start : q.n].to(device=self._device, dtype=torch.int64, copy=True)
+        # A copy: callers pass views of rows that get rewritten.
+        value = slots[start : q.n].to(device=self._device, dtype=torch.int64, copy=True)
         first = self._edge_of(key)
         leaf = RadixNode(
             key=key,
@@ -596,8 +405,7 @@ class RadixCache(PrefixCache):
         node.parent = None  # marks it evicted: a later lock on it is refused
         self._leaves.discard(node)
         self._evictable -= node.num_tokens
-        if node.value is not None:
-            values.append(node.value)
+        values.append(node.value)  # type: ignore[arg-type]
         return node.num_tokens
 
     def _edge_of(self, key: bytes) -> Hashable:
@@ -623,7 +431,7 @@ class RadixCache(PrefixCache):
 
     def _free(self, values: list[torch.Tensor]) -> None:
         values = [v for v in values if v.numel()]
-        if values and self.allocator is not None:
+        if values:
             self.allocator.free(torch.cat(values))
 
     def _next_uid(self) -> int:
@@ -634,69 +442,9 @@ class RadixCache(PrefixCache):
         if node.parent is None and node is not self.root:
             raise ValueError(f"{node!r} is not in this tree (evicted, or from another cache)")
 
-    def _check_slots(self, q: _Query, slots: torch.Tensor | None) -> None:
-        if slots is None:
-            if self.allocator is not None:
-                raise ValueError("a RadixCache with an allocator needs the KV slots of the tokens it caches")
-        elif slots.numel() < q.n:
+    def _check_slots(self, q: _Query, slots: torch.Tensor) -> None:
+        if slots.numel() < q.n:
             raise ValueError(f"{slots.numel()} slots for {q.n} tokens to cache")
 
-    def _require_slots(self) -> None:
-        if self.allocator is None:
-            raise RuntimeError("a scratch RadixCache has no KV slots: it cannot take requests")
-
-
-class ChunkCache(PrefixCache):
-    """Prefix caching disabled: the same calls, nothing is matched, kept or shared."""
-
-    def __init__(self, allocator: TokenSlotAllocator) -> None:
-        self.allocator = allocator
-        self.page_size = allocator.page_size
-        self.root = _new_root()
-
-    def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        return MatchResult(0, self.root, [])
-
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor | None, extra_key: str | None = None) -> int:
-        """Takes nothing: reports every token as present, so the caller keeps (and frees) all its slots."""
-        return len(token_ids)
-
-    def inc_lock_ref(self, node: RadixNode) -> None:
-        pass
-
-    def dec_lock_ref(self, node: RadixNode) -> None:
-        pass
-
-    def evictable_size(self) -> int:
-        return 0
-
-    def protected_size(self) -> int:
-        return 0
-
-    def evict(self, num_tokens: int) -> int:
-        return 0
-
-    def cache_finished_req(
-        self, token_ids: Sequence[int], slots: torch.Tensor, last_node: RadixNode, extra_key: str | None = None
-    ) -> None:
-        self.allocator.free(slots)
-
-    def cache_unfinished_req(
-        self,
-        token_ids: Sequence[int],
-        req_to_token: ReqToTokenPool,
-        row: int,
-        last_node: RadixNode,
-        extra_key: str | None = None,
-    ) -> MatchResult:
-        """Nothing is cached: the request keeps owning its whole row."""
-        return MatchResult(0, self.root, [])
-
-    def release_req(self, slots: torch.Tensor, last_node: RadixNode) -> None:
-        self.allocator.free(slots)
-
-    def reset(self) -> None:
-        pass
-
-    def pretty(self) -> str:
-        return "ChunkCache (prefix caching disabled: nothing cached)"
+    def _query(self, token_ids: Sequence[int]) -> _Query:
+        return _Query(token_ids, self.page_size, self._first_chunk)
