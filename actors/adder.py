@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from actors.fairness import generated_by_tenant
+from actors.kv_ledger import KVLedger
 from actors.running_set import RunningSet
 from actors.prefill_adder import (
     AddResult,
@@ -45,7 +46,7 @@ from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, Served, StepDone, Wake
-from runtime.req import FinishReason, Req
+from runtime.req import FinishReason, Req, end_request
 
 # Prefill-rate samples come from steps computing at least this many prompt tokens.
 PREFILL_SAMPLE_MIN_TOKENS = 64
@@ -61,9 +62,7 @@ class Adder(Actor[AdderMsg]):
     def __init__(self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache, executor: Actor[Batch]):
         super().__init__("adder")
         self.config = config
-        self.allocator = runner.allocator
-        self.req_to_token = runner.req_to_token
-        self.cache = cache
+        self.kv = KVLedger(runner.allocator, runner.req_to_token, cache)
         self.executor = executor
         self.policy: Actor[PolicyMsg] | None = None  # set by the Engine (the actors form a cycle)
         self.page_size = config.page_size
@@ -139,7 +138,7 @@ class Adder(Actor[AdderMsg]):
 
     async def _pull(self) -> None:
         assert self.policy is not None
-        rows = self.req_to_token.available()
+        rows = self.kv.rows_free()
         preempt_priority = self._least_important_running() if rows == 0 else None
         if preempt_priority is not None:
             rows = 1  # the best waiting request, if it may preempt a running one
@@ -231,8 +230,8 @@ class Adder(Actor[AdderMsg]):
         mixed = self._mixed_decode()
         adder = PrefillAdder(
             page_size=self.page_size,
-            cache=self.cache,
-            free_slots=self.allocator.available_size(),
+            cache=self.kv.cache,
+            free_slots=self.kv.free_slots(),
             running=self.running.synced(),
             new_token_ratio=self.ratio.value,
             max_prefill_tokens=self.config.max_prefill_tokens,
@@ -247,11 +246,11 @@ class Adder(Actor[AdderMsg]):
         return self._prefill_batch(adder, mixed), leftover
 
     def _admit_candidates(self, adder: PrefillAdder, candidates: list[Req]) -> list[Req]:
-        rows_left = self.req_to_token.available()
+        rows_left = self.kv.rows_free()
         for i, req in enumerate(candidates):
             if adder.budget_state() != AddResult.CONTINUE:
                 return candidates[i:]
-            match = match_for_admission(self.cache, req)
+            match = match_for_admission(self.kv.cache, req)
             if rows_left == 0:
                 self._try_preempt(adder, req, match)
                 return candidates[i:]  # victims free their rows after their last step
@@ -288,13 +287,10 @@ class Adder(Actor[AdderMsg]):
             self._cache_prefix(self.chunked, self.chunked.computed_len)
 
     def _cache_prefix(self, req: Req, length: int) -> None:
-        """Put the first `length` tokens of a request into the tree while it runs (its row then
-        borrows the tree's slots for them), so later requests match them before it finishes.
-        Safe before the step that computes them has run: steps run in launch order, so any step
-        that reads these slots through another request runs after this one wrote them."""
-        result = self.cache.cache_unfinished_req(prefix_tokens(req, length), self.req_to_token, req.req_row, req.last_node, req.extra_key)
-        req.last_node = result.last_node
-        req.prefix_len = result.length  # the call rewrote the row with the tree's slots
+        """The first `length` tokens of a running request go into the cache, so later requests
+        match them before it finishes."""
+        assert req.req_row is not None
+        self.kv.cache_prefix(req.req_row, prefix_tokens(req, length), req.extra_key)
 
     def _mixed_decode(self) -> bool:
         """Mixed chunk: the running requests decode inside the prefill batch (not when logprobs are wanted)."""
@@ -328,9 +324,9 @@ class Adder(Actor[AdderMsg]):
                     done.append(req)
         was_chunked, self.chunked = self.chunked, adder.new_chunked_req
         mode = ForwardMode.EXTEND
-        if mixed and self._free_after_evict(self._decode_slots_needed()) >= self._decode_slots_needed():
+        if mixed and self.kv.make_room(self._decode_slots_needed()) >= self._decode_slots_needed():
             n = len(self.running)
-            slots.append(self._grow_decode())
+            slots.append(self.kv.extend_decode(self.running.rows, self.running.positions))
             reqs += self.running.reqs
             rows += self.running.rows_list
             prefix_lens += self.running.positions.tolist()
@@ -352,15 +348,13 @@ class Adder(Actor[AdderMsg]):
         The budgets guarantee free + evictable covers every extend of the round."""
         req = adm.req
         if adm.match is not None:
-            req.req_row = self.req_to_token.alloc()
-            assert req.req_row is not None, "rows were counted before admission"
-            if adm.prefix_len:
-                self.req_to_token.write(req.req_row, 0, adm.match.slots)
+            req.req_row = self.kv.open_row(adm.match)
             if req.admitted_time is None:
                 req.cached_tokens = adm.prefix_len
                 req.admitted_time = time.monotonic()
-        self._free_after_evict(adm.extend_len + self.page_size)
-        new_slots = self._grow(req, adm.extend_len)
+        assert req.req_row is not None
+        self.kv.make_room(adm.extend_len + self.page_size)
+        new_slots = self.kv.extend(req.req_row, adm.extend_len)
         assert new_slots is not None, "the PrefillAdder budget guarantees the KV"
         return new_slots
 
@@ -372,7 +366,7 @@ class Adder(Actor[AdderMsg]):
             return None
         running = self.running
         n = len(running)
-        slots = self._grow_decode()
+        slots = self.kv.extend_decode(self.running.rows, self.running.positions)
         prefix_lens = running.positions.tolist()
         reqs, rows = running.reqs, running.rows_list
         done = running.advance(self.next_step)
@@ -382,18 +376,18 @@ class Adder(Actor[AdderMsg]):
     def _ensure_decode_memory(self) -> bool:
         """Make room for one more token per request: evict cache, else retract (never the last)."""
         need = self._decode_slots_needed()
-        if self._free_after_evict(need) >= need:
+        if self.kv.make_room(need) >= need:
             return True
         if self.in_flight > 0 or self.ending:
             return False  # memory comes back when in-flight steps report; wait for them
-        victims, new_ratio = select_retraction_victims(self.running.synced(), self._available_after_release)
+        victims, new_ratio = select_retraction_victims(self.running.synced(), self._reclaimable)
         self._leave_all(victims, "retract")
         self.counters["retractions"] += len(victims)
         if victims:
             self.ratio.set(new_ratio)
             self._release_done()
         need = self._decode_slots_needed()
-        if self._free_after_evict(need) >= need:
+        if self.kv.make_room(need) >= need:
             return True
         # One request alone cannot fit: it cannot finish, so it ends now (SGLang aborts it too).
         for req in list(self.running):
@@ -402,54 +396,12 @@ class Adder(Actor[AdderMsg]):
         return False
 
     def _decode_slots_needed(self) -> int:
-        """Fresh KV slots one more token for every running request takes."""
-        if self.page_size == 1:
-            return len(self.running)
-        return self.page_size * int((self.running.positions % self.page_size == 0).sum())
+        return self.kv.decode_slots_needed(self.running.positions)
 
-    def _available_after_release(self, victims) -> int:
-        owned = sum(r.computed_len - r.last_node.depth for r in victims)
-        return self.allocator.available_size() + self.cache.evictable_size() + owned
+    def _reclaimable(self, victims: list[Req]) -> int:
+        return self.kv.reclaimable(r.req_row for r in victims if r.req_row is not None)
 
-    def _free_after_evict(self, need: int) -> int:
-        available = self.allocator.available_size()
-        if available < need:
-            self.cache.evict(need - available)
-            available = self.allocator.available_size()
-        return available
-
-    # --- batches and KV -------------------------------------------------------------------------
-    def _grow(self, req: Req, num_tokens: int) -> torch.Tensor | None:
-        """Allocate KV slots for positions computed_len .. computed_len + num_tokens - 1 of `req`
-        and record them in its row (the row is the one record of the slots a request holds)."""
-        held = req.computed_len
-        last = int(self.req_to_token.table[req.req_row, held - 1]) if held and self.page_size > 1 else None
-        slots = self.allocator.alloc_extend(held, last, num_tokens)
-        if slots is None:
-            return None
-        self.req_to_token.write(req.req_row, held, slots)
-        return slots
-
-    def _grow_decode(self) -> torch.Tensor:
-        """One slot per running request for its next token: one allocation and one indexed
-        write for the whole set. With pages of several slots, a request whose last page has room
-        takes the slot after its last one; the others start a fresh page."""
-        table = self.req_to_token.table
-        rows, positions = self.running.rows, torch.from_numpy(self.running.positions)
-        page = self.page_size
-        if page == 1:  # every position starts a page of its own
-            slots = self.allocator.alloc(len(rows))
-            assert slots is not None, "decode memory was checked"
-        else:
-            fresh = positions % page == 0
-            pages = self.allocator.alloc(int(fresh.sum()) * page)
-            assert pages is not None, "decode memory was checked"
-            # positions are never 0 in a decode, so every request has a last slot
-            slots = table[rows, positions - 1].to(torch.int64) + 1
-            slots[fresh] = pages.view(-1, page)[:, 0]
-        self.req_to_token.write_at(rows, positions, slots)
-        return slots
-
+    # --- batches ------------------------------------------------------------------------------
     def _batch(
         self,
         mode: ForwardMode,
@@ -510,13 +462,11 @@ class Adder(Actor[AdderMsg]):
             self._release(req, cache_it=ending.kind == "finish" and not req.abort_requested)
             if ending.kind == "finish" and req.abort_requested and not req.finished:
                 # Its last token was launched, then the abort came: the OutputProcessor skips an
-                # aborted request's tokens, so its stream ends here.
-                self._end_stream(req, "abort", None, None)
-                self.counters["aborted"] += 1
+                # aborted request's tokens, so it ends here.
+                self._abort(req)
             elif ending.kind in ("retract", "preempt") and not req.finished:
                 if req.abort_requested:
-                    self._end_stream(req, "abort", None, None)
-                    self.counters["aborted"] += 1
+                    self._abort(req)
                 else:
                     self._reset_for_requeue(req)
                     requeue.append(req)
@@ -524,38 +474,26 @@ class Adder(Actor[AdderMsg]):
         self._to_requeue.extend(requeue)
 
     def _release(self, req: Req, cache_it: bool) -> None:
-        if req.req_row is None:
-            return
-        slots = self.req_to_token.slots(req.req_row, req.computed_len).to(torch.int64)
-        if cache_it:
-            # Slots past the computed tokens (none today) are freed by the cache as well.
-            self.cache.cache_finished_req(req.fill_ids[: req.computed_len], slots, req.last_node, req.extra_key)
-        else:
-            self.cache.release_req(slots, req.last_node)
-        self.req_to_token.free(req.req_row)
-        req.req_row, req.last_node = None, None
+        if req.req_row is not None:
+            self.kv.close_row(req.req_row, req.fill_ids if cache_it else None, req.extra_key)
+            req.req_row = None
 
     def _reset_for_requeue(self, req: Req) -> None:
-        req.prefix_len = 0
         req.computed_len = 0
-        req.chunk_end = None
         req.launched_outputs = len(req.output_ids)
-        req.retractions += 1
         req.enqueue_time = time.monotonic()
 
     def _collect_aborts(self) -> None:
         for req in [r for r in self.running if r.abort_requested] + ([self.chunked] if self.chunked and self.chunked.abort_requested else []):
             self._leave(req, "abort")
-            self._end_stream(req, "abort", None, None)
-            self.counters["aborted"] += 1
+            self._abort(req)
         self._release_done()
 
     def _drop_aborted(self, candidates: list[Req]) -> list[Req]:
         keep = []
         for req in candidates:
             if req.abort_requested:
-                self._end_stream(req, "abort", None, None)
-                self.counters["aborted"] += 1
+                self._abort(req)
             else:
                 keep.append(req)
         return keep
@@ -563,31 +501,25 @@ class Adder(Actor[AdderMsg]):
     def _finish_with_error(self, req: Req, message: str) -> None:
         if req.req_row is not None:
             self._leave(req, "abort")
-        req.finish_reason = FinishReason("abort", message=message, status=500)
-        self._end_stream(req, "abort", message, 500)
-        self.counters["aborted"] += 1
+        self._abort(req, FinishReason("abort", message=message, status=500))
 
-    @staticmethod
-    def _end_stream(req: Req, reason: str, error: str | None, status: int | None) -> None:
-        if req.stream is not None:
-            req.stream.finish(
-                reason, error=error, status=status, prompt_tokens=len(req.origin_input_ids),
-                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens,
-            )
+    def _abort(self, req: Req, reason: FinishReason | None = None) -> None:
+        end_request(req, reason or FinishReason("abort"))
+        self.counters["aborted"] += 1
 
     # --- cache and stats -------------------------------------------------------------------------
     def _flush_cache(self) -> bool:
         if self.running or self.chunked or self.ending or self.in_flight:
             return False
-        self.cache.reset()
+        self.kv.flush_cache()
         return True
 
     def stats(self) -> dict[str, Any]:
         return {
-            "kv_pool_size": self.allocator.size,
-            "kv_free": self.allocator.available_size(),
-            "kv_cached": self.cache.total_size(),
-            "kv_evictable": self.cache.evictable_size(),
+            "kv_pool_size": self.kv.allocator.size,
+            "kv_free": self.kv.free_slots(),
+            "kv_cached": self.kv.cache.total_size(),
+            "kv_evictable": self.kv.cache.evictable_size(),
             "num_running": len(self.running) + (self.chunked is not None),
             "new_token_ratio": self.ratio.value,
             "steps": self.counters["steps"],
@@ -595,8 +527,8 @@ class Adder(Actor[AdderMsg]):
             "preemptions": self.counters["preemptions"],
             "aborted": self.counters["aborted"],
             "scheduler_s": self.scheduler_s,
-            "rows_free": self.req_to_token.available(),
-            "rows_total": self.req_to_token.max_requests,
-            "kv_protected": self.cache.protected_size(),
+            "rows_free": self.kv.rows_free(),
+            "rows_total": self.kv.req_to_token.max_requests,
+            "kv_protected": self.kv.cache.protected_size(),
             "adder_idle": self._idle(),
         }

@@ -19,7 +19,7 @@ from actors.detokenizer import IncrementalDetokenizer, check_finish, process_tok
 from runtime.actor import Actor
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
-from runtime.req import FinishReason, Req
+from runtime.req import FinishReason, Req, describe, end_request
 from runtime.stream import Delta, StepOutbox
 
 
@@ -126,14 +126,11 @@ class OutputProcessor(Actor[StepOut]):
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
         """Send the request's unsent delta, the final one when `reason` is set; True if it is."""
-        if reason is not None:
-            req.finish_reason = reason
-            delta.finish_reason = reason.kind
-            delta.matched_stop = reason.matched
-            req.detokenizer = None
         req.unsent = None
-        if req.stream is not None:
-            self._describe(req, delta)
+        if reason is not None:
+            end_request(req, reason, delta)
+        elif req.stream is not None:
+            describe(req, delta)
             req.stream.push(delta)
         return reason is not None
 
@@ -148,15 +145,6 @@ class OutputProcessor(Actor[StepOut]):
         if 0 <= skip < len(computed.logprobs):
             top = computed.top_logprobs[skip:] if computed.top_logprobs is not None else None
             _record_input(req, computed.logprobs[skip:], top)
-
-    @staticmethod
-    def _describe(req: Req, delta: Delta) -> None:
-        """Every delta says what the request is (SGLang's meta_info shows it in every chunk)."""
-        delta.completion_tokens = len(req.output_ids)
-        delta.prompt_tokens = len(req.origin_input_ids)
-        delta.cached_tokens = req.cached_tokens
-        if req.admitted_time is not None:
-            delta.queue_time = req.admitted_time - req.arrival_time
 
 
 def _record_first_prompt_token(req: Req) -> None:

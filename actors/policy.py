@@ -32,7 +32,7 @@ from cache import PrefixMatcher
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
-from runtime.req import Req
+from runtime.req import FinishReason, Req, end_request
 from runtime.service import parse_tenant_weights
 
 QUEUE_FULL = "The request queue is full."
@@ -92,7 +92,7 @@ class Policy(Actor[PolicyMsg]):
         for task in self._compiles:
             task.cancel()
         for req in [*self.waiting, *self.compiling.values()]:
-            _end(req, "abort", "the engine is shutting down", 503, "shutting_down")
+            end_request(req, FinishReason("abort", message="the engine is shutting down", status=503, code="shutting_down"))
         self.waiting.clear()
         self.compiling.clear()
         if self.grammars is not None:
@@ -122,7 +122,7 @@ class Policy(Actor[PolicyMsg]):
             self._admit(req)
             return
         if self.grammars is None:
-            _end(req, "abort", "constrained decoding is not available in this engine", 400, "invalid_request_error", grammar[0])
+            end_request(req, FinishReason("abort", message="constrained decoding is not available in this engine", status=400, code="invalid_request_error", param=grammar[0]))
             return
         compiled = self.grammars.cached(*grammar)
         if compiled is not None:
@@ -141,14 +141,14 @@ class Policy(Actor[PolicyMsg]):
     def _grammar_compiled(self, req: Req, compiled: Compiled) -> None:
         self.compiling.pop(req.rid, None)
         kind = req.sampling.grammar[0] if req.sampling.grammar else "grammar"
-        if req.stream is not None and req.stream.finished:
+        if req.finished:
             return  # the abort scan ended it while it compiled
         if req.abort_requested:  # aborted, and this came before the Wake that says so
             self.aborted += 1
-            _end(req, "abort", None, None)
+            end_request(req, FinishReason("abort"))
             return
         if compiled.error is not None:
-            _end(req, "abort", f"{kind} does not compile: {compiled.error}", 400, "invalid_request_error", kind)
+            end_request(req, FinishReason("abort", message=f"{kind} does not compile: {compiled.error}", status=400, code="invalid_request_error", param=kind))
             return
         assert self.grammars is not None
         req.constraint = self.grammars.constraint(compiled)
@@ -181,7 +181,7 @@ class Policy(Actor[PolicyMsg]):
     def _admit(self, req: Req) -> None:
         if self.config.reject_infeasible and self._late(req):
             self.infeasible += 1
-            _end(req, "abort", "the request cannot get its first token by its deadline behind the queue ahead of it", 503, "deadline_infeasible")
+            end_request(req, FinishReason("abort", message="the request cannot get its first token by its deadline behind the queue ahead of it", status=503, code="deadline_infeasible"))
             return
         if self.fairness is not None:
             self.fairness.arrived(tenant_of(req), self._queued_tenants())
@@ -193,11 +193,11 @@ class Policy(Actor[PolicyMsg]):
         if worst is not None and self._better(req, worst):
             self.waiting.remove(worst)
             self.rejected += 1
-            _end(worst, "abort", "evicted from the queue by a higher-priority request", 503, "evicted")
+            end_request(worst, FinishReason("abort", message="evicted from the queue by a higher-priority request", status=503, code="evicted"))
             self.waiting.append(req)
         else:
             self.rejected += 1
-            _end(req, "abort", QUEUE_FULL, 503, "queue_full")
+            end_request(req, FinishReason("abort", message=QUEUE_FULL, status=503, code="queue_full"))
 
     def _late(self, req: Req) -> bool:
         default = self.config.default_slo_ttft_ms
@@ -225,17 +225,17 @@ class Policy(Actor[PolicyMsg]):
     def _drop_aborted_and_expired(self) -> None:
         for rid in [rid for rid, req in self.compiling.items() if req.abort_requested]:
             self.aborted += 1
-            _end(self.compiling.pop(rid), "abort", None, None)
+            end_request(self.compiling.pop(rid), FinishReason("abort"))
         timeout = self.config.queue_timeout_s
         now = time.monotonic()
         keep: list[Req] = []
         for req in self.waiting:
             if req.abort_requested:
                 self.aborted += 1
-                _end(req, "abort", None, None)
+                end_request(req, FinishReason("abort"))
             elif timeout is not None and now - req.enqueue_time > timeout:
                 self.timed_out += 1
-                _end(req, "abort", f"the request waited in the queue longer than {timeout} s", 503, "queue_timeout")
+                end_request(req, FinishReason("abort", message=f"the request waited in the queue longer than {timeout} s", status=503, code="queue_timeout"))
             else:
                 keep.append(req)
         self.waiting = keep
@@ -278,7 +278,3 @@ def estimated_first_token_s(
         return None
     return max(ahead / reqs_per_s, ahead_tokens / prefill_tokens_per_s) + own_tokens / prefill_tokens_per_s
 
-
-def _end(req: Req, reason: str, error: str | None, status: int | None, code: str | None = None, param: str | None = None) -> None:
-    if req.stream is not None:
-        req.stream.finish(reason, error=error, status=status, code=code, param=param, prompt_tokens=len(req.origin_input_ids))

@@ -4,7 +4,7 @@ and aging.
 `QueueOrderer.order(waiting, running_routing_keys, now)` returns the waiting requests in the order
 the Adder should try them, as a new list holding every request exactly once. It reads requests and,
 for the cache-aware policies, matches them against the Adder's prefix cache; it writes nothing on
-a `Req` (`prefix_len` and `last_node` belong to the Adder, which matches again when it locks).
+a `Req` (the Adder matches again when it locks a prefix).
 
 Behaviour follows reference/sglang-behaviour.md ("Policies"). A round first orders by the
 policy's own key, then (stably) by each request's level: its priority when priority scheduling is

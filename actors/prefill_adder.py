@@ -19,17 +19,10 @@ Data flow of one prefill round (what the Adder actor does around these calls):
    admitted prefix is locked, so eviction never takes an admitted request's prefix.
 5. `adder.new_chunked_req` (if not None) is the request to continue next round.
 
-Fields of `Req` written here (all owned by the Adder):
-
-| field | after `add_one_req` admits | after `add_chunked_req` |
-| --- | --- | --- |
-| prefix_len | tokens matched in the cache | unchanged |
-| last_node | the matched node; it holds one lock for the request (release it with the request) | unchanged |
-| computed_len | = prefix_len: the KV of positions before it is in the pool (borrowed from the cache) | unchanged |
-| chunk_end | computed_len + extend when the prompt was cut, else None | the same rule |
-
-Nothing else (req_row, launched_outputs, cached_tokens) is touched: the caller allocates
-and advances `computed_len` by the extend when it launches the batch.
+`add_one_req` sets one field of an admitted `Req` (the Adder's): `computed_len` = the matched
+length, whose KV is in the pool (borrowed from the cache). It also leaves one lock on the matched
+node, which the KV ledger's row takes over (actors/kv_ledger.py). The caller allocates and
+advances `computed_len` by the extend when it launches the batch.
 
 Where we differ from SGLang, on purpose:
 
@@ -160,7 +153,7 @@ class Admission:
     req: Req
     prefix_len: int
     extend_len: int
-    truncated: bool  # the prompt continues in a later round (req.chunk_end is set)
+    truncated: bool  # the prompt continues in a later round
     match: MatchResult | None
 
 
@@ -291,7 +284,6 @@ class PrefillAdder:
         truncated = left > take
         extend = self._page_aligned_cut(start, take) if truncated else left
         self._charge(extend, 0 if truncated else remaining_new_tokens(req))
-        req.chunk_end = start + extend if truncated else None
         self.admitted.append(Admission(req, start, extend, truncated, None))
         self.new_chunked_req = req if truncated else None
         return self.new_chunked_req
@@ -354,10 +346,7 @@ class PrefillAdder:
         return None
 
     def _record_new(self, req: Req, match: MatchResult, extend: int, truncated: bool) -> None:
-        req.prefix_len = match.length
-        req.last_node = match.last_node
         req.computed_len = match.length
-        req.chunk_end = match.length + extend if truncated else None
         self.admitted.append(Admission(req, match.length, extend, truncated, match))
 
     # -- ignore_eos worst case (prefix cache disabled) ---------------------------------------------

@@ -42,7 +42,7 @@ from runtime.ipc import (
     ToCore,
 )
 from actors.detokenizer import IncrementalDetokenizer, delta_text
-from runtime.req import Req
+from runtime.req import FinishReason, Req, end_request
 from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
@@ -242,8 +242,7 @@ class CoreClient:
                 return
 
     def _end_unsent(self, req: Req) -> None:
-        assert req.stream is not None
-        req.stream.finish("abort", prompt_tokens=len(req.origin_input_ids))
+        end_request(req, FinishReason("abort"))
         self.on_end(req)
 
     def _send_request(self, req: Req) -> None:
@@ -331,8 +330,7 @@ class CoreClient:
         self.live.clear()
         self.backlog.clear()
         for req in held:
-            assert req.stream is not None
-            req.stream.finish("abort", error=message, status=500, prompt_tokens=len(req.origin_input_ids))
+            end_request(req, FinishReason("abort", message=message, status=500))
             self.on_end(req)
         self._answer_all(None)
         self.on_failure(message)

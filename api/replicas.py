@@ -22,7 +22,7 @@ from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.ipc import CoreReady
 from runtime.messages import Enqueue, Wake
-from runtime.req import Req
+from runtime.req import FinishReason, Req, end_request
 
 # Counters that are not summed over replicas: taken as the mean or the latest.
 _MEAN_STATS = frozenset({"new_token_ratio"})
@@ -70,8 +70,7 @@ class Replicas:
         try:
             replica = self.router.choose(req.origin_input_ids, req.routing_key)
         except NoHealthyReplica:
-            assert req.stream is not None
-            req.stream.finish("abort", error="no engine replica is serving", status=500, prompt_tokens=len(req.origin_input_ids))
+            end_request(req, FinishReason("abort", message="no engine replica is serving", status=500))
             return
         self.owner[req.rid] = replica
         self.router.started(replica, len(req.origin_input_ids))

@@ -8,7 +8,7 @@ it, and only after a message handed the request over:
 | rid, origin_input_ids, prompt_key, sampling, priority, routing_key, extra_key, service, return_logprob, top_logprobs_num, logprob_start_len, arrival_time, stream | Receiver (before the first message; never changed after) |
 | abort_requested | Receiver (the flag travels with the request, so whoever holds it sees it) |
 | enqueue_time | Receiver (and Adder when it requeues a preempted or retracted request) |
-| req_row, prefix_len, cached_tokens, admitted_time, last_node, computed_len, chunk_end, retractions, launched_outputs, last_step | Adder |
+| req_row, cached_tokens, admitted_time, computed_len, launched_outputs, last_step | Adder (the KV of its row: the Adder's KVLedger) |
 | output_ids, output_logprobs, output_top_logprobs, input_logprobs, input_top_logprobs, finish_reason, detokenizer, end_token_ids, plain_below, unsent | OutputProcessor (Adder sets finish_reason only for aborts it performs) |
 | constraint | Policy (before the request joins the queue; after that only the Executor's thread advances it) |
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 
 from runtime.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ from runtime.service import ServiceClass
 from runtime.stream import Delta, RemoteStream, RequestStream
 
 if TYPE_CHECKING:
+    from actors.detokenizer import IncrementalDetokenizer
     from actors.grammar import Constraint
 
 
@@ -39,7 +40,9 @@ class FinishReason:
     kind: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string that ended the request
     message: str | None = None  # why an abort happened
-    status: int | None = None  # for aborts the client did not ask for: 503 (queue), 500 (engine error)
+    status: int | None = None  # for aborts the client did not ask for: 400 (refused), 503 (queue), 500 (engine)
+    code: str | None = None  # machine-readable, e.g. queue_timeout
+    param: str | None = None  # the request field a refusal is about
 
 
 def token_finish(
@@ -80,13 +83,9 @@ class Req:
 
     # Adder
     req_row: int | None = None  # its row of the request-to-token table holds its KV slots
-    prefix_len: int = 0  # tokens matched in the prefix cache at (re)admission
     cached_tokens: int = 0  # prefix hits reported to the user (first admission)
     admitted_time: float | None = None  # first admission (monotonic); queue time = this - arrival_time
-    last_node: Any = None  # the prefix-cache node this request locks
     computed_len: int = 0  # tokens whose KV is (or will be, once launched) in the pool
-    chunk_end: int | None = None  # set while the prompt is being prefilled in chunks
-    retractions: int = 0
     launched_outputs: int = 0  # output tokens that launched steps will produce
     last_step: int = -1  # the latest launched step that includes this request
 
@@ -99,7 +98,7 @@ class Req:
     input_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     # Per-request output state lives on the request, so it ends with it whoever ends it.
-    detokenizer: Any = None
+    detokenizer: IncrementalDetokenizer | None = None
     end_token_ids: frozenset[int] | None = None  # stop token ids and EOS, gathered at the first token
     # Core process: while fewer outputs than this, a token that is not an end token ends
     # nothing and carries nothing but itself (see OutputProcessor._decode_step); 0: never.
@@ -137,3 +136,29 @@ class Req:
     @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - len(self.output_ids))
+
+
+def end_request(req: Req, reason: FinishReason, final: Delta | None = None) -> None:
+    """End `req`, from whichever actor holds it: `finish_reason` is the one record that it
+    ended, and the stream gets its final delta (`final`, or an empty one) with the usage so far.
+    A request that already ended stays as it was."""
+    if req.finish_reason is not None:
+        return
+    req.finish_reason = reason
+    req.detokenizer = None
+    if req.stream is None:
+        return
+    delta = final if final is not None else Delta(rid=req.rid)
+    delta.finish_reason, delta.matched_stop = reason.kind, reason.matched
+    delta.error, delta.status, delta.code, delta.param = reason.message, reason.status, reason.code, reason.param
+    describe(req, delta)
+    req.stream.push(delta)
+
+
+def describe(req: Req, delta: Delta) -> None:
+    """What every delta says about its request (SGLang's meta_info shows it in every chunk)."""
+    delta.completion_tokens = len(req.output_ids)
+    delta.prompt_tokens = len(req.origin_input_ids)
+    delta.cached_tokens = req.cached_tokens
+    if req.admitted_time is not None:
+        delta.queue_time = req.admitted_time - req.arrival_time

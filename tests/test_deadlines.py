@@ -20,6 +20,7 @@ from runtime.messages import Enqueue, Pull
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass, service_error
+from runtime.stream import Delta
 from tests.test_policy_actor import Inbox, _settle
 
 
@@ -112,8 +113,9 @@ class _Recorder:
     finished = False
     finished_with: tuple[int | None, str | None] | None = None
 
-    def finish(self, reason: str, *, status: int | None = None, code: str | None = None, **_: object) -> None:
-        self.finished, self.finished_with = True, (status, code)
+    def push(self, delta: Delta) -> None:
+        if delta.finish_reason is not None:
+            self.finished, self.finished_with = True, (delta.status, delta.code)
 
 
 def test_reject_infeasible_needs_edf():

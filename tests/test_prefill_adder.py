@@ -180,7 +180,7 @@ def test_truncation_to_the_chunk_budget_page_1():
     assert add(a, r) is AddResult.OTHER  # chunk budget spent
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len, adm.truncated) == (0, 16, True)
-    assert a.new_chunked_req is r and r.chunk_end == 16 and r.computed_len == 0
+    assert a.new_chunked_req is r and r.computed_len == 0
     assert a.total_offset == 16  # no decode tokens charged while the prompt is cut
 
 
@@ -193,7 +193,7 @@ def test_truncation_to_a_page_multiple_page_4():
     assert add(a, r) is AddResult.CONTINUE  # 2 chunk tokens left: a whole small request still fits
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len) == (8, 16)  # 18 // 4 * 4
-    assert r.prefix_len == 8 and r.computed_len == 8 and r.chunk_end == 24
+    assert r.computed_len == 8 and adm.truncated
     assert a.rem_chunk_tokens == 2
     # The next cut would be 2 // 4 * 4 == 0 tokens anyway, but only one request may be chunked.
     assert add(a, req(list(range(100, 140)))) is AddResult.OTHER and len(a.admitted) == 1
@@ -207,7 +207,7 @@ def test_truncation_below_one_page_is_refused_and_unlocked():
     assert a.budget_state() is AddResult.CONTINUE
     r = req(prompt)
     assert add(a, r) is AddResult.OTHER
-    assert a.admitted == [] and r.last_node is None
+    assert a.admitted == [] and cache.protected_size() == 0
     assert cache.protected_size() == 0 and cache.evictable_size() == 8
 
 
@@ -238,7 +238,7 @@ def test_add_chunked_req_continues_over_rounds():
         a = adder(cache, free=1000, chunk=16)
         chunked = a.add_chunked_req(chunked)
         (adm,) = a.admitted
-        rounds.append((adm.prefix_len, adm.extend_len, adm.truncated, r.chunk_end, a.total_offset))
+        rounds.append((adm.prefix_len, adm.extend_len, adm.truncated, adm.prefix_len + adm.extend_len if adm.truncated else None, a.total_offset))
         launch(a)
     assert rounds == [(16, 16, True, 32, 16), (32, 8, False, None, 8 + 100)]
     assert r.computed_len == 40
@@ -250,7 +250,7 @@ def test_add_chunked_req_takes_the_total_budget_when_smaller():
     r.computed_len = 16
     a = adder(cache, free=10, chunk=64)
     assert a.add_chunked_req(r) is r
-    assert a.admitted[0].extend_len == 10 and r.chunk_end == 26
+    assert a.admitted[0].extend_len == 10 and a.admitted[0].truncated
     assert a.budget_state() is AddResult.NO_TOKEN
 
 
@@ -278,7 +278,7 @@ def test_add_chunked_req_cut_ends_on_a_page_boundary():
     r.computed_len = 16
     a = adder(cache, free=10, chunk=64)  # takes 10 -> end 26 -> 24
     a.add_chunked_req(r)
-    assert a.admitted[0].extend_len == 8 and r.chunk_end == 24
+    assert a.admitted[0].extend_len == 8 and a.admitted[0].truncated
 
 
 def test_new_request_after_a_finishing_chunk_shares_the_round():
@@ -289,7 +289,7 @@ def test_new_request_after_a_finishing_chunk_shares_the_round():
     assert a.add_chunked_req(r) is None
     other = req(20, max_new=10)
     assert add(a, other) is AddResult.OTHER  # cut to the 8 chunk tokens left
-    assert a.can_run == [r, other] and a.new_chunked_req is other and other.chunk_end == 8
+    assert a.can_run == [r, other] and a.new_chunked_req is other and a.admitted[-1].extend_len == 8
 
 
 # --- prefix locks ----------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ def test_lock_then_recheck_refuses_when_the_prefix_was_counted_as_evictable():
     sharer = req(prefix + [99], max_new=30)
     a = adder(cache, free=free)
     assert add(a, sharer) is AddResult.NO_TOKEN
-    assert a.admitted == [] and sharer.last_node is None
+    assert a.admitted == [] and cache.protected_size() == 0
     assert cache.evictable_size() == 40 and cache.protected_size() == 0  # the re-check lock is undone
     # The same need without a shared prefix fits: evicting the cached prefix makes room.
     assert add(a, req(1, max_new=30)) is AddResult.CONTINUE
@@ -320,8 +320,8 @@ def test_admitted_request_keeps_its_lock_and_fields():
     match = match_for_admission(cache, r)
     assert a.add_one_req(r, match, has_chunked_req=False) is AddResult.CONTINUE
     assert cache.protected_size() == 40 and cache.evictable_size() == 0
-    assert r.last_node is match.last_node and r.last_node.lock_ref == 1
-    assert (r.prefix_len, r.computed_len, r.chunk_end) == (40, 40, None)
+    assert match.last_node.lock_ref == 1
+    assert r.computed_len == 40 and not a.admitted[0].truncated
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len, adm.match) == (40, 2, match)
     assert a.rem_total_tokens == 24 - (2 + 10)
