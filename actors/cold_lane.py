@@ -1,50 +1,30 @@
 """The cold lane (`--cold-lane-share F`): under lpm and dfs-weight, a share of admissions for the
 oldest waiting requests that the prefix cache does not help.
 
-lpm hands every freed slot to the best cache match, so while hot requests keep arriving a cold
-prompt waits until the hot queue is empty: without bound above capacity. Aging only lets it
-catch up with the oldest waiting request. The lane serves cold prompts ahead of older hot ones, in
-a bounded share, so a cold request waits for the cold backlog ahead of it and not for the hot
-queue, while the hot requests keep at least 1 - F of the admissions (and their cache locality).
+Why: lpm hands every freed slot to the best cache match, so above capacity a cold prompt waits
+without bound while hot requests keep arriving; aging only lets it catch up with the oldest
+waiting request. The lane serves cold prompts ahead of older hot ones in a bounded share.
 
-The rule. A waiting request is *cold* in a round while its cached prefix covers less than
-`cold_lane_threshold` (θ) of its prompt; the lane is the cold requests, oldest enqueue time first.
-A credit c in [0, 1] (it starts at 0) is carried from round to round. Walking the positions of the
-policy's order, each position adds F to c; then if c >= 1 and the lane holds a request not yet
-placed, the lane's oldest takes the position and c drops by 1, otherwise the policy's next
-request does, and if the lane is empty c is capped at 1 (no credit is banked while nothing cold
-waits: a later burst of cold prompts cannot take a run of slots). Only positions the Adder
-admitted count: the next round reads them off the queue it orders (the requests of the last plan
-gone from its front, or back with a new enqueue time, were admitted) and restores c to what it was
-after them, so candidates the Adder handed back cost the lane nothing.
+Rule: a request is cold while its cached prefix covers less than `cold_lane_threshold` of its
+prompt; the lane is the cold requests, oldest first. A credit c (starts at 0) is carried across
+rounds; each position of the policy's order adds F, then the lane's oldest takes the position if
+c >= 1 (c -= 1), else the policy's next does; with the lane empty c is capped at 1, so no credit
+is banked for a later burst. Only admitted positions count: the next round restores c to its
+value after the last plan's admitted prefix (read off the queue), so handed-back candidates cost
+the lane nothing.
 
-The bounds (F in (0, 1]; n counts admissions, A is the admission rate in requests/s):
+Bounds (n admissions, A admissions/s; tests/test_cold_lane.py checks them on a simulated clock):
+- Share: the lane takes at most floor(n * F) + 1 of any n consecutive admissions.
+- Cold wait: a request R cold from arrival, with C_R cold requests queued ahead of it, is among
+  the first ceil((C_R + 1) / F) admissions after it arrives, whatever the hot queue holds (plain
+  lpm: no bound; aging alone: (B + L * S) / A with B every request queued ahead).
+- With aging: aging's bound (actors/policy_order.py) holds for every admission except the lane's,
+  so for F < 1 R is among the first floor((B_R + W_R + 1) / (1 - F)) + 1 admissions (B_R queued at
+  its arrival, W_R arriving within (D + 1) * S). Aging then bounds lpm's starvation inside the hot
+  class, which a lane alone exposes.
 
-- Share. c stays in [0, 1], so in any n consecutive admissions the lane takes at most
-  floor(n * F) + 1: at most that many admissions leave the policy's order, which bounds the cache
-  thrash the lane can add, and the others keep at least 1 - F of the admissions.
-- Cold wait. Let R be a request that stays cold from its arrival, and C_R the requests enqueued
-  before it and still waiting when it arrived that the lane serves before it (at most the cold
-  backlog ahead of it: the lane is oldest first, so nothing younger goes first). While R waits the
-  lane is never empty, so after n admissions c = c0 + n * F - k < 1 with k the lane's picks, i.e.
-  k > n * F - 1, and each of those picks is one of the C_R. So R is among the first
-  ceil((C_R + 1) / F) admissions after its arrival, a wait of at most (C_R + 1) / (F * A)
-  whatever the hot queue holds (plain lpm: no bound; aging: (B + L * S) / A with B *every*
-  request queued ahead of R and L the arrival rate).
-- With aging (`--priority-aging-s S`). The lane passes aging levels, so aging's bound of
-  actors/policy_order.py holds for every admission except the lane's: nothing from outside R's
-  window (D + 1) * S is admitted before R other than a lane pick. By the share bound at least
-  n * (1 - F) - 1 of n admissions follow the aged order, and at most B_R + W_R of those come
-  before R (B_R queued at its arrival, W_R arriving in its window), so for F < 1 R is among the
-  first floor((B_R + W_R + 1) / (1 - F)) + 1 admissions after its arrival. Aging keeps lpm's own
-  starvation inside the hot class in check (a hot request one matched token short of the others
-  waits until the hot queue drains, which with a lane serving the cold ones may be never).
-
-Priority scheduling: the lane only takes requests of the best priority waiting, so it never moves
-a request ahead of a more important one; the cold wait bound holds while R's priority is the best
-waiting. Requests held back by lpm's in-batch prefix check may still be taken by the lane (its
-bounds do not depend on them). tests/test_cold_lane.py checks the bounds on a simulated clock with
-the real QueueOrderer.
+The lane only takes requests of the best priority waiting, so it never passes a more important
+request; requests held back by lpm's in-batch check may still be taken.
 """
 
 from __future__ import annotations

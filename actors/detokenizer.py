@@ -1,13 +1,6 @@
 """Per-request output logic of the OutputProcessor: incremental detokenization, stop strings and
 finish checks. Pure and synchronous; the actor owns one `IncrementalDetokenizer` per request.
 
-How the OutputProcessor uses it, for each token it appends to `req.output_ids`:
-
-    text, reason = process_token(req, token, eos_token_ids, detok)
-    # stream `text` (may be ""); when `reason` is not None the request is finished and `text`
-    # already holds everything left (process_token flushed the detokenizer).
-    # On an abort, `detok.flush()` gives what was held back, if the caller wants it.
-
 Text guarantees (for one request, everything streamed concatenated):
 
 - it equals `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`
@@ -56,7 +49,6 @@ class _StopScanner:
         self._longest = max(map(len, self.stops), default=0)
 
     def feed(self, text: str, armed: bool, final: bool) -> str:
-        """Take new text; return what can be emitted now."""
         if not self.stops:
             return text
         if self.matched is not None:
@@ -126,11 +118,9 @@ class _WindowDecoder:
             delta = new_text.rstrip(_REPLACEMENT)[start:]
             self._sent += len(delta)
             return delta
-        # Nothing new: the tokens produced no text yet (a skipped special token, say).
-        if len(new_text) <= start:
+        if len(new_text) <= start:  # e.g. a skipped special token
             return ""
         delta = new_text[start:]
-        # The emitted tokens become the next window's context; older ones are no longer needed.
         del self._ids[: self._read]
         self._prefix, self._read, self._sent = 0, len(self._ids), 0
         self._prefix_text = self._decode(self._ids)
@@ -150,10 +140,9 @@ class _StreamDecoder:
     """The same contract as `_WindowDecoder`, through the Rust `tokenizers.decoders.DecodeStream`
     (one native call per step instead of two Python-wrapped decodes: ~1 us instead of ~8 us).
 
-    DecodeStream keeps its window to itself, so this class remembers the ids it is holding back
-    (and a few emitted ones before them for spacing) to render them at finish, and to restart the
-    stream if it ever refuses a step (it raises when a longer decode does not extend the shorter
-    one, which some decoders can produce).
+    DecodeStream keeps its window to itself, so the held-back ids are remembered here, to render
+    them at finish and to restart the stream if it refuses a step (InvalidPrefix, which some
+    decoders produce).
     """
 
     __slots__ = ("_tok", "_skip", "_stream", "_ids", "_held_from")
@@ -281,13 +270,11 @@ class IncrementalDetokenizer:
         return self._scan.matched
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Add output tokens; return the new text that is safe to emit (possibly "")."""
         if self._closed or self._scan.matched is not None:
             return ""
-        # Stop strings count only from the min_new_tokens-th token on (the same rule as
-        # check_finish), so split the push where that threshold falls.
+        # Stop strings count from the min_new_tokens-th token on, as in check_finish.
         quiet = min(len(token_ids), self._min_new - 1 - self._n_out)
-        if quiet <= 0:  # the usual case: one step, armed
+        if quiet <= 0:
             return self._step(token_ids, armed=True)
         out = self._step(token_ids[:quiet], armed=False)
         if quiet < len(token_ids):
@@ -333,8 +320,8 @@ def delta_text(
 def process_token(
     req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer
 ) -> tuple[str, FinishReason | None]:
-    """Everything the OutputProcessor does for one token appended to req.output_ids: the text
-    to stream and the finish reason. On finish the detokenizer is flushed into the text.
+    """The text to stream and the finish reason for one token appended to req.output_ids; on
+    finish the detokenizer is flushed into the text.
 
     Precedence follows SGLang: length, stop token id, EOS, then stop string. A stop string
     completed by the very token that hits the length limit still trims the text, but the

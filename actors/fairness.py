@@ -1,24 +1,16 @@
 """Tenant fairness (`--fairness vtc`): the Virtual Token Counter of Sheng et al., "Fairness in
 Serving Large Language Models" (OSDI'24). Owned by the Policy actor.
 
-Each tenant has a counter of the service it received: prompt tokens admitted count
-INPUT_WEIGHT each and generated tokens OUTPUT_WEIGHT each (the paper's w_p = 1, w_q = 2),
-divided by the tenant's weight (`--tenant-weights a=2,b=1`; 1 when not named). The queue is
-handed to the Adder least-served tenant first: each pick goes to the backlogged tenant with the
-smallest counter, charged its prompt in advance, so one round interleaves tenants as their
-counters say. Inside a tenant the policy's own order is kept (lpm keeps its prefix locality
-there). A tenant that was not backlogged has its counter lifted, on arrival, to the smallest
-counter of the backlogged tenants (or to that of the tenant that left the queue last), so idle
-time earns no credit.
+A tenant's counter is its service, prompt tokens at INPUT_WEIGHT and generated tokens at
+OUTPUT_WEIGHT (the paper's w_p = 1, w_q = 2), over its `--tenant-weights` weight. Each pick goes to
+the backlogged tenant with the smallest counter, charged its prompt in advance; inside a tenant
+the policy's order is kept (lpm keeps its locality). A tenant that was not backlogged is lifted on
+arrival to the smallest backlogged counter, so idle time earns no credit.
 
-Bound (the paper's Theorem 4.4): over any interval in which tenants f and g are both backlogged,
-their weighted services differ by at most 2 * max(INPUT_WEIGHT * L, OUTPUT_WEIGHT * M), L the
-longest prompt and M the most tokens the running batch can hold (the KV pool): a request admitted
-while the other tenant waits can go on generating until it ends, and what it can hold bounds that.
-Generated tokens are counted when their step is done (the Adder reports them per step).
-
-A request requeued in front (not admitted after all) is refunded its prompt; a preempted or
-retracted one keeps its charges (its prompt is computed again when it returns, and charged again).
+Bound (Theorem 4.4): two backlogged tenants' weighted services differ by at most
+2 * max(INPUT_WEIGHT * L, OUTPUT_WEIGHT * M), L the longest prompt and M the KV pool's tokens.
+A request requeued in front is refunded its prompt; a preempted or retracted one keeps its charges
+(its prompt is computed, and charged, again).
 """
 
 from __future__ import annotations
@@ -61,7 +53,6 @@ class VirtualTokenCounter:
         queues: dict[str, list[Req]] = {}
         for req in ordered:
             queues.setdefault(tenant_of(req), []).append(req)
-        # (counter as simulated so far, tenant, position of its next request)
         heap = [(self.counters.get(t, 0.0), t, 0) for t in queues]
         heapq.heapify(heap)
         out: list[Req] = []

@@ -1,18 +1,13 @@
 """Constrained decoding with xgrammar: compiling grammars, and masking logits with their matchers.
 
-`GrammarCompiler` (the Policy's) compiles a request's JSON schema, regex or EBNF grammar in a
-worker thread, so a slow compile never blocks the loop; results, failures included, are cached by
-(kind, text). Each constrained request gets its own `xgrammar.GrammarMatcher`, which from then on
-only the Executor's forward thread touches: before sampling it fills the request's row of a token
-bitmask (`mask_logits`), after sampling it advances the matcher by the sampled token
-(`accept_tokens`). Steps run one after another on that thread, so with overlap the mask of step
-N + 1 is filled after step N's tokens were accepted, without any other synchronization (on CUDA
-the accepted tokens are read back to the host, which waits for that step: a batch with
-constrained rows gives up overlap, as in SGLang).
+`GrammarCompiler` (the Policy's) compiles in a worker thread, so a slow compile never blocks the
+loop; results, failures included, are cached by (kind, text). A request's `GrammarMatcher` is
+then touched only by the Executor's forward thread, where steps run one after another, so with
+overlap step N + 1's mask is filled after step N's tokens were accepted without other
+synchronization (on CUDA a batch with constrained rows gives up overlap, as in SGLang).
 
-A grammar ends by allowing only the end-of-sequence token(s), so a finished constraint ends the
-request like any EOS (finish reason "stop"). xgrammar is imported on first use: free generation
-never pays for it.
+A finished grammar allows only end-of-sequence tokens, so it ends the request like any EOS.
+xgrammar is imported on first use: free generation never pays for it.
 """
 
 from __future__ import annotations
@@ -45,8 +40,6 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos = list(eos_token_ids)
-        # What every constraint of this compiler shares: the EOS ids, and the special tokens no
-        # grammar allows.
         self._eos_ids = torch.tensor(self._eos, dtype=torch.int64)
         never = [t for t in tokenizer.all_special_ids if t not in self._eos and t < vocab_size]
         self._never_ids = torch.tensor(never, dtype=torch.int64)
@@ -72,7 +65,6 @@ class GrammarCompiler:
         return compiled
 
     def compile_now(self, kind: str, text: str) -> Compiled:
-        """Compile in the calling thread (the worker's, or a test's)."""
         try:
             compiler = self._compiler()
         except ImportError as exc:
@@ -88,7 +80,6 @@ class GrammarCompiler:
             return Compiled(error=_first_line(str(exc)))
 
     def constraint(self, compiled: Compiled) -> Constraint:
-        """A fresh matcher at the grammar's start."""
         import xgrammar as xgr
 
         return Constraint(xgr.GrammarMatcher(compiled.grammar), self._never_ids, self._eos_ids)

@@ -1,55 +1,28 @@
-"""Queue ordering for the Policy actor: SGLang's six scheduling policies, shortest-first, priority
-and aging.
+"""Queue ordering for the Policy actor: SGLang's six scheduling policies, shortest-first, earliest
+deadline first, priority and aging (reference/sglang-behaviour.md, "Policies").
 
-`QueueOrderer.order(waiting, running_routing_keys, now)` returns the waiting requests in the order
-the Adder should try them, as a new list holding every request exactly once. It reads requests and,
-for the cache-aware policies, matches them against the Adder's prefix cache; it writes nothing on
-a `Req` (the Adder matches again when it locks a prefix).
+A round orders by the policy's key, then stably by each request's level: its priority when
+priority scheduling is on, less one per `priority_aging_s` waited. A level outranks any cache score.
 
-Behaviour follows reference/sglang-behaviour.md ("Policies"). A round first orders by the
-policy's own key, then (stably) by each request's level: its priority when priority scheduling is
-on, less one for every `priority_aging_s` it has waited when aging is on. So the policy decides
-within a level, and a level outranks any cache score.
+Aging bound: with D = |best arriving priority - R's|, a request arriving more than (D + 1) * S
+after R is always at least a level below R, so R waits at most for what was queued at its arrival
+plus (D + 1) * S of arrivals: (B + L * (D + 1) * S) / A at admission rate A, B queued ahead,
+arrival rate L. Without aging there is no bound. Waits count from `enqueue_time` (reset on
+requeue). Aging changes ordering only: preemption and queue eviction compare the original
+priorities. tests/test_aging.py checks the bound on a simulated clock.
 
-Aging bound (`--priority-aging-s S`). Let P be the best priority that arrives and p a request R's
-(0 when priority scheduling is off), D = |P - p|. A request Q arriving more than (D + 1) * S
-after R is at every moment at least one level below R (its priority is at most D better, its wait
-at least D + 1 steps of S shorter), so it is never ordered ahead of R. Because the Adder admits in
-this order and stops at the first request that does not fit, everything admitted before R was
-queued when R arrived or arrived within (D + 1) * S after it: R waits at most as long as the
-engine takes to admit those requests. At an admission rate of A requests/s with B queued ahead at
-its arrival and arrivals at rate L, that is (B + L * (D + 1) * S) / A; without aging there is no
-bound (a stream of better requests holds R back for ever). A wait counts from the request's
-enqueue time (reset when a preempted or retracted request is requeued). Aging changes ordering
-only: priority preemption and queue eviction still compare the priorities the requests came with.
-tests/test_aging.py checks the bound with a simulated clock.
-
-Cold lane (`--cold-lane-share F`, lpm and dfs-weight): after the levels, up to a share F of the
-positions go to the oldest requests with little of their prompt cached, so a cold prompt waits for
-the cold backlog ahead of it, not for the hot queue. The lane never passes a better priority, but
-it does pass aging levels: with both on, the aging bound above holds for every admission but the
-lane's, and R waits at most (B + L * (D + 1) * S + 1) / (1 - F) + 1 admissions. Its rule and
-bounds are in actors/cold_lane.py.
-
-Earliest deadline first (`edf`): by when the first token is due (`slo_ttft_ms` or `deadline_ms`
-after arrival, else `default_slo_ttft_ms`); requests with no deadline after all others, first
-come first served.
-
-Shortest-first (`sjf`): fewest prompt tokens left to compute first (the cached prefix is not
-counted; over a queue longer than `lpm_fallback_queue_len` the prompt length alone, as matching
-every request would cost too much). It always ages (`priority_aging_s`, else
-SJF_DEFAULT_AGING_S), so long prompts still run under a stream of short ones.
+The cold lane (lpm and dfs-weight) passes aging levels but never a better priority; with both on
+R waits at most (B + L * (D + 1) * S + 1) / (1 - F) + 1 admissions (actors/cold_lane.py).
+`sjf` always ages (SJF_DEFAULT_AGING_S by default) so long prompts still run.
 
 Where we differ from SGLang, on purpose:
 
-- Priority goes first under every policy that sorts by a key: fcfs and lof (as SGLang), and also
-  lpm and dfs-weight, which SGLang orders by the cache alone. A request the user marked urgent
-  should not wait behind a hot cache branch; within one priority level the cache order is kept.
-  `random` and `routing-key` ignore priority, as in SGLang.
+- Priority goes first under lpm and dfs-weight too (SGLang orders those by the cache alone): an
+  urgent request should not wait behind a hot cache branch. `random` and `routing-key` ignore
+  priority, as in SGLang.
 - The lpm fallback to fcfs applies our fcfs, priority included (SGLang leaves the queue as is).
-- dfs-weight breaks weight ties between sibling branches by the earliest queue position of a
-  request under each branch (first come, first served), instead of dict insertion order, so the
-  order never depends on the history of the tree's splits.
+- dfs-weight breaks ties between sibling branches by earliest queue position, not dict insertion
+  order, so the order never depends on the history of the tree's splits.
 """
 
 from __future__ import annotations
@@ -113,7 +86,6 @@ class QueueOrderer:
         """The waiting requests in scheduling order (a new list; none dropped or repeated).
         `now` (time.monotonic's clock) is what the waits are measured to."""
         policy = self.active_policy(len(waiting))
-        # random and routing-key ignore priority, as in SGLang; aging applies to every policy.
         by_priority = self.priority_on and policy not in ("random", "routing-key")
         lane = self.cold_lane if policy in CACHE_AWARE_POLICIES else None
         cold: set[int] = set()
@@ -133,8 +105,7 @@ class QueueOrderer:
 
     def _policy_order(self, policy: str, waiting: Sequence[Req], running: Counter[str] | None, by_priority: bool) -> list[Req]:
         if policy == "fcfs":
-            # The queue list is in arrival order until requests are requeued (at its front or
-            # back); within a level, enqueue times decide.
+            # Requeued requests break the list's arrival order; enqueue times restore it.
             return sorted(waiting, key=_enqueue_time) if by_priority or self.aging_s is not None else list(waiting)
         if policy == "lof":
             return sorted(waiting, key=lambda req: -req.max_new_tokens)
@@ -162,8 +133,6 @@ class QueueOrderer:
             levels = [level - int((now - req.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
         return levels
 
-    # -- cache-agnostic ------------------------------------------------------------------------
-
     def _random(self, waiting: Sequence[Req]) -> list[Req]:
         out = list(waiting)
         self.rng.shuffle(out)
@@ -181,8 +150,6 @@ class QueueOrderer:
             return (0, -n, req.routing_key) if n else (1, 0, req.routing_key or "")  # type: ignore[return-value]
 
         return sorted(waiting, key=key)
-
-    # -- cache-aware ---------------------------------------------------------------------------
 
     def _cache_aware_with_cold(self, policy: str, waiting: Sequence[Req]) -> tuple[list[Req], set[int]]:
         """The lpm or dfs-weight order, and the id() of each request the cold lane serves: those
@@ -255,7 +222,6 @@ class QueueOrderer:
         return [waiting[i] for i in sorted(range(len(waiting)), key=left.__getitem__)]
 
     def _match_all(self, waiting: Sequence[Req], keys: list[array]) -> Iterator[MatchResult]:
-        """Each request's match, one at a time (callers keep only what they need of it)."""
         cache = self.cache
         assert cache is not None
         # The one sanctioned reach into another actor's state: the prefix cache belongs to the
@@ -274,11 +240,8 @@ def _enqueue_time(req: Req) -> float:
 
 
 def _dfs_order(root: RadixNode, groups: dict[RadixNode, list[Req]]) -> list[Req]:
-    """Post-order walk of the tree part that holds requests, heavier branches first.
-
-    A node's weight is the number of requests whose match ends at it or below it. Only the nodes
-    on some request's path are visited, so the cost follows the queue, not the cache size.
-    """
+    """Post-order walk of the tree part that holds requests, heavier branches first (weight =
+    requests matched at or below a node); the cost follows the queue, not the cache size."""
     tree = _WeightedPaths(root)
     # `groups` is in queue order, so its index is each node's first arrival: the tie-break.
     for index, (node, reqs) in enumerate(groups.items()):
@@ -318,8 +281,7 @@ class _WeightedPaths:
         """Every node after its subtree; siblings by descending weight, then earliest arrival."""
         weight, first = self.weight, self.first
         out: list[RadixNode] = []
-        # Iterative (deep trees would hit the recursion limit); children are pushed lightest
-        # first so the heaviest pops first.
+        # Iterative: deep trees would hit the recursion limit.
         stack: list[tuple[RadixNode, bool]] = [(self.root, False)]
         while stack:
             node, expanded = stack.pop()

@@ -1,28 +1,15 @@
 """Admission rules of one prefill round, and the ratio, preemption and retraction choices around it.
 
-Pure and synchronous: nothing here allocates KV, frees KV, talks to another actor or awaits.
-The Adder actor calls it, then does the allocation, the freeing and the messaging itself.
+Pure and synchronous: the Adder actor calls these, then allocates, frees and messages itself.
 Behaviour follows reference/sglang-behaviour.md ("Constants", "PrefillAdder", "Scheduler step").
 
-Data flow of one prefill round (what the Adder actor does around these calls):
-
-1. `adder = PrefillAdder(...)` with the allocator's free slots *now* and the running set.
-2. If a request is being prefilled in chunks: `chunked = adder.add_chunked_req(chunked)` first.
-3. For each candidate in Policy order (while `budget_state()` is CONTINUE and request rows are
-   left, a check that is the caller's): `match = match_for_admission(cache, req)`, then
-   `result = adder.add_one_req(req, match, has_chunked_req=chunked is not None)`; stop at the first
-   result that is not CONTINUE (NO_TOKEN also means: the batch is full of tokens). With priority
-   scheduling the caller may try `select_preemption_victims` for a refused candidate, release the
-   victims (`adder.remove_running`), and try the candidate again.
-4. Allocate for every entry of `adder.admitted` (see `Admission`), evicting cache first when the
-   free slots are short. The budgets guarantee `free + evictable` covers the extends, and every
-   admitted prefix is locked, so eviction never takes an admitted request's prefix.
-5. `adder.new_chunked_req` (if not None) is the request to continue next round.
-
-`add_one_req` sets one field of an admitted `Req` (the Adder's): `computed_len` = the matched
-length, whose KV is in the pool (borrowed from the cache). It also leaves one lock on the matched
-node, which the KV ledger's row takes over (actors/kv_ledger.py). The caller allocates and
-advances `computed_len` by the extend when it launches the batch.
+One round: build a fresh `PrefillAdder`; continue the chunked request first (`add_chunked_req`);
+then `add_one_req` per candidate in Policy order until a result is not CONTINUE (with priority
+scheduling, `select_preemption_victims` may make room for a refused one); allocate for every
+`admitted` entry, evicting first when short. The budgets guarantee `free + evictable` covers the
+extends, and every admitted prefix is locked, so eviction never takes an admitted request's prefix.
+`add_one_req` sets `computed_len` to the matched length and leaves one lock on the matched node,
+which the KV ledger's row takes over (actors/kv_ledger.py).
 
 Where we differ from SGLang, on purpose:
 
@@ -98,15 +85,10 @@ def match_key(req: Req) -> array:
     return req.prompt_key[:-1]  # a memcpy; the Receiver encoded the prompt on arrival
 
 
-# --- new_token_ratio ------------------------------------------------------------------------------
-
 
 class NewTokenRatio:
-    """Share of their remaining max_new_tokens that running requests are assumed to still need.
-
-    Starts conservative, decays linearly towards `min` with every successful decode step, jumps
-    back after a retraction (`set(ratio_after_retraction(...))`) and resets to `init` when idle.
-    """
+    """Share of their remaining max_new_tokens that running requests are assumed to still need:
+    decays towards `min` per decode step, jumps back after a retraction, resets when idle."""
 
     __slots__ = ("init", "min", "decay_step", "value")
 
@@ -137,8 +119,6 @@ def ratio_after_retraction(remaining: Sequence[Req], reserve_steps: int = RETRAC
     return min(1.0, (generated + reserve_steps * len(remaining)) / (max_new + 1))
 
 
-# --- one prefill round ------------------------------------------------------------------------------
-
 
 @dataclass(slots=True)
 class Admission:
@@ -165,7 +145,7 @@ class _Candidate:
 
 
 class PrefillAdder:
-    """Budgets and admission decisions of one prefill round; build a fresh one every round.
+    """Budgets and admission decisions of one prefill round.
 
     Budgets (tokens):
     - rem_total_tokens = free + evictable - offset; offset = mixed decode tokens + what running
@@ -207,7 +187,6 @@ class PrefillAdder:
         # Prefix caching off: ignore_eos requests get the worst-case simulation instead of the ratio.
         self.simulate_ignore_eos = isinstance(cache, ChunkCache)
 
-    # -- budgets ---------------------------------------------------------------------------------
 
     @property
     def rem_total_tokens(self) -> float:
@@ -238,11 +217,8 @@ class PrefillAdder:
         return self.tokens_needed(req, match) - self.rem_total_tokens
 
     def remove_running(self, victims: Sequence[Req], freed_slots: int = 0) -> None:
-        """Preempted `victims` leave the running set: their estimates stop counting.
-
-        `freed_slots`: KV the caller has already returned to the allocator for them (0 when their
-        release waits for an in-flight step; then the new request may not get its KV this round).
-        """
+        """Preempted `victims` stop counting; `freed_slots` is 0 when their release waits for an
+        in-flight step (then the new request may not get its KV this round)."""
         for victim in victims:
             self.running.remove(victim)
             self.total_offset -= self.reserved_tokens(victim)
@@ -264,7 +240,6 @@ class PrefillAdder:
         assert extend > 0, f"request {req.rid} has nothing to compute (match the prefix without its last token)"
         return _Candidate(extend, self._ceil_pages(extend), remaining_new_tokens(req))
 
-    # -- a request being prefilled in chunks ------------------------------------------------------
 
     def add_chunked_req(self, req: Req) -> Req | None:
         """Admit the next chunk of `req` (before any new request); returns `req` while its prompt is still cut.
@@ -292,15 +267,10 @@ class PrefillAdder:
         end = (start + take) // self.page_size * self.page_size
         return end - start if end > start else take
 
-    # -- a new (or retracted) request -------------------------------------------------------------
 
     def add_one_req(self, req: Req, match: MatchResult, has_chunked_req: bool) -> AddResult:
-        """Try to admit `req` with its cached prefix `match` (see `match_for_admission`).
-
-        On admission the request holds a lock on `match.last_node` and an `Admission` is recorded;
-        on refusal nothing changed (a lock taken for the re-check is undone). The result says
-        whether to try the next candidate.
-        """
+        """Admit `req` with its cached prefix `match`: on admission it holds a lock on
+        `match.last_node`; on refusal nothing changed."""
         cand = self._candidate(req, match)
         refused = self._memory_refusal(req, cand)
         if refused is not None:
@@ -349,7 +319,6 @@ class PrefillAdder:
         req.computed_len = match.length
         self.admitted.append(Admission(req, match.length, extend, truncated, match))
 
-    # -- ignore_eos worst case (prefix cache disabled) ---------------------------------------------
 
     def _current_rem_tokens(self) -> float:
         """KV that is free or evictable now, minus what this round's extends take."""
@@ -377,8 +346,6 @@ class PrefillAdder:
         return req.max_new_tokens * ratio - generated, len(req.origin_input_ids) + generated
 
 
-# --- priority preemption -------------------------------------------------------------------------
-
 
 def may_preempt(priority: int, victim_priority: int, sign: int, threshold: int) -> bool:
     """A request of `priority` may preempt one of `victim_priority`: more important by strictly
@@ -397,14 +364,9 @@ def select_preemption_victims(
     """Running requests to preempt so that `new_req` fits, or None when preemption cannot help.
 
     `sign` is +1 when low priority values go first (SGLang's `schedule_low_priority_values_first`),
-    else -1. Candidates go least important first, newest first among equals; each must be less
-    important than `new_req` by strictly more than `threshold`. Each victim gives back its *own*
-    reserved tokens (`reserved_tokens_of`, e.g. `PrefillAdder.reserved_tokens`) until
-    `need_tokens` (e.g. `PrefillAdder.preemption_need`) is covered; with `need_tokens <= 0` (the
-    batch is full of requests, not of tokens) one victim is taken.
-
-    The caller then releases the victims' KV and rows, drops them from the running set, calls
-    `PrefillAdder.remove_running` and requeues them.
+    else -1. Least important first, newest first among equals; each victim gives back its own
+    reserved tokens until `need_tokens` is covered; with `need_tokens <= 0` (the batch is full of
+    requests, not of tokens) one victim is taken.
     """
     order = {id(r): i for i, r in enumerate(running)}
     candidates = sorted(running, key=lambda r: (r.priority * -sign, -r.enqueue_time, -order[id(r)]))
@@ -421,8 +383,6 @@ def select_preemption_victims(
     return victims
 
 
-# --- retraction -------------------------------------------------------------------------------
-
 
 def retraction_order(running: Sequence[Req]) -> list[Req]:
     """Victims first: fewest generated tokens (least work lost), then the longest prompt."""
@@ -436,13 +396,9 @@ def select_retraction_victims(
 ) -> tuple[list[Req], float]:
     """Requests to retract because decode memory is short, and the new new_token_ratio.
 
-    Call only when the next decode step does not fit. Retracts at least one request, then more
-    until the KV `available_after(victims)` (free + evictable + what the victims would give back:
-    the caller knows what each holds) covers `reserve_steps` tokens for every request that stays.
-    Never retracts the last request: if it still does not fit, the caller aborts it.
-
-    The caller releases the victims' KV without caching it, resets them and requeues them, then
-    sets the ratio (`NewTokenRatio.set`).
+    Retracts at least one, then more until `available_after(victims)` (free + evictable + what the
+    victims give back) covers `reserve_steps` tokens for every request that stays. Never the last
+    request: if it still does not fit, the caller aborts it.
     """
     stays = retraction_order(running)[::-1]  # the next victim is last: pop() is O(1)
     victims: list[Req] = []

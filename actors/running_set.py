@@ -1,17 +1,12 @@
 """RunningSet: the Adder's requests whose prompt is fully launched, kept as columns.
 
-Every decode step, and the decode rows of a mixed step, adds one token to each of them: their
-progress is one shared count. So the set keeps their rows and next positions as tensors and
-counts rounds; a round is a few array operations, not a Python pass over hundreds of requests.
-(Positions are a numpy array: on the scheduling loop a numpy call costs less than a torch call.)
+Every decode round adds one token to each member, so their progress is one shared count: a
+round is a few array operations, not a Python pass over hundreds of requests (positions are numpy:
+on the scheduling loop a numpy call costs less than a torch call).
 
 A request's own counters (`computed_len`, `launched_outputs`, `last_step`) lag behind while it
-runs: `sync` brings them up to date, and the set syncs a request when it leaves. Only the Adder
-reads them; it calls `synced()` before any decision that reads them (prefill budgets,
-retraction, preemption).
-
-A request whose last token a round launches is returned by `advance`, found through buckets
-keyed by that round; the caller takes it out with `remove`.
+runs; the Adder calls `synced()` before any decision that reads them, and a leaving request is
+synced.
 """
 
 from __future__ import annotations
@@ -67,7 +62,6 @@ class RunningSet:
         return self._positions
 
     def add(self, reqs: Iterable[Req]) -> None:
-        """New members, in order, with their counters up to date."""
         added = [r for r in reqs if r not in self._synced_round]
         if not added:
             return
@@ -113,7 +107,6 @@ class RunningSet:
         return done
 
     def sync(self, req: Req) -> None:
-        """Bring a member's counters up to date with the rounds it took part in."""
         behind = self._round - self._synced_round[req]
         if behind:
             req.computed_len += behind
@@ -122,7 +115,6 @@ class RunningSet:
             self._synced_round[req] = self._round
 
     def synced(self) -> list[Req]:
-        """The members, every one's counters up to date."""
         for req in self._reqs:
             self.sync(req)
         return self._reqs
