@@ -56,10 +56,8 @@ def new_root() -> RadixNode:
 
 
 class MatchResult:
-    """The cached prefix of a query: its length, the node it ends at and its KV slots.
-
-    `slots` is concatenated on first use: the Policy only needs the length and the node.
-    """
+    """The cached prefix of a query: its length, the node it ends at and its KV slots
+    (concatenated on first use: the Policy only needs the length and the node)."""
 
     __slots__ = ("length", "last_node", "_parts", "_slots")
 
@@ -82,10 +80,8 @@ class MatchResult:
 
 
 class PrefixMatcher(Protocol):
-    """The Policy's view of the Adder's cache: matches, to order the queue.
-
-    A match may split a node and touch access times, never changes what is cached or locked.
-    """
+    """The Policy's view of the Adder's cache: a match may split a node and touch access times,
+    never changes what is cached or locked."""
 
     @property
     def shares_prefixes(self) -> bool:

@@ -43,12 +43,9 @@ class _Query:
             self.enc = self.n
 
     def grow(self, need: int) -> None:
-        """Encode the query up to at least `need` tokens (capped at n).
-
-        Doubling batches the encoding of many short nodes into few calls. Encoding to the end of
-        the node being compared can waste up to that node's length when the query diverges
-        inside it, but the match then splits the node there, so the waste does not repeat.
-        """
+        """Encode the query up to at least `need` tokens (capped at n). Doubling batches many short
+        nodes into few calls; what a divergence inside a node wastes does not repeat, as the match
+        splits the node there."""
         end = max(need, 2 * self.enc, self.first_chunk)
         if 2 * end >= self.n:
             end = self.n  # past half the query: finish it in one call (at most doubling the work)
@@ -113,7 +110,6 @@ class RadixCache(PrefixCache):
         self._free([node.value for node in self._nodes()])  # type: ignore[misc]
         self._reset_tree()
 
-    # -- sizes ---------------------------------------------------------------------------------
 
     def evictable_size(self) -> int:
         return self._evictable
@@ -121,16 +117,10 @@ class RadixCache(PrefixCache):
     def protected_size(self) -> int:
         return self._protected
 
-    # -- match and insert ----------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        """Longest cached prefix of `token_ids`, a multiple of the page size.
-
-        Splits the node where the match ends inside it (so `last_node` ends exactly at the match)
-        and touches the access time of every node on the path. The cache matches whatever it is
-        given: for a new request the caller passes at most `len - 1` tokens, so that at least
-        one token is computed and yields logits.
-        """
+        """Longest cached page-aligned prefix; splits the node the match ends inside, so
+        `last_node` ends exactly at the match, and touches the access time of the path."""
         parts: list[torch.Tensor] = []
         node, length = self._walk(self._query(token_ids), extra_key, parts)
         return MatchResult(length, node, parts)
@@ -146,7 +136,6 @@ class RadixCache(PrefixCache):
         self._check_slots(q, slots)
         return self._insert(q, slots, extra_key)[1]
 
-    # -- locks ---------------------------------------------------------------------------------
 
     def inc_lock_ref(self, node: RadixNode) -> None:
         self._check_live(node)
@@ -179,14 +168,10 @@ class RadixCache(PrefixCache):
         if lowest.lock_ref == 0 and not lowest.children:
             self._leaves.add(lowest)
 
-    # -- eviction ------------------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        """Free unlocked leaves, lowest priority first, until `num_tokens` are freed or none is left.
-
-        Whole nodes are freed, so the result may exceed `num_tokens`. A parent left as an
-        unlocked leaf becomes a candidate in the same call.
-        """
+        """Free unlocked leaves, lowest priority first (a parent left a leaf joins the same call);
+        whole nodes are freed, so the result may exceed `num_tokens`."""
         if num_tokens <= 0 or not self._leaves:
             return 0
         priority = self._priority
@@ -203,20 +188,13 @@ class RadixCache(PrefixCache):
         self._free(values)
         return freed
 
-    # -- request lifecycle ---------------------------------------------------------------------
 
     def cache_finished_req(
         self, token_ids: Sequence[int], slots: torch.Tensor, last_node: RadixNode, extra_key: str | None = None
     ) -> None:
-        """Cache the whole pages of a finished request and give everything else back.
-
-        `token_ids` are the tokens whose KV is computed; `slots[i]` is the KV slot of position i
-        (it may run past `token_ids`, e.g. a slot taken for a token that was never run).
-        `last_node` is the node the request locked at admission: positions before its depth
-        borrow the tree's slots. Frees the request's duplicates of already cached pages and
-        everything past the last whole page, then unlocks `last_node`. Afterwards the request
-        holds no slot.
-        """
+        """Cache the whole pages of a finished request, free its duplicates of cached pages and
+        everything past the last whole page, unlock `last_node`: the request then holds no slot.
+        `slots` may run past `token_ids` (a slot taken for a token that was never run)."""
         q = self._query(token_ids)
         self._check_slots(q, slots)
         prefix = last_node.depth
@@ -234,11 +212,9 @@ class RadixCache(PrefixCache):
     ) -> MatchResult:
         """Cache the computed whole pages of a chunked request and move its lock down.
 
-        `token_ids` are the tokens computed so far; their slots are in `req_to_token` row `row`.
-        Duplicated pages are freed and the row is rewritten with the tree's slots for them. The
-        request then borrows positions `0 .. result.length - 1` (locked through
-        `result.last_node`, which replaces `last_node`) and still owns its row from
-        `result.length` on, the unaligned tail included.
+        Duplicated pages are freed and the row rewritten with the tree's slots. The request then
+        borrows positions `0 .. result.length - 1` (locked through `result.last_node`) and owns
+        its row from `result.length` on, the unaligned tail included.
         """
         q = self._query(token_ids)
         prefix = last_node.depth
@@ -257,7 +233,6 @@ class RadixCache(PrefixCache):
         self._free([slots[last_node.depth :]])
         self.dec_lock_ref(last_node)
 
-    # -- debugging -----------------------------------------------------------------------------
 
     def pretty(self, max_tokens: int = 8) -> str:
         lines = [
@@ -285,16 +260,11 @@ class RadixCache(PrefixCache):
     def _sorted_children(node: RadixNode) -> list[RadixNode]:
         return sorted(node.children.values(), key=lambda child: child.uid, reverse=True)
 
-    # -- internals -----------------------------------------------------------------------------
 
     def _walk(
         self, q: _Query, extra_key: str | None, parts: list[torch.Tensor] | None
     ) -> tuple[RadixNode, int]:
-        """Follow the query down from the root; returns the deepest node reached and its depth.
-
-        A node where the match ends inside is split first, so the returned node ends exactly at
-        the returned depth.
-        """
+        """The deepest node the query reaches (split to end exactly there) and its depth."""
         self._clock += 1
         tick, p, tokens, n = self._clock, self.page_size, q.tokens, q.n
         node, pos = self.root, 0
@@ -421,7 +391,6 @@ class RadixCache(PrefixCache):
         return values  # type: ignore[return-value]
 
     def _nodes(self) -> list[RadixNode]:
-        """Every node but the root."""
         out, stack = [], list(self.root.children.values())
         while stack:
             node = stack.pop()
