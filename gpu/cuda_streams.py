@@ -1,23 +1,13 @@
 """Streams and events for the overlap schedule on CUDA.
 
-Two streams:
+The scheduling stream (the event-loop thread's device work: table writes, input copies) and the
+forward stream (each step's forward and sampling, from the Executor's worker). `launch()` orders
+the forward stream after the scheduling stream's work without a host synchronisation.
+`HostResult.wait()` awaits a step's copy-out event in a helper thread, so the loop keeps running.
 
-- the scheduling stream: the stream the event-loop thread issues its device work on (the Adder's
-  writes into the request-to-token table, input tensors copied to the device) - the current
-  stream when `StepStreams` is created, normally the default stream;
-- the forward stream: each step's forward and sampling, launched from the Executor's worker.
-
-`launch()` makes the forward stream wait for everything already issued on the scheduling stream,
-so a step sees the table rows and slots its batch was given, without a host synchronisation.
-`copy_out()` copies the step's results (sampled ids, logprobs) into pinned host memory without
-blocking and records an event; `HostResult.wait()` awaits that event without blocking the event
-loop (a helper thread sleeps in `event.synchronize()`, which releases the GIL; the event is made
-with `blocking=True`, without which CUDA spins a core while it waits).
-
-Host values the forward needs (request rows, positions, page-table counts) go to the device with
-`host_to_device()`: a blocking host-to-device copy synchronizes the current stream (PyTorch's
-`memcpy_and_sync`), which on the forward stream means waiting for the step in flight and losing
-the overlap; a non-blocking copy from pinned memory does not.
+Host values go to the device with `host_to_device()`: a blocking host-to-device copy synchronizes
+the current stream (PyTorch's `memcpy_and_sync`), which on the forward stream means waiting for
+the step in flight and losing the overlap; a non-blocking copy from pinned memory does not.
 
 The tensors a step reads (inputs built on the scheduling stream, the batch's slot tensors) are
 handed to `copy_out(keep_alive=...)` and referenced until the event has fired: freeing them
@@ -107,11 +97,8 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without synchronizing the current stream.
-
-    On CUDA it is copied non-blocking from pinned memory; the caching host allocator keeps the
-    pinned block until the copy has run, so the caller may drop `t` at once.
-    """
+    """A small host tensor on `device` without synchronizing the current stream; the caching host
+    allocator keeps the pinned block until the copy has run, so the caller may drop `t` at once."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)

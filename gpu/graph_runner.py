@@ -1,18 +1,10 @@
 """Decode through CUDA graphs, padded to batch-size buckets.
 
 A decode step launches hundreds of small kernels; on a GPU the launch overhead, not the math,
-bounds small batches. `DecodeGraphRunner` captures the decode forward once per batch-size bucket
-and replays it:
-
-1. the batch is padded to the next bucket; padded rows are the dummy request row 0 at position 0
-   (seq_len 1) writing the reserved KV slot 0, so they never touch a live request's KV;
-2. real and padded rows are copied into static input buffers (the addresses the graph captured);
-3. the attention metadata is planned into that bucket's static buffers (outside the graph: a plan
-   reads host-side lengths);
-4. the graph replays, and the logits are sliced back to the real batch.
-
-The same runner has an eager-replay mode (no capture) that runs steps 1-4 with a plain forward
-instead of a replay, so the bucket, padding and buffer logic is tested on a CPU in CI.
+bounds small batches. Padded rows are the dummy request row 0 at position 0 writing the reserved
+KV slot 0, so they never touch a live request's KV. Attention metadata is planned outside the
+graph (a plan reads host-side lengths). The eager-replay mode (no capture) runs the same padding
+and buffer logic with a plain forward, so it is tested on a CPU.
 
 Returned logits are a view of a buffer the next `run` overwrites (as with any CUDA graph output):
 consume them (sample) before the next decode step is launched on the same stream.

@@ -1,7 +1,5 @@
 """Paged KV memory: request rows, a token-slot allocator and the per-layer K/V buffers.
 
-Three pieces, each with one job:
-
 - `ReqToTokenPool`: one row per live request (row 0 is a dummy used to pad graph batches); row r,
   column p holds the KV slot of the request's token at position p.
 - `TokenSlotAllocator`: hands out KV slots a page at a time. Page 0 is reserved, so slot 0 is a
@@ -127,11 +125,8 @@ class TokenSlotAllocator:
         return self._num_free * self.page_size
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Slots for `num_tokens` tokens starting on fresh pages, or None if not enough are free.
-
-        The slots of one call are the leading `num_tokens` slots of the pages it takes, so a
-        request's tokens fill each page from its start.
-        """
+        """Slots for `num_tokens` tokens filling fresh pages from their start, or None if not
+        enough are free."""
         if num_tokens < 0:
             raise ValueError(f"cannot allocate {num_tokens} tokens")
         pages_needed = -(-num_tokens // self.page_size)
@@ -147,11 +142,8 @@ class TokenSlotAllocator:
         return slots if self._on_host else slots.to(self.device)
 
     def alloc_extend(self, cur_len: int, last_slot: int | None, num_tokens: int) -> torch.Tensor | None:
-        """Slots for `num_tokens` more tokens of a request that already holds `cur_len` tokens.
-
-        With pages larger than one slot, the request's partly filled last page is used first
-        (`last_slot` is the slot of its token at position cur_len - 1); fresh pages follow.
-        """
+        """Slots for `num_tokens` more tokens of a request holding `cur_len`: its partly filled last
+        page first (`last_slot` is its token cur_len - 1's), then fresh pages."""
         in_last_page = 0 if cur_len % self.page_size == 0 else self.page_size - cur_len % self.page_size
         in_last_page = min(in_last_page, num_tokens)
         if in_last_page and last_slot is None:

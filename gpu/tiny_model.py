@@ -1,9 +1,7 @@
 """Tiny random-weight Hugging Face checkpoints for tests and smoke runs.
 
-`make_tiny_model(dir, "llama" | "qwen2" | "qwen3")` writes a directory that
-`transformers.AutoModelForCausalLM` and `AutoTokenizer` load offline: config.json,
-generation_config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
-chat_template.jinja. `actorserve make-tiny-model` is the same thing from the shell.
+`make_tiny_model(dir, "llama" | "qwen2" | "qwen3")` (or `actorserve make-tiny-model`) writes a
+directory that transformers loads offline.
 
 Why the weights are not transformers' default init: with std 0.02 a random model greedily repeats
 one token, which hides scheduling and sampling bugs. With std 0.15 outputs vary and the top-1/top-2
@@ -108,14 +106,9 @@ _WORDS = (
     "red green blue small large quick slow early late first last next every many few some "
     "run runs ran make makes made take takes took give gives gave find finds found keep keeps"
 ).split()
-# Syllable parts of the generated pseudo-words.
 _ONSETS = "b c d f g h j k l m n p r s t v w z br ch dr fl gr kl pr sh st th tr".split()
 _VOWELS = "a e i o u ai ea ou".split()
 _CODAS = ("", "", "", "n", "r", "s", "t", "l", "m", "ng", "st")
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
 
 
 def _check_positive(**values: int | float) -> None:
@@ -164,10 +157,6 @@ def validate_args(arch: str, sizes: TinySizes, dtype: str) -> None:
             f"qwen2 needs hidden_size == num_heads * head_dim, got {s.hidden_size} != "
             f"{s.num_heads} * {s.head_dim}"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
 
 
 def _lcg_stream(seed: int) -> Iterator[int]:
@@ -259,10 +248,6 @@ def _portable_tokenizer_class(path: Path) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-# --------------------------------------------------------------------------------------------
-# Model
-
-
 def _make_config(
     arch: str,
     s: TinySizes,
@@ -285,7 +270,6 @@ def _make_config(
         max_position_embeddings=s.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(s.rope_theta)},
         rms_norm_eps=RMS_NORM_EPS,
-        # Records the std actually used below, for anyone re-initialising from this config.
         initializer_range=WEIGHT_STD,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=None,
@@ -335,7 +319,7 @@ def _save_model(out_dir: Path, config: PretrainedConfig, seed: int, dtype: str) 
     # Draw in float32 whatever the target dtype, so a float16 model is the float32 one rounded.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
-    config.dtype = dtype  # from_config rewrote it to float32; record what the file holds.
+    config.dtype = dtype  # from_config rewrote it to float32
     tensors = _unique_tensors(model, getattr(torch, dtype))
     # save() + write_bytes rather than save_file, which creates the file with mode 0600.
     (out_dir / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
@@ -358,10 +342,6 @@ def _unique_tensors(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, tor
         seen.add(tensor.data_ptr())
         tensors[name] = tensor.detach().to(dtype).contiguous()
     return tensors
-
-
-# --------------------------------------------------------------------------------------------
-# Public API
 
 
 def make_tiny_model(

@@ -1,18 +1,12 @@
 """Each step's batch, from rank 0 (the scheduler's rank) to the other tensor-parallel ranks.
 
-The scheduler runs once, on rank 0; the other ranks only run the model. Before each forward,
-rank 0 broadcasts what its own forward reads that the others cannot know: the `ForwardBatch`
-(token ids, positions, new KV slots, request rows and lengths, which logits to keep) and the
-request-to-token table entries written since the last step. Each rank keeps its own copy of that
-table (its attention reads it) and of the KV pool for its heads; slot numbers are the same on
-every rank, so one allocator on rank 0 serves them all.
+Before each forward rank 0 broadcasts the `ForwardBatch` and the request-to-token table entries
+written since the last step. Each rank keeps its own copy of the table and of the KV pool for its
+heads; slot numbers are the same on every rank, so one allocator on rank 0 serves them all.
 
-Every table write on rank 0 (a cached prefix at admission, a chunk's or a decode step's new slots,
-a prefix the cache rewrote) is logged by `ReqToTokenPool`; each batch carries the entries written
-since the previous one, with their values as they are when it is sent. Under overlap the scheduler
-runs ahead of the device, so a batch's own slots may have been sent with an earlier batch and a
-later rewrite of them with this one: sending entries in write order, never re-deriving them from
-`out_cache_loc`, keeps every rank's table equal to rank 0's.
+Under overlap the scheduler runs ahead of the device, so a batch's own slots may have been sent
+with an earlier batch and a later rewrite of them with this one: sending the logged entries in
+write order, never re-deriving them from `out_cache_loc`, keeps every rank's table equal to rank 0's.
 
 Wire format: two broadcasts per step of int64 tensors on the group's device (so under NCCL the
 token ids never leave the GPU): a fixed header, then one packed payload.

@@ -1,14 +1,9 @@
 """The processes of a tensor-parallel group: rank 0 is the engine core, ranks 1..N-1 are started here.
 
-Rank 0 binds the rendezvous (a `TCPStore` at `dist_init_addr`, or a free loopback port) before it
-starts anyone, so a port in use is one clear error and no process is left behind. Each other rank
-is a subprocess (`rank_main`) that joins the group, loads its shard and runs what rank 0
-sends (`ModelRunner.serve_ranks`) until told to stop. A rank exits on its own when rank 0's
-process is gone, so none outlives its core, even after a kill -9.
-
-`TPRanks` is rank 0's handle: it notices a rank that exits (`wait_exit`, on a pidfd, no
-polling), and `close` stops the ranks (a stop message when all are healthy, a kill
-otherwise) and leaves the group.
+Rank 0 binds the rendezvous (a `TCPStore`) before it starts anyone, so a port in use is one clear
+error and no process is left behind. A rank exits on its own when rank 0's process is gone, so
+none outlives its core, even after a kill -9. `TPRanks.wait_exit` notices a rank that exits on a
+pidfd, without polling.
 """
 
 from __future__ import annotations
