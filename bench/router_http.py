@@ -1,34 +1,42 @@
-"""`actorserve router`'s cost per request, in front of null workers.
+"""`actorserve router`'s cost per request, in front of null workers, against two relays that
+parse nothing: one in Python, one in C (the floor).
 
-    .venv/bin/python -m bench.router_http [--rate 1000] [--requests 3000] [--workers 2]
+    .venv/bin/python -m bench.router_http [--rate 1000] [--requests 3000] [--workers 2] [--repeats 3]
 
 Null workers (this module with `--null-worker PORT`: an aiohttp app in its own process that answers
-/health and /generate at once with a fixed body) and `actorserve router` (cache_aware) in its own
-process in front of them. This process is an open-loop client: W2-shared-prefix prompts (576
-token ids each) sent at --rate requests/s, first straight to the workers (in turn), then through
-the router, on the same schedule. Reported: latency both ways (median, p99), the difference of the
-medians (the hop the router adds), and the router process's CPU time per request (utime + stime
-from /proc over the routed run). Two figures for scale, from the same run: a null worker's CPU per
-request (what aiohttp costs to serve one), and a bare relay's (this module with `--bare-relay`:
-uvloop protocols that copy bytes to one worker and back, parsing nothing: what the kernel's
-loopback TCP and the event loop cost any Python hop).
+/health and /generate at once with a fixed body). In front of them, each in its own process:
+`actorserve router` (cache_aware); a bare Python relay (this module with `--bare-relay`: uvloop
+protocols copying bytes to one worker and back, parsing nothing: what the event loop costs any
+Python hop); a C relay (bench/c_relay.c, compiled into build/ with the system's `cc`, skipped with
+a message when there is none: epoll copying bytes, what the kernel's loopback TCP costs any hop,
+since on loopback the sender's CPU time includes the receiver's TCP processing).
+
+This process is an open-loop client: W2-shared-prefix prompts (576 token ids each) sent at --rate
+requests/s, straight to the workers (in turn) and through each relay, on the same schedule; each
+path --repeats times, the paths interleaved, each run after --warmup unmeasured requests. Reported
+per path, medians over the runs: the CPU time per request of the process that serves the path
+(utime + stime from /proc; the null workers' for the direct path) and its kernel part, latency
+(median, p99) and the difference of medians with the direct run of the same round (the hop added).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
 
-from bench.http_overhead import cpu_seconds, free_port, wait_ready
+from bench.http_overhead import free_port, wait_ready
 from bench.workloads import make_workload
 
 NULL_ANSWER = orjson.dumps({"text": "", "output_ids": [0], "meta_info": {"finish_reason": {"type": "length", "length": 1}}})
@@ -39,6 +47,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=1000.0)
     p.add_argument("--requests", type=int, default=3000)
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved")
+    p.add_argument("--warmup", type=int, default=200, help="unmeasured requests before each run")
     p.add_argument("--null-worker", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--bare-relay", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -105,48 +115,109 @@ def _bare_relay(port: int, worker_port: int) -> None:
     uvloop.run(serve())
 
 
+@dataclass(slots=True)
+class PathRuns:
+    """One path's runs: per run, the latencies and the CPU per request of the process measured."""
+
+    name: str
+    url: str
+    pids: list[int]
+    latencies: list[list[float]] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+    system_us: list[float] = field(default_factory=list)  # the part of cpu_us in the kernel
+
+
 async def _measure(args: argparse.Namespace) -> None:
     prompts = [r.input_ids for r in make_workload("W2-shared-prefix", vocab_size=4096).requests]
+    bodies = [orjson.dumps({"input_ids": prompts[i % len(prompts)], "sampling_params": {"max_new_tokens": 1}}) for i in range(args.requests)]
     worker_ports = [free_port() for _ in range(args.workers)]
-    router_port = free_port()
     worker_urls = [f"http://127.0.0.1:{p}" for p in worker_ports]
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.router_http", "--null-worker", str(p)]) for p in worker_ports]
-    actorserve = str(Path(sys.executable).parent / "actorserve")
+    workers = [subprocess.Popen([sys.executable, "-m", "bench.router_http", "--null-worker", str(p)]) for p in worker_ports]
+    procs = list(workers)
+    c_relay = _build_c_relay()
     try:
+        paths = [PathRuns("direct", "", [w.pid for w in workers])]
+        port = free_port()
+        actorserve = str(Path(sys.executable).parent / "actorserve")
+        procs.append(subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(port), "--log-level", "warning"]))
+        paths.append(PathRuns("`actorserve router` (cache_aware)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
+        port = free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.router_http", "--bare-relay", str(port), str(worker_ports[0])]))
+        paths.append(PathRuns("bare Python relay (uvloop protocols, parses nothing)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
+        if c_relay is not None:
+            port = free_port()
+            procs.append(subprocess.Popen([str(c_relay), str(port), str(worker_ports[0])]))
+            paths.append(PathRuns("C relay (epoll, parses nothing)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            for url in worker_urls:
+            for url in worker_urls + [p.url for p in paths[1:]]:
                 await wait_ready(url)
-            router = subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(router_port)])
-            procs.append(router)
-            router_url = f"http://127.0.0.1:{router_port}"
-            await wait_ready(router_url)
-            bodies = [orjson.dumps({"input_ids": prompts[i % len(prompts)], "sampling_params": {"max_new_tokens": 1}}) for i in range(args.requests)]
-            workers_before = sum(cpu_seconds(p.pid) for p in procs[: args.workers])
-            direct = await _run(session, [worker_urls[i % len(worker_urls)] for i in range(args.requests)], bodies, args.rate)
-            worker_cpu_us = (sum(cpu_seconds(p.pid) for p in procs[: args.workers]) - workers_before) / args.requests * 1e6
-            cpu_before = cpu_seconds(router.pid)
-            routed = await _run(session, [router_url] * args.requests, bodies, args.rate)
-            router_cpu_us = (cpu_seconds(router.pid) - cpu_before) / args.requests * 1e6
-            bare_port = free_port()
-            bare = subprocess.Popen([sys.executable, "-m", "bench.router_http", "--bare-relay", str(bare_port), str(worker_ports[0])])
-            procs.append(bare)
-            await wait_ready(f"http://127.0.0.1:{bare_port}")
-            cpu_before = cpu_seconds(bare.pid)
-            await _run(session, [f"http://127.0.0.1:{bare_port}"] * args.requests, bodies, args.rate)
-            bare_cpu_us = (cpu_seconds(bare.pid) - cpu_before) / args.requests * 1e6
+            for _ in range(args.repeats):
+                for path in paths:
+                    await _measure_path(session, path, worker_urls, bodies, args)
     finally:
         for proc in procs:
             proc.terminate()
         for proc in procs:
             proc.wait(10)
-    print(f"{args.requests} requests at {args.rate:.0f}/s, {args.workers} null workers, W2 prompts (576 token ids)")
-    print("| path | median ms | p99 ms |\n| --- | --- | --- |")
-    for name, lat in (("direct", direct), ("through the router", routed)):
-        print(f"| {name} | {statistics.median(lat) * 1e3:.2f} | {_p99(lat) * 1e3:.2f} |")
-    added = (statistics.median(routed) - statistics.median(direct)) * 1e6
-    print(f"\nadded median latency {added:.0f} us; router CPU {router_cpu_us:.0f} us per request")
-    print(f"for scale: a null worker (an aiohttp server answering at once) takes {worker_cpu_us:.0f} us CPU per request,")
-    print(f"a bare relay (uvloop protocols copying bytes, parsing nothing) {bare_cpu_us:.0f} us")
+    _report(paths, args)
+
+
+async def _measure_path(session: aiohttp.ClientSession, path: PathRuns, worker_urls: list[str], bodies: list[bytes], args: argparse.Namespace) -> None:
+    """One run of `args.requests` on `path`, after a warm-up of `args.warmup` unmeasured ones."""
+    urls = [path.url or worker_urls[i % len(worker_urls)] for i in range(len(bodies))]
+    await _run(session, urls[: args.warmup], bodies[: args.warmup], args.rate)
+    before = [_user_system_s(pid) for pid in path.pids]
+    path.latencies.append(await _run(session, urls, bodies, args.rate))
+    after = [_user_system_s(pid) for pid in path.pids]
+    user = sum(a[0] - b[0] for a, b in zip(after, before))
+    system = sum(a[1] - b[1] for a, b in zip(after, before))
+    path.cpu_us.append((user + system) / len(bodies) * 1e6)
+    path.system_us.append(system / len(bodies) * 1e6)
+
+
+def _user_system_s(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds, all its threads (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _report(paths: list[PathRuns], args: argparse.Namespace) -> None:
+    print(f"{args.requests} requests at {args.rate:.0f}/s, {args.workers} null workers, W2 prompts (576 token ids), "
+          f"{args.repeats} runs per path interleaved: medians over the runs, [min-max]")
+    print("| path | CPU us per request | of it in the kernel | median ms | added median us | p99 ms |\n| --- | --- | --- | --- | --- | --- |")
+    direct = [statistics.median(lat) for lat in paths[0].latencies]
+    for path in paths:
+        medians = [statistics.median(lat) for lat in path.latencies]
+        added = [(m - d) * 1e6 for m, d in zip(medians, direct)]
+        name = "null worker (aiohttp, answers at once), direct" if path is paths[0] else path.name
+        added_text = "-" if path is paths[0] else _spread(added, "{:.0f}")
+        print(f"| {name} | {_spread(path.cpu_us, '{:.0f}')} | {statistics.median(path.system_us):.0f} | "
+              f"{statistics.median(medians) * 1e3:.2f} | {added_text} | "
+              f"{statistics.median(_p99(lat) for lat in path.latencies) * 1e3:.2f} |")
+    if len(paths) < 4:
+        print("\n(no C relay: see the message above)")
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def _build_c_relay() -> Path | None:
+    """bench/c_relay.c compiled into build/ with the system's cc; None (and why, printed) if it
+    cannot be."""
+    compiler = shutil.which("cc")
+    if compiler is None:
+        print("no C compiler (cc) on PATH: the C relay row is skipped", file=sys.stderr)
+        return None
+    source = Path(__file__).with_name("c_relay.c")
+    binary = Path(__file__).resolve().parent.parent / "build" / "c_relay"
+    binary.parent.mkdir(exist_ok=True)
+    built = subprocess.run([compiler, "-O2", "-o", str(binary), str(source)], capture_output=True, text=True)
+    if built.returncode != 0:
+        print(f"cc could not build {source}: the C relay row is skipped\n{built.stderr}", file=sys.stderr)
+        return None
+    return binary
 
 
 async def _run(session: aiohttp.ClientSession, urls: list[str], bodies: list[bytes], rate: float) -> list[float]:
