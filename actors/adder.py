@@ -42,7 +42,7 @@ from actors.prefill_adder import (
 )
 from cache import PrefixCache
 from gpu.model_runner import ModelRunner
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, Served, StepDone, Wake
@@ -59,12 +59,15 @@ class _Ending:
 
 
 class Adder(Actor[AdderMsg]):
-    def __init__(self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache, executor: Actor[Batch]):
-        super().__init__("adder")
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache,
+        *, inbox: Mailbox[AdderMsg], policy: Mailbox[PolicyMsg], executor: Mailbox[Batch],
+    ):
+        super().__init__("adder", inbox)
         self.config = config
         self.kv = KVLedger(runner.allocator, runner.req_to_token, cache)
         self.executor = executor
-        self.policy: Actor[PolicyMsg] | None = None  # set by the Engine (the actors form a cycle)
+        self.policy = policy
         self.page_size = config.page_size
         self.running = RunningSet()  # prompt fully launched: one decode token per step
         self.chunked: Req | None = None  # prompt partly launched
@@ -105,7 +108,6 @@ class Adder(Actor[AdderMsg]):
             self._measure_prefill(msg)
             generated = self._generating.pop(msg.step, None)
             if generated:
-                assert self.policy is not None
                 await self.policy.send(Served(dict(generated)))
         elif isinstance(msg, Wake):
             self._collect_aborts()
@@ -137,7 +139,6 @@ class Adder(Actor[AdderMsg]):
                     return
 
     async def _pull(self) -> None:
-        assert self.policy is not None
         rows = self.kv.rows_free()
         preempt_priority = self._least_important_running() if rows == 0 else None
         if preempt_priority is not None:
@@ -214,7 +215,6 @@ class Adder(Actor[AdderMsg]):
 
     async def _requeue(self, reqs: list[Req], front: bool) -> None:
         if reqs:
-            assert self.policy is not None
             # The queue is not empty now: the next Pull waits for its answer (a prefill of them
             # comes before another decode-only round).
             self._queue_empty = False

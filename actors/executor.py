@@ -29,7 +29,7 @@ from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
 
@@ -44,8 +44,8 @@ class _Launched:
 
 
 class Executor(Actor[Batch]):
-    def __init__(self, runner: ModelRunner, output: Actor[StepOut]):
-        super().__init__("executor")
+    def __init__(self, runner: ModelRunner, *, inbox: Mailbox[Batch], output: Mailbox[StepOut]):
+        super().__init__("executor", inbox)
         self.runner = runner
         self.output = output
         self.token_pool = torch.zeros(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from actors.detokenizer import IncrementalDetokenizer, check_finish, process_token
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut
 from runtime.req import FinishReason, Req, describe, end_request
@@ -24,14 +24,17 @@ from runtime.stream import Delta, StepOutbox
 
 
 class OutputProcessor(Actor[StepOut]):
-    def __init__(self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int, outbox: StepOutbox | None = None):
-        super().__init__("output")
+    def __init__(
+        self, tokenizer: Any, eos_token_ids: Sequence[int], stream_interval: int, outbox: StepOutbox | None = None,
+        *, inbox: Mailbox[StepOut], adder: Mailbox[AdderMsg],
+    ):
+        super().__init__("output", inbox)
         self.tokenizer = tokenizer
         self.outbox = outbox  # in the core process: where plain tokens go
         self.detokenize = outbox is None
         self.eos_token_ids = tuple(eos_token_ids)
         self.stream_interval = stream_interval
-        self.adder: Actor[AdderMsg] | None = None  # set by the Engine (the actors form a cycle)
+        self.adder = adder
         self.generated_tokens = 0
 
     async def handle(self, msg: StepOut) -> None:
@@ -39,7 +42,6 @@ class OutputProcessor(Actor[StepOut]):
             finished = self._decode_step(msg, self.outbox)
         else:
             finished = self._step(msg)
-        assert self.adder is not None
         prefill = 0 if msg.batch.mode is ForwardMode.DECODE else sum(n for n in msg.batch.extend_lens if n > 1)
         await self.adder.send(StepDone(step=msg.batch.step, finished=finished, prefill_tokens=prefill, forward_s=msg.forward_s))
 

@@ -29,7 +29,7 @@ from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
 from actors.prefill_adder import may_preempt
 from cache import PrefixMatcher
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
 from runtime.req import FinishReason, Req, end_request
@@ -39,8 +39,11 @@ QUEUE_FULL = "The request queue is full."
 
 
 class Policy(Actor[PolicyMsg]):
-    def __init__(self, config: EngineConfig, prefix_cache: PrefixMatcher, adder: Actor[AdderMsg], grammars: GrammarCompiler | None = None):
-        super().__init__("policy")
+    def __init__(
+        self, config: EngineConfig, prefix_cache: PrefixMatcher, grammars: GrammarCompiler | None = None,
+        *, inbox: Mailbox[PolicyMsg], adder: Mailbox[AdderMsg],
+    ):
+        super().__init__("policy", inbox)
         self.config = config
         self.adder = adder
         self.grammars = grammars

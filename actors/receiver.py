@@ -15,9 +15,9 @@ from typing import Any
 import msgspec
 
 from cache import token_array
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
-from runtime.messages import AbortRequest, Enqueue, GenerateSpec, PolicyMsg, Submit, Wake
+from runtime.messages import AbortRequest, Enqueue, GenerateSpec, Submit, Wake
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.service import service_error
@@ -45,7 +45,9 @@ class ModelLimits:
 
 
 class Receiver(Actor[Submit | AbortRequest]):
-    def __init__(self, config: EngineConfig, tokenizer: Any, limits: ModelLimits, policy: Actor[PolicyMsg], adder: Actor):
+    def __init__(
+        self, config: EngineConfig, tokenizer: Any, limits: ModelLimits, *, policy: Mailbox[Enqueue | Wake], adder: Mailbox[Wake],
+    ):
         super().__init__("receiver")
         self.config = config
         self.tokenizer = tokenizer

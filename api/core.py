@@ -28,8 +28,9 @@ from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tensor_parallel import TPLayout
 from gpu.tp_ranks import Rendezvous, TPRanks
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
+from runtime.messages import AdderMsg, Batch, PolicyMsg, StepOut
 from runtime.stream import StepOutbox
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
@@ -103,14 +104,21 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> C
         max_running_requests=runner.req_to_token.max_requests,
     )
     prefix_cache = _prefix_cache(cfg, runner)
-    # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
-    output = OutputProcessor(tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox)
-    executor = Executor(runner, output)
-    adder = Adder(cfg, runner, prefix_cache, executor)
     grammars = GrammarCompiler(tokenizer, runner.vocab_size, runner.model_config.eos_token_ids)
-    policy = Policy(cfg, prefix_cache, adder, grammars)
-    adder.policy = policy
-    output.adder = adder
+    # Every edge of the core, in one place (the README's diagram shows the messages on them):
+    #   Policy -Ranked-> Adder -Batch-> Executor -StepOut-> OutputProcessor -StepDone-> Adder
+    #   Adder -Pull/Requeue/Served-> Policy; the Receiver (or the core-process link) -Enqueue/Wake-> both
+    to_policy: Mailbox[PolicyMsg] = Mailbox()
+    to_adder: Mailbox[AdderMsg] = Mailbox()
+    to_executor: Mailbox[Batch] = Mailbox()
+    to_output: Mailbox[StepOut] = Mailbox()
+    policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder)
+    adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor)
+    executor = Executor(runner, inbox=to_executor, output=to_output)
+    # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
+    output = OutputProcessor(
+        tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox, inbox=to_output, adder=to_adder,
+    )
     return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output, tp_ranks)
 
 

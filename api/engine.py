@@ -132,7 +132,7 @@ class Engine:
         self.prefix_cache = core.prefix_cache
         self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output
         self.vocab_size, self.model_dir = core.runner.vocab_size, core.runner.model_dir
-        self.receiver = Receiver(self.config, self.tokenizer, core.limits, core.policy, core.adder)
+        self.receiver = Receiver(self.config, self.tokenizer, core.limits, policy=core.policy.mailbox, adder=core.adder.mailbox)
         self._actors = [self.receiver, *core.actors]
 
     async def _start_core_process(self) -> None:
@@ -147,7 +147,7 @@ class Engine:
         assert cfg.context_length is not None and cfg.max_total_tokens is not None
         limits = ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
         link = CoreLink(replicas)
-        self.receiver = Receiver(cfg, self.tokenizer, limits, link, link)
+        self.receiver = Receiver(cfg, self.tokenizer, limits, policy=link.mailbox, adder=link.mailbox)
         self._actors = [self.receiver, link]
 
     async def close(self) -> None:

@@ -4,6 +4,11 @@ An actor owns its state and changes it only inside `handle`, one message at a ti
 loop thread. A full mailbox makes `send` wait: that is how backpressure travels from the device
 back to admission. If `handle` raises, the actor stops and the `on_exit` callback given to
 `start` hears about it; the Engine then fails every in-flight request (nothing hangs).
+
+Mailboxes exist before the actors: whoever wires actors together creates every mailbox first
+and hands each actor its own (`inbox`) and its peers' at construction, so the edges between
+actors are all in one place (api/core.py, api/engine.py) and a test can drive one actor by
+calling `handle` and reading its peers' mailboxes.
 """
 
 from __future__ import annotations
@@ -28,13 +33,58 @@ class Stop(msgspec.Struct, frozen=True):
 ExitCallback = Callable[["Actor", BaseException | None], None]
 
 
+class Mailbox(Generic[M]):
+    """One actor's bounded queue of messages; its peers hold it to send."""
+
+    def __init__(self, size: int = DEFAULT_MAILBOX_SIZE):
+        self._queue: asyncio.Queue[M | Stop] = asyncio.Queue(size)
+        self._closed = asyncio.Event()  # the actor stopped: nothing sent now will be handled
+
+    async def send(self, msg: M) -> bool:
+        """Queue `msg`, waiting while the mailbox is full. False if it was closed first: then the
+        message was not queued and no one will handle it."""
+        if self._closed.is_set():
+            return False
+        if not self._queue.full():
+            self._queue.put_nowait(msg)
+            return True
+        put = asyncio.ensure_future(self._queue.put(msg))
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait((put, closed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            put.cancel()
+            closed.cancel()
+        return put.done() and not put.cancelled()
+
+    def put_nowait(self, msg: M | Stop) -> None:
+        self._queue.put_nowait(msg)
+
+    def get_nowait(self) -> M | Stop:
+        return self._queue.get_nowait()
+
+    async def get(self) -> M | Stop:
+        return await self._queue.get()
+
+    def empty(self) -> bool:
+        return self._queue.empty()
+
+    def qsize(self) -> int:
+        return self._queue.qsize()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def reopen(self) -> None:
+        self._closed.clear()
+
+
 class Actor(ABC, Generic[M]):
-    def __init__(self, name: str, mailbox_size: int = DEFAULT_MAILBOX_SIZE):
+    def __init__(self, name: str, inbox: Mailbox[M] | None = None):
         self.name = name
-        self.mailbox: asyncio.Queue[M | Stop] = asyncio.Queue(mailbox_size)
+        self.mailbox: Mailbox[M] = inbox if inbox is not None else Mailbox()
         self._tasks: list[asyncio.Task[None]] = []
         self._on_exit: ExitCallback | None = None
-        self._stopped = asyncio.Event()
         # CPU seconds of the loop thread inside `handle` (what this actor costs; includes other
         # tasks that ran while a handle awaited, which the actors' handles rarely do).
         self.cpu_s = 0.0
@@ -44,25 +94,12 @@ class Actor(ABC, Generic[M]):
         """Handle one message; may send messages to other actors."""
 
     async def send(self, msg: M) -> bool:
-        """Queue `msg`, waiting while the mailbox is full. False if the actor was stopped first:
-        then the message was not queued and no one will handle it."""
-        if self._stopped.is_set():
-            return False
-        if not self.mailbox.full():
-            self.mailbox.put_nowait(msg)
-            return True
-        put = asyncio.ensure_future(self.mailbox.put(msg))
-        stopped = asyncio.ensure_future(self._stopped.wait())
-        try:
-            await asyncio.wait((put, stopped), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            put.cancel()
-            stopped.cancel()
-        return put.done() and not put.cancelled()
+        """Send to this actor's own mailbox (see `Mailbox.send`)."""
+        return await self.mailbox.send(msg)
 
     def start(self, on_exit: ExitCallback) -> None:
         self._on_exit = on_exit
-        self._stopped.clear()
+        self.mailbox.reopen()
         self.spawn(self._run(), "loop")
 
     def spawn(self, coro, what: str) -> asyncio.Task[None]:
@@ -79,7 +116,7 @@ class Actor(ABC, Generic[M]):
     async def stop(self, drain: bool = True, timeout: float = 5.0) -> None:
         """Drain (handle what is queued, then stop) or cancel; never leaves a task behind.
         Senders still waiting for room in the mailbox are released (their `send` is False)."""
-        self._stopped.set()
+        self.mailbox.close()
         if drain and self.alive:
             try:
                 self.mailbox.put_nowait(Stop())

@@ -21,7 +21,8 @@ from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass, service_error
 from runtime.stream import Delta
-from tests.test_policy_actor import Inbox, _settle
+from runtime.actor import Mailbox
+from tests.actor_helpers import handle_queued
 
 
 def _req(rid: str, arrival: float, prompt: int = 10, **service: float) -> Req:
@@ -84,29 +85,23 @@ def test_the_backlog_rate_counts_what_was_kept_while_the_queue_stays_backlogged(
 
 
 async def test_a_request_the_queue_would_make_late_is_refused_at_once():
-    adder = Inbox()
     config = EngineConfig(model_path="unused", schedule_policy="edf", reject_infeasible=True)
-    policy = Policy(config, RadixCache(TokenSlotAllocator(1024, 1)), adder)
-    for actor in (adder, policy):
-        actor.start(lambda actor, error: None)
-    try:
-        now = time.monotonic()
-        policy.backlog_rate.per_s = 10.0  # as measured: 10 requests/s taken from a backlogged queue
-        await policy.send(Pull(max_reqs=0, running_routing_keys={}, block=False, prefill_tokens_per_s=1e4))
-        policy.waiting = [_req(f"q{i}", now, slo_ttft_ms=400) for i in range(20)]  # 2 s of queue, all due first
-        urgent, relaxed, due_first = _req("urgent", now, slo_ttft_ms=500), _req("relaxed", now, slo_ttft_ms=5_000), _req("first", now, slo_ttft_ms=100)
-        for req in (urgent, relaxed, due_first):
-            req.stream = _Recorder()
-            await policy.send(Enqueue(req))
-        await _settle()
-        # urgent: 20 requests due before it take ~2 s, it is due in 0.5 s; relaxed is due in 5 s;
-        # first: nothing is due before it.
-        assert urgent.stream.finished_with == (503, "deadline_infeasible")
-        assert relaxed.stream.finished_with is None and due_first.stream.finished_with is None
-        assert policy.infeasible == 1 and len(policy.waiting) == 22
-    finally:
-        for actor in (policy, adder):
-            await actor.stop(drain=False)
+    policy = Policy(config, RadixCache(TokenSlotAllocator(1024, 1)), inbox=Mailbox(), adder=Mailbox())
+    now = time.monotonic()
+    policy.backlog_rate.per_s = 10.0  # as measured: 10 requests/s taken from a backlogged queue
+    await policy.send(Pull(max_reqs=0, running_routing_keys={}, block=False, prefill_tokens_per_s=1e4))
+    await handle_queued(policy)
+    policy.waiting = [_req(f"q{i}", now, slo_ttft_ms=400) for i in range(20)]  # 2 s of queue, all due first
+    urgent, relaxed, due_first = _req("urgent", now, slo_ttft_ms=500), _req("relaxed", now, slo_ttft_ms=5_000), _req("first", now, slo_ttft_ms=100)
+    for req in (urgent, relaxed, due_first):
+        req.stream = _Recorder()
+        await policy.send(Enqueue(req))
+    await handle_queued(policy)
+    # urgent: 20 requests due before it take ~2 s, it is due in 0.5 s; relaxed is due in 5 s;
+    # first: nothing is due before it.
+    assert urgent.stream.finished_with == (503, "deadline_infeasible")
+    assert relaxed.stream.finished_with is None and due_first.stream.finished_with is None
+    assert policy.infeasible == 1 and len(policy.waiting) == 22
 
 
 class _Recorder:

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from runtime.actor import Mailbox
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -232,7 +233,7 @@ async def test_close_in_the_same_iteration_as_submissions_ends_them_all(model_pa
     a full mailbox) when close() cancels the actors end with shutting_down instead of hanging."""
     engine = Engine(model_path=model_path, inline_core=True, tokenize_off_loop_chars=8)
     await engine.start()
-    engine.receiver.mailbox = asyncio.Queue(4)  # a small mailbox: later senders wait for room
+    engine.receiver.mailbox = Mailbox(4)  # a small mailbox: later senders wait for room
     calls = [engine.generate(input_ids=[1, 2, 3], sampling_params={**GREEDY, "max_new_tokens": 4}) for _ in range(8)]
     calls.append(engine.generate(prompt="long enough to be tokenized in a thread", sampling_params=GREEDY))
     tasks = [asyncio.create_task(c) for c in calls]

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 
 from actors.output import OutputProcessor
 from runtime.forward_mode import ForwardMode
-from runtime.messages import Batch, StepDone, StepOut
+from runtime.actor import Mailbox
+from runtime.messages import AdderMsg, Batch, StepOut
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta, RemoteStream, RequestStream, StepOutbox
+from tests.actor_helpers import taken
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
 
@@ -28,22 +30,12 @@ def tok(tiny_llama: Path) -> Any:
     return transformers.AutoTokenizer.from_pretrained(tiny_llama)
 
 
-class _Adder:
-    def __init__(self) -> None:
-        self.done: list[StepDone] = []
-
-    async def send(self, msg: StepDone) -> bool:
-        self.done.append(msg)
-        return True
-
-
 class _Run:
     """One OutputProcessor (inline, or core-process with an outbox) and its copies of the requests."""
 
     def __init__(self, tok: Any, params: list[dict[str, Any]], logprobs: list[bool], outbox: StepOutbox | None):
-        self.output = OutputProcessor(tok, [EOS], 1, outbox)
-        self.adder = _Adder()
-        self.output.adder = self.adder  # type: ignore[assignment]
+        self.to_adder: Mailbox[AdderMsg] = Mailbox()
+        self.output = OutputProcessor(tok, [EOS], 1, outbox, inbox=Mailbox(), adder=self.to_adder)
         self.reqs = [
             Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp)
             for i, (p, lp) in enumerate(zip(params, logprobs))
@@ -59,7 +51,8 @@ class _Run:
         )
         logprobs = [-0.5] * k if any(r.return_logprob for r in reqs) else None
         await self.output.handle(StepOut(batch=batch, token_ids=tokens, logprobs=logprobs, top_logprobs=None, forward_s=0.0))
-        return [r.rid for r in self.adder.done[-1].finished]
+        (done,) = taken(self.to_adder)
+        return [r.rid for r in done.finished]
 
 
 @settings(max_examples=200, deadline=None)
