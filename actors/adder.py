@@ -283,14 +283,14 @@ class Adder(Actor[AdderMsg]):
 
     def _cache_chunked_prefix(self) -> None:
         """Reference step 1: the computed part of the chunked request goes into the prefix cache."""
-        if self.chunked is not None and self.chunked.computed_len:
-            self._cache_prefix(self.chunked, self.chunked.computed_len)
+        if self.chunked is not None and self.chunked.sched.computed_len:
+            self._cache_prefix(self.chunked, self.chunked.sched.computed_len)
 
     def _cache_prefix(self, req: Req, length: int) -> None:
         """The first `length` tokens of a running request go into the cache, so later requests
         match them before it finishes."""
-        assert req.req_row is not None
-        self.kv.cache_prefix(req.req_row, prefix_tokens(req, length), req.extra_key)
+        assert req.sched.req_row is not None
+        self.kv.cache_prefix(req.sched.req_row, prefix_tokens(req, length), req.extra_key)
 
     def _mixed_decode(self) -> bool:
         """Mixed chunk: the running requests decode inside the prefill batch (not when logprobs are wanted)."""
@@ -311,16 +311,16 @@ class Adder(Actor[AdderMsg]):
             req = adm.req
             slots.append(self._allocate_admission(adm))
             reqs.append(req)
-            rows.append(req.req_row)  # type: ignore[arg-type]
-            prefix_lens.append(req.computed_len)
+            rows.append(req.sched.req_row)  # type: ignore[arg-type]
+            prefix_lens.append(req.sched.computed_len)
             lens.append(adm.extend_len)
             ids.append(req.fill_ids[adm.prefix_len : adm.prefix_len + adm.extend_len])
             produces.append(not adm.truncated)
-            req.computed_len += adm.extend_len
-            req.last_step = step
+            req.sched.computed_len += adm.extend_len
+            req.sched.last_step = step
             if not adm.truncated:
-                req.launched_outputs += 1
-                if req.launched_outputs >= req.sampling.max_new_tokens:
+                req.sched.launched_outputs += 1
+                if req.sched.launched_outputs >= req.sampling.max_new_tokens:
                     done.append(req)
         was_chunked, self.chunked = self.chunked, adder.new_chunked_req
         mode = ForwardMode.EXTEND
@@ -348,13 +348,13 @@ class Adder(Actor[AdderMsg]):
         The budgets guarantee free + evictable covers every extend of the round."""
         req = adm.req
         if adm.match is not None:
-            req.req_row = self.kv.open_row(adm.match)
-            if req.admitted_time is None:
-                req.cached_tokens = adm.prefix_len
-                req.admitted_time = time.monotonic()
-        assert req.req_row is not None
+            req.sched.req_row = self.kv.open_row(adm.match)
+            if req.sched.admitted_time is None:
+                req.sched.cached_tokens = adm.prefix_len
+                req.sched.admitted_time = time.monotonic()
+        assert req.sched.req_row is not None
         self.kv.make_room(adm.extend_len + self.page_size)
-        new_slots = self.kv.extend(req.req_row, adm.extend_len)
+        new_slots = self.kv.extend(req.sched.req_row, adm.extend_len)
         assert new_slots is not None, "the PrefillAdder budget guarantees the KV"
         return new_slots
 
@@ -399,7 +399,7 @@ class Adder(Actor[AdderMsg]):
         return self.kv.decode_slots_needed(self.running.positions)
 
     def _reclaimable(self, victims: list[Req]) -> int:
-        return self.kv.reclaimable(r.req_row for r in victims if r.req_row is not None)
+        return self.kv.reclaimable(r.sched.req_row for r in victims if r.sched.req_row is not None)
 
     # --- batches ------------------------------------------------------------------------------
     def _batch(
@@ -455,17 +455,17 @@ class Adder(Actor[AdderMsg]):
         keep: list[_Ending] = []
         requeue: list[Req] = []
         for ending in self.ending:
-            if ending.req.last_step > self.done_step:
+            if ending.req.sched.last_step > self.done_step:
                 keep.append(ending)
                 continue
             req = ending.req
-            self._release(req, cache_it=ending.kind == "finish" and not req.abort_requested)
-            if ending.kind == "finish" and req.abort_requested and not req.finished:
+            self._release(req, cache_it=ending.kind == "finish" and not req.sched.abort_requested)
+            if ending.kind == "finish" and req.sched.abort_requested and not req.finished:
                 # Its last token was launched, then the abort came: the OutputProcessor skips an
                 # aborted request's tokens, so it ends here.
                 self._abort(req)
             elif ending.kind in ("retract", "preempt") and not req.finished:
-                if req.abort_requested:
+                if req.sched.abort_requested:
                     self._abort(req)
                 else:
                     self._reset_for_requeue(req)
@@ -474,17 +474,17 @@ class Adder(Actor[AdderMsg]):
         self._to_requeue.extend(requeue)
 
     def _release(self, req: Req, cache_it: bool) -> None:
-        if req.req_row is not None:
-            self.kv.close_row(req.req_row, req.fill_ids if cache_it else None, req.extra_key)
-            req.req_row = None
+        if req.sched.req_row is not None:
+            self.kv.close_row(req.sched.req_row, req.fill_ids if cache_it else None, req.extra_key)
+            req.sched.req_row = None
 
     def _reset_for_requeue(self, req: Req) -> None:
-        req.computed_len = 0
-        req.launched_outputs = len(req.output_ids)
-        req.enqueue_time = time.monotonic()
+        req.sched.computed_len = 0
+        req.sched.launched_outputs = len(req.out.output_ids)
+        req.sched.enqueue_time = time.monotonic()
 
     def _collect_aborts(self) -> None:
-        for req in [r for r in self.running if r.abort_requested] + ([self.chunked] if self.chunked and self.chunked.abort_requested else []):
+        for req in [r for r in self.running if r.sched.abort_requested] + ([self.chunked] if self.chunked and self.chunked.sched.abort_requested else []):
             self._leave(req, "abort")
             self._abort(req)
         self._release_done()
@@ -492,14 +492,14 @@ class Adder(Actor[AdderMsg]):
     def _drop_aborted(self, candidates: list[Req]) -> list[Req]:
         keep = []
         for req in candidates:
-            if req.abort_requested:
+            if req.sched.abort_requested:
                 self._abort(req)
             else:
                 keep.append(req)
         return keep
 
     def _finish_with_error(self, req: Req, message: str) -> None:
-        if req.req_row is not None:
+        if req.sched.req_row is not None:
             self._leave(req, "abort")
         self._abort(req, FinishReason("abort", message=message, status=500))
 

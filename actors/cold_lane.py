@@ -89,7 +89,7 @@ class ColdLane:
             best.remove(priorities[i] if priorities is not None else 0)
             out.append(order[i])
             trace.append(credit)
-        self._plan = [(req, req.enqueue_time) for req in out]
+        self._plan = [(req, req.sched.enqueue_time) for req in out]
         self._trace = trace
         return out
 
@@ -103,7 +103,7 @@ class ColdLane:
         admitted ones are the leading requests of the plan no longer queued as they were."""
         if not self._plan:
             return
-        queued = {id(req): req.enqueue_time for req in queue}
+        queued = {id(req): req.sched.enqueue_time for req in queue}
         taken = 0
         for req, enqueued in self._plan:
             if queued.get(id(req)) == enqueued:
@@ -117,7 +117,7 @@ def _lanes(order: Sequence[Req], cold: set[int], priorities: Sequence[int] | Non
     """Positions of the cold requests, oldest first (ties keep the policy's order), per priority;
     and the count of requests per priority."""
     keys = priorities if priorities is not None else [0] * len(order)
-    positions = sorted((i for i, req in enumerate(order) if id(req) in cold), key=lambda i: order[i].enqueue_time)
+    positions = sorted((i for i, req in enumerate(order) if id(req) in cold), key=lambda i: order[i].sched.enqueue_time)
     lanes: dict[int, deque[int]] = {}
     for i in positions:
         lanes.setdefault(keys[i], deque()).append(i)

@@ -295,8 +295,8 @@ class IncrementalDetokenizer:
 
 
 def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
-    """Token-based finish for `new_token`, already appended to req.output_ids."""
-    return token_finish(req.sampling, len(req.output_ids), new_token, eos_token_ids)
+    """Token-based finish for `new_token`, already appended to req.out.output_ids."""
+    return token_finish(req.sampling, len(req.out.output_ids), new_token, eos_token_ids)
 
 
 def delta_text(
@@ -320,7 +320,7 @@ def delta_text(
 def process_token(
     req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer
 ) -> tuple[str, FinishReason | None]:
-    """The text to stream and the finish reason for one token appended to req.output_ids; on
+    """The text to stream and the finish reason for one token appended to req.out.output_ids; on
     finish the detokenizer is flushed into the text.
 
     Precedence follows SGLang: length, stop token id, EOS, then stop string. A stop string

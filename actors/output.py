@@ -49,7 +49,7 @@ class OutputProcessor(Actor[StepOut]):
         batch = msg.batch
         finished: list[Req] = []
         for i, req in enumerate(batch.reqs):
-            if req.finished or req.abort_requested:
+            if req.finished or req.sched.abort_requested:
                 continue
             if msg.input_logprobs is not None and msg.input_logprobs[i] is not None:
                 self._add_input_logprobs(req, msg.input_logprobs[i])
@@ -66,10 +66,10 @@ class OutputProcessor(Actor[StepOut]):
         rids: list[str] = []
         plain: list[int] = []
         for i, (req, token) in enumerate(zip(msg.batch.reqs, msg.token_ids)):
-            if req.finish_reason is not None or req.abort_requested:
+            if req.out.finish_reason is not None or req.sched.abort_requested:
                 continue
-            ids = req.output_ids
-            if len(ids) < req.plain_below and token not in req.end_token_ids:  # type: ignore[operator]
+            ids = req.out.output_ids
+            if len(ids) < req.out.plain_below and token not in req.out.end_token_ids:  # type: ignore[operator]
                 ids.append(token)
                 rids.append(req.rid)
                 plain.append(token)
@@ -80,29 +80,29 @@ class OutputProcessor(Actor[StepOut]):
         return finished
 
     def _append(self, req: Req, i: int, msg: StepOut) -> bool:
-        if req.unsent is None:
-            req.unsent = Delta(rid=req.rid)
-        delta = req.unsent
+        if req.out.unsent is None:
+            req.out.unsent = Delta(rid=req.rid)
+        delta = req.out.unsent
         _record_first_prompt_token(req)  # a 1-token prompt has no scored token to come with it
         if req.sampling.max_new_tokens == 0:
             # Prefill only (prompt logprobs, cache warm-up): the token the step sampled is not
             # part of the answer, as in SGLang.
             return self._push(req, delta, FinishReason("length"))
         token = msg.token_ids[i]
-        if req.end_token_ids is None:
+        if req.out.end_token_ids is None:
             self._prepare_plain_tokens(req)
-        req.output_ids.append(token)
+        req.out.output_ids.append(token)
         self.generated_tokens += 1
         delta.output_ids.append(token)
         if msg.logprobs is not None and req.return_logprob:
-            req.output_logprobs.append(msg.logprobs[i])
+            req.out.output_logprobs.append(msg.logprobs[i])
             delta.logprobs.append(msg.logprobs[i])
         if msg.top_logprobs is not None and req.top_logprobs_num:
-            req.output_top_logprobs.append(msg.top_logprobs[i])
+            req.out.output_top_logprobs.append(msg.top_logprobs[i])
             delta.top_logprobs.append(msg.top_logprobs[i])
         text, reason = self._decide(req, token)
         delta.text += text
-        if reason is None and len(req.output_ids) % self.stream_interval:
+        if reason is None and len(req.out.output_ids) % self.stream_interval:
             return False
         return self._push(req, delta, reason)
 
@@ -111,24 +111,24 @@ class OutputProcessor(Actor[StepOut]):
         in the core process with every token streamed, and not for requests that want
         logprobs or have stop strings (those always take the full path)."""
         eos = () if req.sampling.ignore_eos else self.eos_token_ids
-        req.end_token_ids = frozenset((*req.sampling.stop_token_ids, *eos))
+        req.out.end_token_ids = frozenset((*req.sampling.stop_token_ids, *eos))
         plain = self.outbox is not None and self.stream_interval == 1 and not (req.return_logprob or req.sampling.stop)
         # Below max_new_tokens - 1 outputs, one more token cannot reach the length limit.
-        req.plain_below = req.sampling.max_new_tokens - 1 if plain else 0
+        req.out.plain_below = req.sampling.max_new_tokens - 1 if plain else 0
 
     def _decide(self, req: Req, token: int) -> tuple[str, FinishReason | None]:
         """The text to stream ("" in the core process) and the finish reason for `token`, just
         appended. Text is decoded where it is streamed, or to look for stop strings."""
         if not (self.detokenize or req.sampling.stop):
             return "", check_finish(req, token, self.eos_token_ids)
-        if req.detokenizer is None:
-            req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
-        text, reason = process_token(req, token, self.eos_token_ids, req.detokenizer)
+        if req.out.detokenizer is None:
+            req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+        text, reason = process_token(req, token, self.eos_token_ids, req.out.detokenizer)
         return (text if self.detokenize else ""), reason
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:
         """Send the request's unsent delta, the final one when `reason` is set; True if it is."""
-        req.unsent = None
+        req.out.unsent = None
         if reason is not None:
             end_request(req, reason, delta)
         elif req.stream is not None:
@@ -140,10 +140,10 @@ class OutputProcessor(Actor[StepOut]):
     def _add_input_logprobs(req: Req, computed: InputLogprobs) -> None:
         """Record the prompt logprobs a step computed; they go out with the next delta. A prompt
         computed again (a preempted request) adds only the positions not yet recorded."""
-        if req.unsent is None:
-            req.unsent = Delta(rid=req.rid)
+        if req.out.unsent is None:
+            req.out.unsent = Delta(rid=req.rid)
         _record_first_prompt_token(req)
-        skip = req.logprob_start_len + len(req.input_logprobs) - computed.start
+        skip = req.logprob_start_len + len(req.out.input_logprobs) - computed.start
         if 0 <= skip < len(computed.logprobs):
             top = computed.top_logprobs[skip:] if computed.top_logprobs is not None else None
             _record_input(req, computed.logprobs[skip:], top)
@@ -151,18 +151,18 @@ class OutputProcessor(Actor[StepOut]):
 
 def _record_first_prompt_token(req: Req) -> None:
     """With logprob_start_len 0, the first prompt token comes first, as None: nothing scores it."""
-    if req.logprob_start_len == 0 and not req.input_logprobs:
+    if req.logprob_start_len == 0 and not req.out.input_logprobs:
         _record_input(req, [None], [[]] if req.top_logprobs_num else None)
 
 
 def _record_input(req: Req, logprobs: list[float | None], top: list[list[tuple[int, float]]] | None) -> None:
     """Append prompt logprobs (for the next prompt positions) to the request and its unsent delta."""
-    delta = req.unsent
+    delta = req.out.unsent
     assert delta is not None
-    first = req.logprob_start_len + len(req.input_logprobs)
-    req.input_logprobs.extend(logprobs)
+    first = req.logprob_start_len + len(req.out.input_logprobs)
+    req.out.input_logprobs.extend(logprobs)
     delta.input_logprobs.extend(logprobs)
     delta.input_token_ids.extend(req.origin_input_ids[first : first + len(logprobs)])
     if top is not None:
-        req.input_top_logprobs.extend(top)
+        req.out.input_top_logprobs.extend(top)
         delta.input_top_logprobs.extend(top)

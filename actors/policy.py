@@ -146,7 +146,7 @@ class Policy(Actor[PolicyMsg]):
         kind = req.sampling.grammar[0] if req.sampling.grammar else "grammar"
         if req.finished:
             return  # the abort scan ended it while it compiled
-        if req.abort_requested:  # aborted, and this came before the Wake that says so
+        if req.sched.abort_requested:  # aborted, and this came before the Wake that says so
             self.aborted += 1
             end_request(req, FinishReason("abort"))
             return
@@ -154,7 +154,7 @@ class Policy(Actor[PolicyMsg]):
             end_request(req, FinishReason("abort", message=f"{kind} does not compile: {compiled.error}", status=400, code="invalid_request_error", param=kind))
             return
         assert self.grammars is not None
-        req.constraint = self.grammars.constraint(compiled)
+        req.sched.constraint = self.grammars.constraint(compiled)
         self._admit(req)
 
     def _requeue(self, msg: Requeue) -> None:
@@ -219,24 +219,24 @@ class Policy(Actor[PolicyMsg]):
             return None
         sign = 1 if self.config.schedule_low_priority_values_first else -1
         # Worst priority; among equals the newest goes first.
-        return max(self.waiting, key=lambda r: (r.priority * sign, r.enqueue_time))
+        return max(self.waiting, key=lambda r: (r.priority * sign, r.sched.enqueue_time))
 
     def _better(self, a: Req, b: Req) -> bool:
         sign = 1 if self.config.schedule_low_priority_values_first else -1
         return a.priority * sign < b.priority * sign
 
     def _drop_aborted_and_expired(self) -> None:
-        for rid in [rid for rid, req in self.compiling.items() if req.abort_requested]:
+        for rid in [rid for rid, req in self.compiling.items() if req.sched.abort_requested]:
             self.aborted += 1
             end_request(self.compiling.pop(rid), FinishReason("abort"))
         timeout = self.config.queue_timeout_s
         now = time.monotonic()
         keep: list[Req] = []
         for req in self.waiting:
-            if req.abort_requested:
+            if req.sched.abort_requested:
                 self.aborted += 1
                 end_request(req, FinishReason("abort"))
-            elif timeout is not None and now - req.enqueue_time > timeout:
+            elif timeout is not None and now - req.sched.enqueue_time > timeout:
                 self.timed_out += 1
                 end_request(req, FinishReason("abort", message=f"the request waited in the queue longer than {timeout} s", status=503, code="queue_timeout"))
             else:

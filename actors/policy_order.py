@@ -121,7 +121,7 @@ class QueueOrderer:
             return self._sjf(waiting)
         if policy == "edf":
             default = self.default_slo_ttft_ms
-            return sorted(waiting, key=lambda req: (req.service.first_token_due(req.arrival_time, default), req.enqueue_time))
+            return sorted(waiting, key=lambda req: (req.service.first_token_due(req.arrival_time, default), req.sched.enqueue_time))
         raise ValueError(f"unknown schedule policy {policy!r}")
 
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
@@ -130,7 +130,7 @@ class QueueOrderer:
         sign, aging_s = self.priority_sign, self.aging_s
         levels = [req.priority * sign for req in reqs] if by_priority else [0] * len(reqs)
         if aging_s is not None:
-            levels = [level - int((now - req.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
+            levels = [level - int((now - req.sched.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
         return levels
 
     def _random(self, waiting: Sequence[Req]) -> list[Req]:
@@ -236,7 +236,7 @@ class QueueOrderer:
 
 
 def _enqueue_time(req: Req) -> float:
-    return req.enqueue_time
+    return req.sched.enqueue_time
 
 
 def _dfs_order(root: RadixNode, groups: dict[RadixNode, list[Req]]) -> list[Req]:

@@ -51,7 +51,7 @@ class AddResult(enum.Enum):
 
 def generated_tokens(req: Req) -> int:
     """Output tokens that hold (or will hold, once launched) KV."""
-    return max(len(req.output_ids), req.launched_outputs)
+    return max(len(req.out.output_ids), req.sched.launched_outputs)
 
 
 def remaining_new_tokens(req: Req) -> int:
@@ -77,7 +77,7 @@ def match_key(req: Req) -> array:
     the first position whose logits give a wanted prompt logprob."""
     if req.input_logprobs_pending:
         return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
-    if req.output_ids or req.prompt_key is None:
+    if req.out.output_ids or req.prompt_key is None:
         key = token_array(req.fill_ids)
         if key:
             key.pop()
@@ -236,7 +236,7 @@ class PrefillAdder:
         return -(-tokens // self.page_size) * self.page_size
 
     def _candidate(self, req: Req, match: MatchResult) -> _Candidate:
-        extend = len(req.origin_input_ids) + len(req.output_ids) - match.length
+        extend = len(req.origin_input_ids) + len(req.out.output_ids) - match.length
         assert extend > 0, f"request {req.rid} has nothing to compute (match the prefix without its last token)"
         return _Candidate(extend, self._ceil_pages(extend), remaining_new_tokens(req))
 
@@ -248,8 +248,8 @@ class PrefillAdder:
         anyway, so the request (which holds KV and a row) always advances instead of leaking.
         """
         assert self.rem_chunk_tokens is not None, "a chunked request needs chunked prefill"
-        start = req.computed_len
-        left = len(req.origin_input_ids) + len(req.output_ids) - start
+        start = req.sched.computed_len
+        left = len(req.origin_input_ids) + len(req.out.output_ids) - start
         assert left > 0, f"chunked request {req.rid} has nothing left to compute"
         take = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
         if take <= 0:
@@ -316,7 +316,7 @@ class PrefillAdder:
         return None
 
     def _record_new(self, req: Req, match: MatchResult, extend: int, truncated: bool) -> None:
-        req.computed_len = match.length
+        req.sched.computed_len = match.length
         self.admitted.append(Admission(req, match.length, extend, truncated, match))
 
 
@@ -369,7 +369,7 @@ def select_preemption_victims(
     requests, not of tokens) one victim is taken.
     """
     order = {id(r): i for i, r in enumerate(running)}
-    candidates = sorted(running, key=lambda r: (r.priority * -sign, -r.enqueue_time, -order[id(r)]))
+    candidates = sorted(running, key=lambda r: (r.priority * -sign, -r.sched.enqueue_time, -order[id(r)]))
     victims: list[Req] = []
     for cand in candidates:
         if not may_preempt(new_req.priority, cand.priority, sign, threshold):

@@ -18,7 +18,7 @@ from cache import token_array
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, Submit, Wake
-from runtime.req import Req
+from runtime.req import Req, SchedState
 from runtime.sampling_params import SamplingParams
 from runtime.service import service_error
 
@@ -90,9 +90,9 @@ class Receiver(Actor[Submit | AbortRequest]):
 
     async def _abort(self, rid: str) -> None:
         req = self.live.get(rid)
-        if req is None or req.abort_requested:
+        if req is None or req.sched.abort_requested:
             return
-        req.abort_requested = True
+        req.sched.abort_requested = True
         # Whoever holds the request now sees the flag; both are told to look (once, when both
         # are the link to a core process).
         await self.policy.send(Wake(rid))
@@ -123,7 +123,7 @@ class Receiver(Actor[Submit | AbortRequest]):
             top_logprobs_num=sampling.top_logprobs_num,  # capped at the vocabulary
             logprob_start_len=self._logprob_start(spec, len(input_ids)),
             arrival_time=now,
-            enqueue_time=now,
+            sched=SchedState(enqueue_time=now),
             stream=msg.stream,
         )
 

@@ -66,16 +66,16 @@ class RunningSet:
         if not added:
             return
         for req in added:
-            assert req.req_row is not None, "a running request holds a row"
+            assert req.sched.req_row is not None, "a running request holds a row"
             self._synced_round[req] = self._round
-            last = self._round + req.sampling.max_new_tokens - req.launched_outputs
+            last = self._round + req.sampling.max_new_tokens - req.sched.launched_outputs
             if last > self._round:
                 self._last_round[req] = last
                 self._ending_at.setdefault(last, []).append(req)
         self._reqs = self._reqs + added
-        self._rows_list = self._rows_list + [r.req_row for r in added]  # type: ignore[misc]
+        self._rows_list = self._rows_list + [r.sched.req_row for r in added]  # type: ignore[misc]
         self._rows = torch.tensor(self._rows_list, dtype=torch.int64)
-        self._positions = np.concatenate([self._positions, np.array([r.computed_len for r in added], dtype=np.int64)])
+        self._positions = np.concatenate([self._positions, np.array([r.sched.computed_len for r in added], dtype=np.int64)])
 
     def remove(self, reqs: Iterable[Req]) -> set[Req]:
         """Take these requests out (the others in `reqs` are ignored); returns the ones that were
@@ -109,9 +109,9 @@ class RunningSet:
     def sync(self, req: Req) -> None:
         behind = self._round - self._synced_round[req]
         if behind:
-            req.computed_len += behind
-            req.launched_outputs += behind
-            req.last_step = self._round_step
+            req.sched.computed_len += behind
+            req.sched.launched_outputs += behind
+            req.sched.last_step = self._round_step
             self._synced_round[req] = self._round
 
     def synced(self) -> list[Req]:

@@ -132,7 +132,7 @@ class CoreClient:
 
     def submit(self, req: Req) -> None:
         """Send a validated request to the core, or hold it until a credit comes back."""
-        if req.abort_requested:  # aborted while it waited in the link's mailbox
+        if req.sched.abort_requested:  # aborted while it waited in the link's mailbox
             self._end_unsent(req)
         elif len(self.live) < self.max_in_core and not self.backlog:
             self._send_request(req)
@@ -274,19 +274,19 @@ class CoreClient:
             if delta is None:
                 delta = self._plain_delta(req, token)
             else:
-                req.output_ids.extend(delta.output_ids)
-                req.cached_tokens = delta.cached_tokens
+                req.out.output_ids.extend(delta.output_ids)
+                req.sched.cached_tokens = delta.cached_tokens
                 if delta.queue_time is not None:
-                    req.admitted_time = req.arrival_time + delta.queue_time
+                    req.sched.admitted_time = req.arrival_time + delta.queue_time
             tokens += len(delta.output_ids)
-            detok = req.detokenizer
+            detok = req.out.detokenizer
             if detok is None and delta.output_ids:
-                detok = req.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+                detok = req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
             if detok is not None:
                 delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.sampling.no_stop_trim)
             if delta.finish_reason is not None:
                 del live[rid]
-                req.detokenizer = None
+                req.out.detokenizer = None
                 self.on_end(req)
             assert req.stream is not None
             req.stream.push(delta)
@@ -308,11 +308,11 @@ class CoreClient:
     @staticmethod
     def _plain_delta(req: Req, token: int) -> Delta:
         """A plain token's delta, with what the core's first delta said about the request."""
-        req.output_ids.append(token)
-        queue_time = None if req.admitted_time is None else req.admitted_time - req.arrival_time
+        req.out.output_ids.append(token)
+        queue_time = None if req.sched.admitted_time is None else req.sched.admitted_time - req.arrival_time
         return Delta(
             rid=req.rid, output_ids=[token], prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens, queue_time=queue_time,
+            completion_tokens=len(req.out.output_ids), cached_tokens=req.sched.cached_tokens, queue_time=queue_time,
         )
 
     def _process_exited(self) -> None:

@@ -39,7 +39,7 @@ from runtime.ipc import (
     ToCore,
 )
 from runtime.messages import Enqueue, FlushCache, Wake
-from runtime.req import Req
+from runtime.req import Req, SchedState
 from runtime.stream import RemoteStream, StepOutbox
 
 log = logging.getLogger("actorserve.core")
@@ -81,9 +81,7 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setu
     outputs = StepOutbox(lambda rids, tokens, deltas: outbox.send(encoder.encode(CoreOutputs(rids, tokens, deltas))))
     try:
         try:
-            core = await load_core(config, outputs)
-            if setup is not None:
-                setup.apply(core)
+            core = await load_core(config, outputs, setup)
         except Exception as exc:  # the frontend shows this line instead of a bare exit code
             outbox.send(encoder.encode(CoreFailed(f"the engine core could not start: {exc}")))
             return
@@ -175,7 +173,7 @@ class CoreServer:
             top_logprobs_num=msg.top_logprobs_num,
             logprob_start_len=msg.logprob_start_len,
             arrival_time=msg.arrival_time,
-            enqueue_time=time.monotonic(),
+            sched=SchedState(enqueue_time=time.monotonic()),
             stream=stream,
         )
         self.live[req.rid] = req
@@ -184,9 +182,9 @@ class CoreServer:
 
     async def _abort(self, rid: str) -> None:
         req = self.live.get(rid)
-        if req is None or req.abort_requested:
+        if req is None or req.sched.abort_requested:
             return
-        req.abort_requested = True
+        req.sched.abort_requested = True
         await self.core.policy.send(Wake())
         await self.core.adder.send(Wake())
 

@@ -136,7 +136,7 @@ class Replicas:
     def _end_callback(self, replica: int) -> Callable[[Req], None]:
         def ended(req: Req) -> None:
             if self.owner.pop(req.rid, None) is not None:
-                self.router.finished(replica, len(req.origin_input_ids) + len(req.output_ids))
+                self.router.finished(replica, len(req.origin_input_ids) + len(req.out.output_ids))
 
         return ended
 

@@ -16,7 +16,7 @@ from actors.policy_order import QueueOrderer
 from api.engine import Engine
 from cache import token_array
 from runtime.config import SJF_DEFAULT_AGING_S, EngineConfig
-from runtime.req import Req
+from runtime.req import Req, SchedState
 from runtime.sampling_params import SamplingParams
 from tests.test_policy_order import cache_tokens, radix
 
@@ -46,7 +46,7 @@ def arriving(arrivals: list[Arrival], r: int) -> list[tuple[Req, Arrival]]:
         if a.round == r:
             prompt = (HOT if a.hot else [7]) + [1 + (i + j) % 50 for j in range(a.length)]
             req = Req(rid=f"r{i}", origin_input_ids=prompt, prompt_key=token_array(prompt),
-                      sampling=SamplingParams(max_new_tokens=8), priority=a.priority, enqueue_time=r * ROUND_S)
+                      sampling=SamplingParams(max_new_tokens=8), priority=a.priority, sched=SchedState(enqueue_time=r * ROUND_S))
             out.append((req, a))
     return out
 
@@ -134,13 +134,13 @@ def test_sjf_runs_the_fewest_uncached_tokens_first():
     o = _orderer("sjf", None)
     assert o.aging_s == SJF_DEFAULT_AGING_S  # shortest-first always ages
     reqs = [
-        Req(rid=rid, origin_input_ids=p, prompt_key=token_array(p), sampling=SamplingParams(max_new_tokens=8), enqueue_time=0.0)
+        Req(rid=rid, origin_input_ids=p, prompt_key=token_array(p), sampling=SamplingParams(max_new_tokens=8), sched=SchedState(enqueue_time=0.0))
         for rid, p in [("long-cold", [7] * 40), ("short-cold", [7] * 10), ("long-hot", HOT + [1] * 5)]
     ]
     # long-hot has 29 tokens but 24 are cached: 5 to compute.
     assert [r.rid for r in o.order(reqs, None, now=1.0)] == ["long-hot", "short-cold", "long-cold"]
     # After a full aging period the long one has waited, a fresh short one has not.
-    reqs[0].enqueue_time = -SJF_DEFAULT_AGING_S
+    reqs[0].sched.enqueue_time = -SJF_DEFAULT_AGING_S
     assert [r.rid for r in o.order(reqs, None, now=1.0)][0] == "long-cold"
 
 

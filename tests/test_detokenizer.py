@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.detokenizer import IncrementalDetokenizer, check_finish, delta_text, process_token
-from runtime.req import FinishReason, Req
+from runtime.req import FinishReason, OutputState, Req
 from runtime.sampling_params import SamplingParams
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
@@ -369,7 +369,7 @@ def test_stop_straddling_min_new_tokens_boundary_counts(tok: Any) -> None:
 
 
 def req_with(output: list[int], **params: Any) -> Req:
-    return Req(rid="r", origin_input_ids=[5, 6], sampling=SamplingParams(**params), output_ids=output)
+    return Req(rid="r", origin_input_ids=[5, 6], sampling=SamplingParams(**params), out=OutputState(output_ids=output))
 
 
 def test_length_before_stop() -> None:
@@ -407,12 +407,12 @@ def run_request(tok: Any, output: list[int], **params: Any) -> tuple[str, Finish
     detok = IncrementalDetokenizer.for_req(tok, req)
     text = ""
     for t in output:
-        req.output_ids.append(t)
+        req.out.output_ids.append(t)
         delta, reason = process_token(req, t, [EOS], detok)
         text += delta
         if reason is not None:
-            return text, reason, len(req.output_ids)
-    return text, None, len(req.output_ids)
+            return text, reason, len(req.out.output_ids)
+    return text, None, len(req.out.output_ids)
 
 
 def test_process_token_stop_string(tok: Any) -> None:
@@ -499,11 +499,11 @@ def _decided_by_the_core(tok: Any, output: list[int], params: dict[str, Any]) ->
     req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
     detok = IncrementalDetokenizer.for_req(tok, req) if req.sampling.stop else None
     for t in output:
-        req.output_ids.append(t)
+        req.out.output_ids.append(t)
         reason = process_token(req, t, [EOS], detok)[1] if detok is not None else check_finish(req, t, [EOS])
         if reason is not None:
-            return req.output_ids, reason
-    return req.output_ids, None
+            return req.out.output_ids, reason
+    return req.out.output_ids, None
 
 
 @settings(max_examples=300, deadline=None)

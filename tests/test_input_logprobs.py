@@ -110,10 +110,10 @@ def test_a_prompt_computed_again_adds_no_duplicates() -> None:
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=1, logprobs=[-1.0, -2.0, -3.0], top_logprobs=None))
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=1, logprobs=[-1.0, -2.0, -3.0, -4.0], top_logprobs=None))
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=5, logprobs=[-5.0], top_logprobs=None))
-    assert req.input_logprobs == [None, -1.0, -2.0, -3.0, -4.0, -5.0]
-    assert req.unsent is not None
-    assert req.unsent.input_token_ids == list(range(10, 16))
-    assert req.unsent.input_logprobs == req.input_logprobs
+    assert req.out.input_logprobs == [None, -1.0, -2.0, -3.0, -4.0, -5.0]
+    assert req.out.unsent is not None
+    assert req.out.unsent.input_token_ids == list(range(10, 16))
+    assert req.out.unsent.input_logprobs == req.out.input_logprobs
 
 
 async def test_one_token_prompt_scores_its_token_as_none(core_mode: dict, model_path: str) -> None:

@@ -37,11 +37,10 @@ class _Run:
         self.to_adder: Mailbox[AdderMsg] = Mailbox()
         self.output = OutputProcessor(tok, [EOS], 1, outbox, inbox=Mailbox(), adder=self.to_adder)
         self.reqs = [
-            Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp)
+            Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp,
+                stream=RemoteStream(f"r{i}", outbox) if outbox is not None else RequestStream(f"r{i}"))
             for i, (p, lp) in enumerate(zip(params, logprobs))
         ]
-        for req in self.reqs:
-            req.stream = RemoteStream(req.rid, outbox) if outbox is not None else RequestStream(req.rid)
 
     async def step(self, n: int, mode: ForwardMode, reqs: list[Req], tokens: list[int]) -> list[str]:
         k = len(reqs)
@@ -92,9 +91,9 @@ async def test_core_process_decisions_equal_inline_decisions(tok: Any, data: st.
         last_finished = [i for i in live if f"r{i}" in b]
         live = [i for i in live if f"r{i}" not in b]
     for x, y in zip(inline.reqs, core.reqs):
-        assert x.output_ids == y.output_ids
-        assert (x.finish_reason and (x.finish_reason.kind, x.finish_reason.matched)) == (
-            y.finish_reason and (y.finish_reason.kind, y.finish_reason.matched)
+        assert x.out.output_ids == y.out.output_ids
+        assert (x.out.finish_reason and (x.out.finish_reason.kind, x.out.finish_reason.matched)) == (
+            y.out.finish_reason and (y.out.finish_reason.kind, y.out.finish_reason.matched)
         )
     got: dict[str, list[int]] = {r.rid: [] for r in core.reqs}
     finish: dict[str, str | None] = {}
@@ -110,5 +109,5 @@ async def test_core_process_decisions_equal_inline_decisions(tok: Any, data: st.
             else:
                 got[rid].append(t)
     for req in core.reqs:
-        assert got[req.rid] == req.output_ids
-        assert finish.get(req.rid) == (req.finish_reason.kind if req.finish_reason else None)
+        assert got[req.rid] == req.out.output_ids
+        assert finish.get(req.rid) == (req.out.finish_reason.kind if req.out.finish_reason else None)

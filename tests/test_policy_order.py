@@ -15,7 +15,7 @@ from actors.policy_order import QueueOrderer
 from cache import ChunkCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
 from runtime.config import SCHEDULE_POLICIES, EngineConfig
-from runtime.req import Req
+from runtime.req import OutputState, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -38,7 +38,7 @@ def req(
         priority=priority,
         routing_key=routing_key,
         extra_key=extra_key,
-        enqueue_time=enqueue_time if enqueue_time is not None else 0.0,
+        sched=SchedState(enqueue_time=enqueue_time if enqueue_time is not None else 0.0),
     )
 
 
@@ -234,8 +234,8 @@ def test_lpm_falls_back_to_fcfs_over_the_configured_length():
     assert rids(o.order(longer)) == ["m1", "m2", "hit", "m3"]
     # The fallback is our fcfs, priority included.
     prio = orderer("lpm", cache, lpm_fallback_queue_len=3, enable_priority_scheduling=True)
-    longer[3].priority = 5
-    assert rids(prio.order(longer)) == ["m3", "m1", "m2", "hit"]
+    urgent = [*longer[:3], req("m3", seq(7000, 4), priority=5, enqueue_time=4)]
+    assert rids(prio.order(urgent)) == ["m3", "m1", "m2", "hit"]
 
 
 def test_lpm_extra_key_isolation():
@@ -356,8 +356,8 @@ def _queues(draw: st.DrawFn) -> tuple[list[Req], list[list[int]], Counter[str]]:
             priority=draw(st.integers(-3, 3)),
             routing_key=draw(st.sampled_from([None, "a", "b", "c"])),
             extra_key=draw(st.sampled_from([None, "x"])),
-            enqueue_time=draw(st.floats(0, 10)),
-            output_ids=draw(st.lists(st.integers(0, 5), max_size=4)),
+            sched=SchedState(enqueue_time=draw(st.floats(0, 10))),
+            out=OutputState(output_ids=draw(st.lists(st.integers(0, 5), max_size=4))),
         )
         for i in range(n)
     ]
@@ -398,7 +398,7 @@ def test_every_policy_returns_a_permutation(data, policy, priority, page_size, f
     # Levels: the priority (where the policy uses it), less one per aging period waited.
     sign = (1 if priority[1] else -1) if priority[0] and policy not in ("random", "routing-key") else 0
     aging_s = config.effective_aging_s
-    levels = [r.priority * sign - (int((now - r.enqueue_time) // aging_s) if aging_s else 0) for r in out]
+    levels = [r.priority * sign - (int((now - r.sched.enqueue_time) // aging_s) if aging_s else 0) for r in out]
     assert levels == sorted(levels)
     assert cache.protected_size() == 0  # ordering never locks
 

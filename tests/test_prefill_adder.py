@@ -20,7 +20,7 @@ from actors.prefill_adder import (
 )
 from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
-from runtime.req import Req
+from runtime.req import OutputState, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -42,9 +42,9 @@ def req(
         origin_input_ids=tokens,
         sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
         priority=priority,
-        enqueue_time=enqueue,
+        sched=SchedState(enqueue_time=enqueue),
+        out=OutputState(output_ids=[7] * output),
     )
-    r.output_ids = [7] * output
     return r
 
 
@@ -90,7 +90,7 @@ def add(a: PrefillAdder, r: Req, has_chunked_req: bool = False) -> AddResult:
 def launch(a: PrefillAdder) -> None:
     """What the Adder does when it launches the batch: advance each request past its extend."""
     for adm in a.admitted:
-        adm.req.computed_len = adm.prefix_len + adm.extend_len
+        adm.req.sched.computed_len = adm.prefix_len + adm.extend_len
 
 
 # --- budgets ---------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def test_truncation_to_the_chunk_budget_page_1():
     assert add(a, r) is AddResult.OTHER  # chunk budget spent
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len, adm.truncated) == (0, 16, True)
-    assert a.new_chunked_req is r and r.computed_len == 0
+    assert a.new_chunked_req is r and r.sched.computed_len == 0
     assert a.total_offset == 16  # no decode tokens charged while the prompt is cut
 
 
@@ -193,7 +193,7 @@ def test_truncation_to_a_page_multiple_page_4():
     assert add(a, r) is AddResult.CONTINUE  # 2 chunk tokens left: a whole small request still fits
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len) == (8, 16)  # 18 // 4 * 4
-    assert r.computed_len == 8 and adm.truncated
+    assert r.sched.computed_len == 8 and adm.truncated
     assert a.rem_chunk_tokens == 2
     # The next cut would be 2 // 4 * 4 == 0 tokens anyway, but only one request may be chunked.
     assert add(a, req(list(range(100, 140)))) is AddResult.OTHER and len(a.admitted) == 1
@@ -241,13 +241,13 @@ def test_add_chunked_req_continues_over_rounds():
         rounds.append((adm.prefix_len, adm.extend_len, adm.truncated, adm.prefix_len + adm.extend_len if adm.truncated else None, a.total_offset))
         launch(a)
     assert rounds == [(16, 16, True, 32, 16), (32, 8, False, None, 8 + 100)]
-    assert r.computed_len == 40
+    assert r.sched.computed_len == 40
 
 
 def test_add_chunked_req_takes_the_total_budget_when_smaller():
     cache, _ = radix()
     r = req(100)
-    r.computed_len = 16
+    r.sched.computed_len = 16
     a = adder(cache, free=10, chunk=64)
     assert a.add_chunked_req(r) is r
     assert a.admitted[0].extend_len == 10 and a.admitted[0].truncated
@@ -257,7 +257,7 @@ def test_add_chunked_req_takes_the_total_budget_when_smaller():
 def test_add_chunked_req_takes_the_chunk_budget_when_memory_is_gone():
     cache, _ = radix()
     r = req(100)
-    r.computed_len = 16
+    r.sched.computed_len = 16
     a = adder(cache, free=50, running=[req(4, max_new=200)], chunk=64)  # rem_total = -50
     assert a.add_chunked_req(r) is r
     assert a.admitted[0].extend_len == 64
@@ -266,7 +266,7 @@ def test_add_chunked_req_takes_the_chunk_budget_when_memory_is_gone():
 def test_add_chunked_req_still_advances_when_mixed_tokens_ate_the_chunk():
     cache, _ = radix(page_size=4)
     r = req(100)
-    r.computed_len = 16
+    r.sched.computed_len = 16
     a = adder(cache, free=1000, chunk=8, mixed=8)
     a.add_chunked_req(r)
     assert a.admitted[0].extend_len == 4
@@ -275,7 +275,7 @@ def test_add_chunked_req_still_advances_when_mixed_tokens_ate_the_chunk():
 def test_add_chunked_req_cut_ends_on_a_page_boundary():
     cache, _ = radix(page_size=4)
     r = req(100)
-    r.computed_len = 16
+    r.sched.computed_len = 16
     a = adder(cache, free=10, chunk=64)  # takes 10 -> end 26 -> 24
     a.add_chunked_req(r)
     assert a.admitted[0].extend_len == 8 and a.admitted[0].truncated
@@ -284,7 +284,7 @@ def test_add_chunked_req_cut_ends_on_a_page_boundary():
 def test_new_request_after_a_finishing_chunk_shares_the_round():
     cache, _ = radix()
     r = req(40, max_new=10)
-    r.computed_len = 32
+    r.sched.computed_len = 32
     a = adder(cache, free=1000, chunk=16)
     assert a.add_chunked_req(r) is None
     other = req(20, max_new=10)
@@ -321,7 +321,7 @@ def test_admitted_request_keeps_its_lock_and_fields():
     assert a.add_one_req(r, match, has_chunked_req=False) is AddResult.CONTINUE
     assert cache.protected_size() == 40 and cache.evictable_size() == 0
     assert match.last_node.lock_ref == 1
-    assert r.computed_len == 40 and not a.admitted[0].truncated
+    assert r.sched.computed_len == 40 and not a.admitted[0].truncated
     (adm,) = a.admitted
     assert (adm.prefix_len, adm.extend_len, adm.match) == (40, 2, match)
     assert a.rem_total_tokens == 24 - (2 + 10)

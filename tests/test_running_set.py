@@ -14,7 +14,7 @@ from runtime.sampling_params import SamplingParams
 
 def _req(row: int, computed: int, launched: int, max_new: int) -> Req:
     req = Req(rid=f"r{row}", origin_input_ids=[1] * computed, sampling=SamplingParams(max_new_tokens=max_new))
-    req.req_row, req.computed_len, req.launched_outputs = row, computed, launched
+    req.sched.req_row, req.sched.computed_len, req.sched.launched_outputs = row, computed, launched
     return req
 
 
@@ -43,14 +43,14 @@ class RunningSetMachine(RuleBasedStateMachine):
         if not self.outside:
             return
         req = self.outside.pop(data.draw(st.integers(0, len(self.outside) - 1)))
-        req.computed_len = data.draw(st.integers(1, 80))
-        req.launched_outputs = data.draw(st.integers(0, req.sampling.max_new_tokens - 1))
+        req.sched.computed_len = data.draw(st.integers(1, 80))
+        req.sched.launched_outputs = data.draw(st.integers(0, req.sampling.max_new_tokens - 1))
         self._add(req)
 
     def _add(self, req: Req) -> None:
         self.running.add([req])
         self.members.append(req)
-        self.model[req] = [req.computed_len, req.launched_outputs, req.last_step]
+        self.model[req] = [req.sched.computed_len, req.sched.launched_outputs, req.sched.last_step]
 
     @rule()
     def advance(self) -> None:
@@ -78,20 +78,20 @@ class RunningSetMachine(RuleBasedStateMachine):
         gone = self.running.remove([*reqs, stranger])
         assert gone == set(reqs)
         for req in dict.fromkeys(reqs):  # in a fixed order: hypothesis replays the draws
-            assert [req.computed_len, req.launched_outputs, req.last_step] == self.model.pop(req)
+            assert [req.sched.computed_len, req.sched.launched_outputs, req.sched.last_step] == self.model.pop(req)
             self.members.remove(req)
             self.outside.append(req)
 
     @rule()
     def sync_all(self) -> None:
         for req in self.running.synced():
-            assert [req.computed_len, req.launched_outputs, req.last_step] == self.model[req]
+            assert [req.sched.computed_len, req.sched.launched_outputs, req.sched.last_step] == self.model[req]
 
     @invariant()
     def columns_match(self) -> None:
         assert self.running.reqs == self.members
         assert len(self.running) == len(self.members)
-        assert self.running.rows_list == [r.req_row for r in self.members]
+        assert self.running.rows_list == [r.sched.req_row for r in self.members]
         assert self.running.rows.tolist() == self.running.rows_list
         assert self.running.positions.tolist() == [self.model[r][0] for r in self.members]
         assert self.running.positions.dtype == np.int64
