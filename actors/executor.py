@@ -1,18 +1,17 @@
-"""Executor: runs each `Batch` through the model and hands the sampled tokens on.
+"""Executor: runs each `Batch` on its `StepRunner` and hands the step outputs on, in order.
 
-It owns the model runner (weights, KV buffers) and the token pool: `token_pool[row, pos]` is the
-token at position `pos` of the request in `row`. A decode row reads its input id from there,
-written by the previous step's sampler, which is what lets the Adder launch step N+1 before step
-N's tokens reach the host.
+Steps run in one worker thread, in launch order; torch releases the GIL, so the event loop keeps
+serving clients and post-processing the previous step meanwhile. A reporter task awaits the steps
+in order and sends each result to the OutputProcessor.
 
-On a CPU every step runs in one worker thread, in launch order; torch releases the GIL, so the
-event loop keeps serving clients and post-processing the previous step meanwhile. A reporter
-task awaits the steps in order and sends each result to the OutputProcessor.
-
-On CUDA the worker only launches (`launch_step`): each step runs on a forward stream that waits on
-the scheduling stream (gpu/cuda_streams.py), its sampled ids land in the device token pool, and its
-results are copied into pinned host memory behind an event. The reporter awaits that event without
-blocking the loop, so the worker is already launching step N+1 while step N runs on the GPU.
+`ModelStepRunner` runs the model. It owns the model runner (weights, KV buffers) and the token
+pool: `token_pool[row, pos]` is the token at position `pos` of the request in `row`. A decode row
+reads its input id from there, written by the previous step's sampler, which is what lets the
+Adder launch step N+1 before step N's tokens reach the host. On CUDA it only launches: each step
+runs on a forward stream that waits on the scheduling stream (gpu/cuda_streams.py), its sampled
+ids land in the device token pool, and its results are copied into pinned host memory behind an
+event. The reporter awaits that event without blocking the loop, so the worker is already
+launching step N+1 while step N runs on the GPU.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,9 +29,61 @@ from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
-from runtime.actor import Actor, Mailbox
+from runtime.actor import Actor, ExitCallback, Mailbox
 from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
+
+
+class PendingStep(Protocol):
+    """A step launched on the device whose results are still on their way to the host."""
+
+    async def result(self) -> StepOut:
+        """The step's output, once it reached the host (the event loop keeps running meanwhile)."""
+        ...
+
+
+class StepRunner(Protocol):
+    """What the Executor runs each step on: the model (`ModelStepRunner`), a simulated device
+    (bench/overhead.py) or a test double. `run` is called on the Executor's worker thread, one
+    step at a time in launch order; `close` once no step will start any more."""
+
+    def run(self, batch: Batch) -> StepOut | PendingStep: ...
+
+    def close(self) -> None: ...
+
+
+class Executor(Actor[Batch]):
+    def __init__(self, step_runner: StepRunner, *, inbox: Mailbox[Batch], output: Mailbox[StepOut]):
+        super().__init__("executor", inbox)
+        self.step_runner = step_runner
+        self.output = output
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
+        self._launched: asyncio.Queue[asyncio.Future[StepOut | PendingStep]] = asyncio.Queue()
+        self.steps = 0
+        self.forward_s = 0.0
+
+    def start(self, on_exit: ExitCallback) -> None:
+        super().start(on_exit)
+        self.spawn(self._report(), "reporter")
+
+    async def handle(self, msg: Batch) -> None:
+        future = asyncio.get_running_loop().run_in_executor(self._worker, self.step_runner.run, msg)
+        self._launched.put_nowait(future)
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop the worker thread (after the actor stopped); a running step is not interrupted,
+        and with `wait` it has ended on return."""
+        self._worker.shutdown(wait=wait, cancel_futures=True)
+        self.step_runner.close()
+
+    async def _report(self) -> None:
+        while True:
+            out = await (await self._launched.get())
+            if not isinstance(out, StepOut):
+                out = await out.result()
+            self.steps += 1
+            self.forward_s += out.forward_s
+            await self.output.send(out)
 
 
 @dataclass(slots=True)
@@ -42,65 +94,39 @@ class _Launched:
     host: HostResult  # (token_ids, logprobs, top logprob values, top logprob ids)
     launch_s: float
 
+    async def result(self) -> StepOut:
+        start = time.perf_counter()
+        tensors = await self.host.wait()
+        return _step_out(self.batch, tensors, self.launch_s + time.perf_counter() - start)
 
-class Executor(Actor[Batch]):
-    def __init__(self, runner: ModelRunner, *, inbox: Mailbox[Batch], output: Mailbox[StepOut]):
-        super().__init__("executor", inbox)
+
+class ModelStepRunner:
+    """The model's StepRunner: the model runner (weights, KV buffers) and the token pool."""
+
+    def __init__(self, runner: ModelRunner):
         self.runner = runner
-        self.output = output
         self.token_pool = torch.zeros(
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
         )
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
         self.streams = StepStreams(runner.device) if runner.device.type == "cuda" else None
-        self._launched: asyncio.Queue[tuple[Batch, asyncio.Future[StepOut | _Launched]]] = asyncio.Queue()
-        self.steps = 0
-        self.forward_s = 0.0
-
-    def start(self, on_exit) -> None:
-        super().start(on_exit)
-        self.spawn(self._report(), "reporter")
-
-    async def handle(self, msg: Batch) -> None:
-        step = self.run_step if self.streams is None else self.launch_step
-        future = asyncio.get_running_loop().run_in_executor(self._worker, step, msg)
-        self._launched.put_nowait((msg, future))
-
-    def shutdown(self, wait: bool = False) -> None:
-        """Stop the worker thread (after the actor stopped); a running step is not interrupted,
-        and with `wait` it has ended on return."""
-        self._worker.shutdown(wait=wait, cancel_futures=True)
-        if self.streams is not None:
-            self.streams.close()
-
-    async def _report(self) -> None:
-        while True:
-            _, future = await self._launched.get()
-            out = await future
-            if isinstance(out, _Launched):
-                out = await _collect(out)
-            self.steps += 1
-            self.forward_s += out.forward_s
-            await self.output.send(out)
-
-    # --- worker thread ------------------------------------------------------------------------
-    @torch.inference_mode()
-    def run_step(self, batch: Batch) -> StepOut:
-        """One step, complete on return (CPU)."""
-        start = time.perf_counter()
-        _, _, tensors = self._step(batch)
-        return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)
 
     @torch.inference_mode()
-    def launch_step(self, batch: Batch) -> _Launched:
-        """One step launched on the forward stream (CUDA); its results reach the host behind an event."""
-        assert self.streams is not None
+    def run(self, batch: Batch) -> StepOut | _Launched:
+        """On a CPU the step is complete on return; on CUDA it is launched on the forward stream
+        and its results reach the host behind an event."""
         start = time.perf_counter()
+        if self.streams is None:
+            _, _, tensors = self._step(batch)
+            return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)
         with self.streams.launch():
             fb, logits, tensors = self._step(batch)
             # The step's inputs stay referenced until its event fires (see gpu/cuda_streams.py).
             host = self.streams.copy_out(tensors, keep_alive=(fb, logits, batch.out_cache_loc))
         return _Launched(batch, host, time.perf_counter() - start)
+
+    def close(self) -> None:
+        if self.streams is not None:
+            self.streams.close()
 
     def _step(self, batch: Batch) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
         """Forward, sample, store the sampled ids in the token pool; (inputs, logits, results)."""
@@ -119,8 +145,8 @@ class Executor(Actor[Batch]):
         if scores:
             logits, prompt_results = logits[: len(batch.reqs)], _score_prompt_tokens(batch, scores, logits[len(batch.reqs) :])
         self._mask_early_stop_tokens(logits, batch.reqs, generated)
-        constrained = [i for i, r in enumerate(batch.reqs) if r.constraint is not None and batch.produces_token[i]]
-        constraints = [c for i in constrained if (c := batch.reqs[i].constraint) is not None]
+        constrained = [i for i, r in enumerate(batch.reqs) if r.sched.constraint is not None and batch.produces_token[i]]
+        constraints = [c for i in constrained if (c := batch.reqs[i].sched.constraint) is not None]
         if constraints:
             mask_logits(logits, constrained, constraints)
         info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
@@ -207,13 +233,6 @@ class Executor(Actor[Batch]):
 def _on(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 `values` on `device` without a stream synchronization (see host_to_device)."""
     return host_to_device(torch.tensor(values, dtype=torch.int64), device)
-
-
-async def _collect(launched: _Launched) -> StepOut:
-    """The StepOut of a launched step, once its event has fired (the event loop keeps running)."""
-    start = time.perf_counter()
-    tensors = await launched.host.wait()
-    return _step_out(launched.batch, tensors, launched.launch_s + time.perf_counter() - start)
 
 
 def _step_out(batch: Batch, tensors: tuple[torch.Tensor | None, ...], forward_s: float) -> StepOut:

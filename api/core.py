@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from actors.adder import Adder
-from actors.executor import Executor
+from actors.executor import Executor, ModelStepRunner, StepRunner
 from actors.grammar import GrammarCompiler
 from actors.output import OutputProcessor
 from actors.policy import Policy
@@ -79,19 +79,31 @@ class Core:
 
 
 class CoreSetup(msgspec.Struct, frozen=True):
-    """A function run on the loaded core before its actors start, in the process that holds it:
-    how a benchmark puts a simulated device in place of the model. `function` is "module:name",
-    called as function(core, **kwargs)."""
+    """How a benchmark or a test changes the core, in the process that holds it (plain data: it
+    crosses to a core process). Functions are named "module:name". `step_runner` is called as
+    step_runner(model_runner, **step_runner_kwargs) for the Executor's StepRunner in place of the
+    model (a simulated device, a test double); `function` as function(core, **kwargs) on the
+    wired core, before its actors start."""
 
-    function: str
+    function: str | None = None
     kwargs: dict[str, Any] = {}
+    step_runner: str | None = None
+    step_runner_kwargs: dict[str, Any] = {}
+
+    def make_step_runner(self, runner: ModelRunner) -> StepRunner | None:
+        return None if self.step_runner is None else _named(self.step_runner)(runner, **self.step_runner_kwargs)
 
     def apply(self, core: Core) -> None:
-        module, name = self.function.split(":", 1)
-        getattr(importlib.import_module(module), name)(core, **self.kwargs)
+        if self.function is not None:
+            _named(self.function)(core, **self.kwargs)
 
 
-async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> Core:
+def _named(function: str) -> Any:
+    module, name = function.split(":", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setup: CoreSetup | None = None) -> Core:
     """Load the model (in a thread: it takes seconds) and wire the core's actors (not started).
     `outbox`: in a process of its own, where the core's outputs go to the frontend."""
     if config.tp_size == 1:
@@ -114,12 +126,16 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None) -> C
     to_output: Mailbox[StepOut] = Mailbox()
     policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder)
     adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor)
-    executor = Executor(runner, inbox=to_executor, output=to_output)
+    chosen = setup.make_step_runner(runner) if setup is not None else None
+    executor = Executor(ModelStepRunner(runner) if chosen is None else chosen, inbox=to_executor, output=to_output)
     # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
     output = OutputProcessor(
         tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox, inbox=to_output, adder=to_adder,
     )
-    return Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output, tp_ranks)
+    core = Core(cfg, runner, tokenizer, prefix_cache, policy, adder, executor, output, tp_ranks)
+    if setup is not None:
+        setup.apply(core)
+    return core
 
 
 async def _load_tensor_parallel(config: EngineConfig) -> tuple[ModelRunner, TPRanks]:

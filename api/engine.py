@@ -81,8 +81,8 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
 
 class Engine:
     def __init__(self, *, core_setup: CoreSetup | None = None, **kwargs: Any):
-        """`kwargs`: EngineConfig fields. `core_setup`: run on the loaded core before it starts
-        (benchmarks: a simulated device in place of the model)."""
+        """`kwargs`: EngineConfig fields. `core_setup`: changes to the core made where it is
+        loaded (benchmarks: a simulated device as the Executor's step runner)."""
         self.config = EngineConfig(**kwargs)
         self.core_setup = core_setup
         self._actors: list[Actor] = []
@@ -125,9 +125,7 @@ class Engine:
         self._started, self._closed = True, False
 
     async def _start_inline(self) -> None:
-        core = await load_core(self.config)
-        if self.core_setup is not None:
-            self.core_setup.apply(core)
+        core = await load_core(self.config, setup=self.core_setup)
         self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
         self.prefix_cache = core.prefix_cache
         self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output

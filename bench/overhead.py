@@ -6,14 +6,14 @@
 A `NullDevice` stands in for the model: every step sleeps `--step-ms` (a sleep releases the GIL,
 as a device computing would) and returns deterministic token ids (never EOS) without computing
 anything. With `--device-model NAME` the sleep is instead what that GPU would take for the step
-(bench/device_model.py: a roofline of the step's prefill tokens, decode rows and context). It
-replaces the Executor's `run_step` on the running Engine, so everything else is the
+(bench/device_model.py: a roofline of the step's prefill tokens, decode rows and context). It is
+the Executor's step runner (handed to the core by a `CoreSetup`), so everything else is the
 real runtime: Receiver, Policy, Adder (KV allocation, prefix cache), Executor launch and reporter,
 OutputProcessor (detokenizing and streaming every token to an `Engine.generate` caller). The
 model loaded underneath is a one-layer micro model, so a KV pool of a million tokens stays small.
 
-The actors are timed from outside: the harness wraps each actor's `handle` and adds up the
-loop thread's CPU time (`time.thread_time`) spent inside it, so other processes on a shared
+The actors are timed from outside: the harness observes each actor's `handle` (`Actor.observer`)
+and adds up the loop thread's CPU time (`time.thread_time`) spent inside it, so other processes on a shared
 machine do not inflate the numbers. Columns, per decode step:
 - `sched`: the sum over the actors (what SGLang's scheduler process does per step: schedule,
   process the results, stream the outputs), split into `policy`, `adder`, `executor` (launch),
@@ -22,7 +22,7 @@ machine do not inflate the numbers. Columns, per decode step:
   asyncio machinery;
 - `gc`: collector pauses on the loop thread (startup objects are frozen first, as `actorserve
   serve` does; the embedded Engine does not);
-- `busy`: the null device's sleep time (real model: the worker's time in `run_step`) over wall.
+- `busy`: the null device's sleep time (real model: the worker's time in the steps) over wall.
 
 Scenarios:
 - decode: N requests (128-token prompts) decode together, at N = 64 / 256 / 1024.
@@ -50,28 +50,33 @@ import gc
 import io
 import json
 import pstats
+import random
 import statistics
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from api.core import Core, CoreSetup
+from actors.executor import ModelStepRunner, PendingStep, StepRunner
+from actors.policy_order import QueueOrderer
+from api.core import CoreSetup
 from api.engine import Engine
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests
-from cache import token_array
+from cache import PrefixMatcher, token_array
+from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
+from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, StepOut
-from runtime.req import Req
+from runtime.req import Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 TOKEN_MARGIN = 10  # generated ids stay in [10, vocab - 10): no special token, so never EOS
@@ -83,8 +88,8 @@ NO_LPM_FALLBACK = 1 << 20
 
 
 class NullDevice:
-    """Stands in for the model runner: token ids without computing, after a fixed `step_s` or,
-    with a `model`, the time that model gives the step's rows."""
+    """A StepRunner in place of the model: token ids without computing, after a fixed `step_s`
+    or, with a `model`, the time that model gives the step's rows."""
 
     def __init__(self, step_s: float, vocab_size: int, model: DeviceModel | None = None):
         self.step_s = step_s
@@ -93,7 +98,7 @@ class NullDevice:
         self.busy: list[tuple[float, float]] = []
         self.lock = threading.Lock()
 
-    def run_step(self, batch: Batch) -> StepOut:
+    def run(self, batch: Batch) -> StepOut:
         # Varied ids so that detokenizing does real work; a pure function of row and position.
         tokens = [TOKEN_MARGIN + (row * 31 + p + e) % self.span for row, p, e in zip(batch.rows, batch.prefix_lens, batch.extend_lens)]
         start = time.perf_counter()
@@ -110,12 +115,38 @@ class NullDevice:
         with self.lock:
             return sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in self.busy)
 
+    def close(self) -> None:
+        pass
 
-def install_null_device(core: Core, step_s: float, device_model: str | None = None) -> None:
-    """`CoreSetup` target: the core's model is replaced by a NullDevice (in the core process);
-    the cost model travels by its preset name."""
-    device = NullDevice(step_s, core.runner.vocab_size, DEVICE_MODELS[device_model] if device_model else None)
-    core.executor.run_step = device.run_step  # type: ignore[method-assign]
+
+class Gated:
+    """A StepRunner whose steps wait while `gate` is cleared (lets the whole queue build up first)."""
+
+    def __init__(self, inner: StepRunner):
+        self.inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def run(self, batch: Batch) -> StepOut | PendingStep:
+        self.gate.wait()
+        return self.inner.run(batch)
+
+    def close(self) -> None:
+        self.gate.set()
+        self.inner.close()
+
+
+def bench_device(runner: ModelRunner, step_s: float | None = None, device_model: str | None = None) -> Gated:
+    """`CoreSetup` step runner: a NullDevice sleeping `step_s` or the cost model named
+    `device_model` (it travels to a core process by name); with neither, the model itself."""
+    if step_s is None and device_model is None:
+        return Gated(ModelStepRunner(runner))
+    return Gated(NullDevice(step_s or 0.0, runner.vocab_size, DEVICE_MODELS[device_model] if device_model else None))
+
+
+def device_setup(step_s: float | None, device_model: DeviceModel | None) -> CoreSetup:
+    kwargs = {"step_s": step_s, "device_model": device_model.name if device_model else None}
+    return CoreSetup(step_runner="bench.overhead:bench_device", step_runner_kwargs=kwargs)
 
 
 # --- timing the actors from outside ----------------------------------------------------------------
@@ -123,7 +154,8 @@ def install_null_device(core: Core, step_s: float, device_model: str | None = No
 
 @dataclass
 class Probe:
-    """CPU seconds of the loop thread inside each actor's `handle`, while `active`."""
+    """CPU seconds of the loop thread inside each actor's `handle`, while `active` (a
+    `HandleObserver`)."""
 
     active: bool = False
     cpu: Counter[str] = field(default_factory=Counter)  # "actor.Message" -> seconds
@@ -145,35 +177,31 @@ class Probe:
     def actor_cpu(self, actor: str) -> float:
         return sum(v for k, v in self.cpu.items() if k.startswith(actor + "."))
 
+    def before(self, actor: Actor, msg: object) -> None:
+        key = f"{actor.name}.{type(msg).__name__}"
+        self.count[key] += 1
+        if isinstance(msg, Batch) and self.on_batch is not None:
+            self.on_batch(msg)
+        if self.profiler is not None and self._profiled(key, msg):
+            self.profiler.enable()
+
+    def after(self, actor: Actor, msg: object, cpu_s: float, wall_s: float) -> None:
+        key = f"{actor.name}.{type(msg).__name__}"
+        if self.profiler is not None and self._profiled(key, msg):
+            self.profiler.disable()
+        if self.active:
+            self.cpu[key] += cpu_s
+            self.log.append((key, cpu_s, len(getattr(msg, "reqs", ()))))
+
+    def _profiled(self, key: str, msg: object) -> bool:
+        # Only messages that carry requests: a Ranked without candidates is a decode round.
+        return self.active and key in self.profile_keys and bool(getattr(msg, "reqs", None))
+
 
 def instrument(engine: Engine, probe: Probe) -> None:
-    """Time every actor's `handle` (a benchmark-only wrapper: the actors stay untouched)."""
+    """Time every actor's `handle`."""
     for actor in engine._actors:
-        _wrap_handle(actor, probe)
-
-
-def _wrap_handle(actor: Actor, probe: Probe) -> None:
-    inner = actor.handle
-
-    async def handle(msg: Any) -> None:
-        key = f"{actor.name}.{type(msg).__name__}"
-        probe.count[key] += 1
-        if isinstance(msg, Batch) and probe.on_batch is not None:
-            probe.on_batch(msg)
-        # Only messages that carry requests: a Ranked without candidates is a decode round.
-        profiling = probe.active and probe.profiler is not None and key in probe.profile_keys and bool(getattr(msg, "reqs", None))
-        if profiling:
-            probe.profiler.enable()  # type: ignore[union-attr]
-        start = time.thread_time()
-        await inner(msg)
-        if profiling:
-            probe.profiler.disable()  # type: ignore[union-attr]
-        if probe.active:
-            spent = time.thread_time() - start
-            probe.cpu[key] += spent
-            probe.log.append((key, spent, len(getattr(msg, "reqs", ()))))
-
-    actor.handle = handle  # type: ignore[method-assign]
+        actor.observer = probe
 
 
 class Window:
@@ -228,27 +256,18 @@ class Rig:
 async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, device_model: DeviceModel | None = None, **config: Any) -> Rig:
     """A started, instrumented Engine; with `step_s` or `device_model` its model is replaced by a
     NullDevice (that sleeps the cost model's step time when one is given, else `step_s`)."""
-    engine = Engine(model_path=str(model_dir), random_seed=0, inline_core=True, **config)
+    # Before any request: the Adder launches nothing until the first one is queued.
+    engine = Engine(model_path=str(model_dir), random_seed=0, inline_core=True, core_setup=device_setup(step_s, device_model), **config)
     await engine.start()
     # As `actorserve serve` does: startup objects (torch, the tokenizer) leave the collector's
     # view, else every full collection walks them and stalls the loop for ~0.2 s.
     gc.collect()
     gc.freeze()
     gc.callbacks.append(probe.on_gc)
-    simulated = step_s is not None or device_model is not None
-    device = NullDevice(step_s or 0.0, engine.runner.vocab_size, device_model) if simulated else None
-    inner = device.run_step if device is not None else engine.executor.run_step
-    gate = threading.Event()
-    gate.set()
-
-    def run_step(batch: Batch) -> StepOut:
-        gate.wait()
-        return inner(batch)
-
-    # Before any request: the Adder launches nothing until the first one is queued.
-    engine.executor.run_step = run_step  # type: ignore[method-assign]
+    gated = engine.executor.step_runner
+    assert isinstance(gated, Gated)
     instrument(engine, probe)
-    return Rig(engine, device, gate)
+    return Rig(engine, gated.inner if isinstance(gated.inner, NullDevice) else None, gated.gate)
 
 
 async def stop_engine(rig: Rig, probe: Probe) -> None:
@@ -374,9 +393,8 @@ async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: 
     """`running` requests decode together through a core process; the window opens once all of
     them decode and `warmup` more steps have run, and closes `steps` steps later."""
     max_new = warmup + steps + 64  # prefill rounds come first; everyone still decodes after the window
-    setup = CoreSetup("bench.overhead:install_null_device", {"step_s": step_ms / 1e3, "device_model": device_model.name if device_model else None})
     engine = Engine(
-        model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=setup,
+        model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=device_setup(step_ms / 1e3, device_model),
         max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
     )
     await engine.start()
@@ -450,25 +468,31 @@ class PrefillResult:
         return max(self.rounds, key=lambda r: r.queue_len)
 
 
-def time_ordering(engine: Engine, probe: Probe) -> None:
-    """Log each call of the Policy's queue ordering as ("order", cpu seconds, queue length)."""
-    orderer = engine.policy.orderer
-    inner = orderer.order
+class TimedOrderer(QueueOrderer):
+    """The Policy's queue ordering, each call logged as ("order", cpu seconds, queue length)."""
 
-    def order(waiting, running_routing_keys=None):  # noqa: ANN001, ANN202 (the same signature)
-        profiling = probe.active and probe.profiler is not None
-        if profiling:
-            probe.profiler.enable()  # type: ignore[union-attr]
+    def __init__(self, probe: Probe, config: EngineConfig, prefix_cache: PrefixMatcher | None):
+        super().__init__(config, prefix_cache, random.Random(config.random_seed))
+        self.probe = probe
+
+    def order(self, waiting: Sequence[Req], running_routing_keys: Counter[str] | None = None, now: float | None = None) -> list[Req]:
+        probe = self.probe
+        profiler = probe.profiler if probe.active else None
+        if profiler is not None:
+            profiler.enable()
         start = time.thread_time()
-        out = inner(waiting, running_routing_keys)
+        out = super().order(waiting, running_routing_keys, now)
         spent = time.thread_time() - start
-        if profiling:
-            probe.profiler.disable()  # type: ignore[union-attr]
+        if profiler is not None:
+            profiler.disable()
         if probe.active:
             probe.log.append(("order", spent, len(waiting)))
         return out
 
-    orderer.order = order  # type: ignore[method-assign]
+
+def time_ordering(engine: Engine, probe: Probe) -> None:
+    """The Policy of a fresh engine orders with a TimedOrderer (built as the Policy builds its own)."""
+    engine.policy.orderer = TimedOrderer(probe, engine.config, engine.prefix_cache)
 
 
 def rounds_from_log(log: list[tuple[str, float, int]]) -> list[Round]:
@@ -559,7 +583,7 @@ def order_directly(engine: Engine, queued: list[Request], repeats: int) -> tuple
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     now = time.monotonic()
     waiting = [
-        Req(rid=f"order-{r.index}", origin_input_ids=list(r.input_ids), prompt_key=token_array(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6, enqueue_time=now + r.index * 1e-6)
+        Req(rid=f"order-{r.index}", origin_input_ids=list(r.input_ids), prompt_key=token_array(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6, sched=SchedState(enqueue_time=now + r.index * 1e-6))
         for r in queued
     ]
     orderer = engine.policy.orderer

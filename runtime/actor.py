@@ -17,7 +17,7 @@ import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -31,6 +31,16 @@ class Stop(msgspec.Struct, frozen=True):
 
 
 ExitCallback = Callable[["Actor", BaseException | None], None]
+
+
+class HandleObserver(Protocol):
+    """Sees every message an actor handles (how benchmarks time the actors from outside).
+    Called on the loop thread: `before` right before `handle`, `after` once it returned (not when
+    it raised), with the loop thread's CPU seconds and the wall seconds spent in it."""
+
+    def before(self, actor: Actor, msg: object) -> None: ...
+
+    def after(self, actor: Actor, msg: object, cpu_s: float, wall_s: float) -> None: ...
 
 
 class Mailbox(Generic[M]):
@@ -88,6 +98,7 @@ class Actor(ABC, Generic[M]):
         # CPU seconds of the loop thread inside `handle` (what this actor costs; includes other
         # tasks that ran while a handle awaited, which the actors' handles rarely do).
         self.cpu_s = 0.0
+        self.observer: HandleObserver | None = None  # settable at any time; None costs nothing
 
     @abstractmethod
     async def handle(self, msg: M) -> None:
@@ -138,9 +149,21 @@ class Actor(ABC, Generic[M]):
             if isinstance(msg, Stop):
                 await self.on_stop()
                 return
-            start = time.thread_time()
-            await self.handle(msg)
-            self.cpu_s += time.thread_time() - start
+            observer = self.observer
+            if observer is None:
+                start = time.thread_time()
+                await self.handle(msg)
+                self.cpu_s += time.thread_time() - start
+            else:
+                await self._observed(observer, msg)
+
+    async def _observed(self, observer: HandleObserver, msg: M) -> None:
+        observer.before(self, msg)
+        wall, start = time.perf_counter(), time.thread_time()
+        await self.handle(msg)
+        cpu_s, wall_s = time.thread_time() - start, time.perf_counter() - wall
+        self.cpu_s += cpu_s
+        observer.after(self, msg, cpu_s, wall_s)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         if task.cancelled():

@@ -148,12 +148,12 @@ def test_null_device_sleeps_the_models_step(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr("bench.overhead.time.sleep", slept.append)
     device = NullDevice(0.010, vocab_size=512, model=QWEN)
     steps = [batch([1023] * 8, [1] * 8), batch([0, 64], [2048, 512])]
-    outs = [device.run_step(b) for b in steps]
+    outs = [device.run(b) for b in steps]
     assert slept == [QWEN.step_s(b.prefix_lens, b.extend_lens) for b in steps]
     assert slept[0] == pytest.approx(decode(QWEN, 8, 1024)) and slept[1] > 0.05
     assert [len(o.token_ids) for o in outs] == [8, 2]
     fixed = NullDevice(0.010, vocab_size=512)  # no model: the fixed step, as before
-    fixed.run_step(steps[1])
+    fixed.run(steps[1])
     assert slept[-1] == 0.010
 
 

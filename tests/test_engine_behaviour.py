@@ -6,8 +6,11 @@ import asyncio
 
 import pytest
 
+from api.core import CoreSetup
 from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from gpu.model_runner import ModelRunner
 from runtime.actor import Mailbox
+from runtime.messages import Batch, StepOut
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -154,13 +157,25 @@ async def test_bad_input_is_refused_without_leaks(core_mode, model_path):
         Engine(model_path=model_path, **core_mode, enable_mixed_chunk=True, chunked_prefill_size=None)
 
 
-async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path, monkeypatch):
-    engine = Engine(model_path=model_path, inline_core=True)
-    async with engine:
-        def boom(batch):
-            raise RuntimeError("simulated device failure")
+class FailingDevice:
+    """A StepRunner whose every step fails, as a device error would."""
 
-        monkeypatch.setattr(engine.executor, "run_step", boom)
+    def run(self, batch: Batch) -> StepOut:
+        raise RuntimeError("simulated device failure")
+
+    def close(self) -> None:
+        pass
+
+
+def failing_device(runner: ModelRunner) -> FailingDevice:
+    """CoreSetup step runner."""
+    return FailingDevice()
+
+
+async def test_an_actor_crash_fails_requests_instead_of_hanging(model_path):
+    setup = CoreSetup(step_runner="tests.test_engine_behaviour:failing_device")
+    engine = Engine(model_path=model_path, inline_core=True, core_setup=setup)
+    async with engine:
         with pytest.raises(EngineError, match="simulated device failure"):
             await asyncio.wait_for(engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY), timeout=10)
         for _ in range(100):
