@@ -301,6 +301,73 @@ def test_kernel_pages_of_several_slots(kernels):
         torch.testing.assert_close(out[i].double(), expected, atol=TOLERANCE, rtol=0)
 
 
+def _scattered_decode_inputs(gen: torch.Generator, seq_lens: list[int], heads: int, kv_heads: int, dim: int,
+                             dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(q, k_pool, v_pool, table, rows): each request's slots scattered over a pool with slot 0 unused."""
+    slots = (torch.randperm(sum(seq_lens) + 7, generator=gen) + 1)[: sum(seq_lens)].split(seq_lens)
+    table = torch.zeros((len(seq_lens) + 1, max(seq_lens) + 2), dtype=torch.int32)
+    for i, s in enumerate(slots):
+        table[i + 1, : s.numel()] = s.to(torch.int32)
+    k_pool, v_pool = (torch.randn((sum(seq_lens) + 8, kv_heads, dim), generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn((len(seq_lens), heads, dim), generator=gen).to(dtype)
+    return q, k_pool, v_pool, table, torch.arange(1, len(seq_lens) + 1)
+
+
+def _decode_reference(q, k_pool, v_pool, table, rows, begin, end, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in float64, request by request, from the inputs' own values."""
+    group = q.shape[1] // k_pool.shape[1]
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        s = table[rows[i], begin[i] : end[i]].long()
+        keys = k_pool[s].double().repeat_interleave(group, 1).transpose(0, 1)  # [heads, keys, dim]
+        values = v_pool[s].double().repeat_interleave(group, 1).transpose(0, 1)
+        scores = (q[i].double()[:, None, :] @ keys.transpose(1, 2))[:, 0] * scale  # [heads, keys]
+        outs.append((scores.softmax(-1)[:, None, :] @ values)[:, 0])
+        lses.append(scores.logsumexp(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
+# Group sizes 1..9, several not a multiple of 4 (where a CPU with bfloat16 dot products scores four
+# query heads per vector); contexts on both sides of the kernel's 32-key blocks, odd ones included.
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 4), (9, 3), (12, 3), (5, 1), (8, 1), (9, 1)])
+@pytest.mark.parametrize("dim", [32, 64, 128])
+def test_decode_kernel_in_bfloat16_per_group_and_dim(kernels, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + dim)
+    seq_lens = [1, 2, 3, 31, 32, 33, 63, 64, 65, 100, 257]
+    q, k_pool, v_pool, table, rows = _scattered_decode_inputs(gen, seq_lens, heads, kv_heads, dim, torch.bfloat16)
+    begin = torch.tensor([0, 1, 0, 5, 0, 32, 0, 2, 31, 40, 0])
+    end = torch.tensor(seq_lens)
+    scale = dim**-0.5
+    out, lse = kernels.decode_attention(q, k_pool, v_pool, table, rows, begin, end, scale)
+    ref_out, ref_lse = _decode_reference(q, k_pool, v_pool, table, rows, begin, end, scale)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    # bfloat16 output, and probabilities that may be rounded to bfloat16 before P.V.
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_take_q_as_a_view_of_a_fused_projection(kernels, dtype):
+    """q sliced out of [tokens, (heads + 2 * kv_heads) * dim] gives what a contiguous copy gives."""
+    gen = torch.Generator().manual_seed(7)
+    heads, kv_heads, dim, seq_lens = 9, 3, 64, [5, 40, 70]
+    _, k_pool, v_pool, table, rows = _scattered_decode_inputs(gen, seq_lens, heads, kv_heads, dim, dtype)
+    end = torch.tensor(seq_lens)
+    fused = torch.randn((len(seq_lens), (heads + 2 * kv_heads) * dim), generator=gen).to(dtype)
+    q = fused[:, : heads * dim].view(len(seq_lens), heads, dim)
+    assert not q.is_contiguous()
+    args = (k_pool, v_pool, table, rows, torch.zeros(3, dtype=torch.int64), end, 0.125)
+    out, lse = kernels.decode_attention(q, *args)
+    out_c, lse_c = kernels.decode_attention(q.contiguous(), *args)
+    assert out.is_contiguous() and torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    # Extend: 3 + 5 new tokens after prefixes of 2 and 30.
+    fused = torch.randn((8, (heads + 2 * kv_heads) * dim), generator=gen).to(dtype)
+    q = fused[:, : heads * dim].view(8, heads, dim)
+    args = (k_pool, v_pool, table, rows[:2], torch.tensor([2, 30]), torch.tensor([3, 5]), 0.125)
+    out = kernels.extend_attention(q, *args)
+    assert out.is_contiguous() and torch.equal(out, kernels.extend_attention(q.contiguous(), *args))
+
+
 def test_kernel_refuses_bad_input_by_name(kernels):
     kernel = kernels.decode_attention
     q, pool = torch.zeros(2, 4, 16), torch.zeros(10, 2, 16)
@@ -315,6 +382,8 @@ def test_kernel_refuses_bad_input_by_name(kernels):
         kernel(q, pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), torch.tensor([3, 9]), 1.0)
     with pytest.raises(RuntimeError, match="key range"):
         kernel(q, pool, pool, table, rows, torch.tensor([3, 0]), ends, 1.0)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        kernel(torch.zeros(4, 2, 16).transpose(0, 1), pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
     extend = kernels.extend_attention
     with pytest.raises(RuntimeError, match="q has 2"):
         extend(q, pool, pool, table, rows, torch.tensor([0, 0]), torch.tensor([1, 2]), 1.0)

@@ -21,6 +21,15 @@
 #include <type_traits>
 #include <vector>
 
+// vdpbf16ps where the compiler targets it (-march=native on a CPU with AVX512-BF16). A test build
+// may force the path with -DACTORSERVE_BF16_DOT and an emulation of the intrinsics.
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(ACTORSERVE_BF16_DOT)
+#define ACTORSERVE_BF16_DOT 1
+#endif
+#ifdef ACTORSERVE_BF16_DOT
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using actorserve::exp_nonpositive;
@@ -107,6 +116,251 @@ void attend(const float* q, const T* k_pool, const T* v_pool, int64_t slot_strid
   }
 }
 
+#ifdef ACTORSERVE_BF16_DOT
+// bfloat16 pools on CPUs with AVX512-BF16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in
+// float32). Q.K and P.V both read the pool's rows as they are, with no conversion to float.
+//
+// Q.K: one vector holds four query heads, a 128-bit quarter each; a key's 8-element pieces are
+// broadcast to all quarters, so each dot instruction advances four heads by 8 elements and a key
+// leaves 4 partial sums per head. Two rounds of in-quarter pair folds turn four keys' partials into
+// one vector of scores (quarter h: head h against those four keys), a shuffle and an add per
+// score where a per-head horizontal sum takes about four. The softmax runs in that layout: every
+// lane of a quarter carries its head's running maximum and sum.
+//
+// P.V: the probabilities are rounded to bfloat16 (as PyTorch's CPU flash kernel does before its
+// P.V) and taken in key pairs; two value rows interleaved element by element make the other
+// operand, so each head's accumulators advance two keys per instruction. The interleave permutes
+// elements within 128-bit lanes, undone once at the end.
+namespace bf16 {
+
+constexpr int64_t HEADS = 4;  // query heads per score vector
+constexpr int64_t QUAD_KEYS = 4;  // keys per score vector
+constexpr int64_t VECS = BLOCK / QUAD_KEYS;  // score vectors per block and head quad
+
+// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, scaled by 2^n in one instruction.
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.f), x);  // NaN stays NaN
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.98756912e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
+}
+
+// Integer lanes as dot operands: a bit cast, no instruction.
+inline __m512bh as_bh(__m512i x) {
+  __m512bh r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
+}
+
+// Within each quarter: [a0+a1, a2+a3, b0+b1, b2+b3].
+inline __m512 fold_pairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// Within each quarter, every lane set to the quarter's maximum / sum.
+inline __m512 quarter_max(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
+  return _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+}
+inline __m512 quarter_sum(__m512 x) {
+  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
+  return _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+}
+
+// Four heads' partial sums against one key row: lane 4h + i sums the products of elements
+// 8c + 2i, 8c + 2i + 1 over the row's pieces c. q4: [DIM / 8] vectors (see pack_queries).
+template <int64_t CHUNKS>
+inline __m512 quad_partials(const uint32_t* q4, const uint16_t* key) {
+  auto piece = [&](int64_t c) { return as_bh(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + 8 * c)))); };
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains: half the latency
+  for (int64_t c = 0; c < 4 * CHUNKS; c += 2) {
+    even = _mm512_dpbf16_ps(even, as_bh(_mm512_loadu_si512(q4 + 16 * c)), piece(c));
+    odd = _mm512_dpbf16_ps(odd, as_bh(_mm512_loadu_si512(q4 + 16 * (c + 1))), piece(c + 1));
+  }
+  return _mm512_add_ps(even, odd);
+}
+
+// Query heads first .. first + 3 (zeros past `group`) as dot operands: vector c, lane 4h + i holds
+// the pair (q[h][8c + 2i], q[h][8c + 2i + 1]).
+inline void pack_queries(const uint16_t* q, int64_t dim, int64_t first, int64_t group, uint32_t* out) {
+  for (int64_t c = 0; c < dim / 8; ++c)
+    for (int64_t h = 0; h < HEADS; ++h)
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t head = first + h;
+        const uint16_t* pair = q + head * dim + 8 * c + 2 * i;
+        out[c * 16 + 4 * h + i] = head < group ? static_cast<uint32_t>(pair[0]) | static_cast<uint32_t>(pair[1]) << 16 : 0u;
+      }
+}
+
+// Scratch of one thread for `attend` (sizes for the largest group and dim).
+struct Scratch {
+  std::vector<uint32_t> q4;  // [quads][dim / 8][16]
+  std::vector<uint16_t> probs;  // [quads][VECS][16] bf16 probabilities in score-vector layout
+  std::vector<float> state;  // [quads][3][16]: running max, running sum, this block's rescale
+  std::vector<uint16_t> values;  // [BLOCK / 2][dim * 2] interleaved value-row pairs
+  std::vector<float> acc;  // [group][dim], lanes permuted as the interleave leaves them
+  Scratch(int64_t group, int64_t dim)
+      : q4(quads(group) * dim / 8 * 16), probs(quads(group) * VECS * 16), state(quads(group) * 48), values(BLOCK * dim),
+        acc(group * dim) {}
+  static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
+};
+
+// Scores of one head quad against the block's keys (rows[t], t < BLOCK; past n masked), then the
+// online softmax update: writes bf16 probabilities and each head's rescale into the state.
+template <int64_t CHUNKS>
+inline void score_block(const uint32_t* q4, const uint16_t* const* rows, int64_t n, float scale, uint16_t* probs, float* state) {
+  __m512 s[VECS];
+  for (int64_t j = 0; j < VECS; ++j) {
+    const uint16_t* const* r = rows + QUAD_KEYS * j;
+    const __m512 ab = fold_pairs(quad_partials<CHUNKS>(q4, r[0]), quad_partials<CHUNKS>(q4, r[1]));
+    const __m512 cd = fold_pairs(quad_partials<CHUNKS>(q4, r[2]), quad_partials<CHUNKS>(q4, r[3]));
+    const int64_t valid = std::clamp<int64_t>(n - QUAD_KEYS * j, 0, QUAD_KEYS);
+    const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
+    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, fold_pairs(ab, cd), _mm512_set1_ps(scale));
+  }
+  __m512 block_max = s[0];
+  for (int64_t j = 1; j < VECS; ++j) block_max = _mm512_max_ps(block_max, s[j]);
+  const __m512 old_max = _mm512_loadu_ps(state);
+  const __m512 new_max = _mm512_max_ps(old_max, quarter_max(block_max));  // finite: key `start` is live
+  const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(old_max, new_max));  // 0 on the first block
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < VECS; ++j) {
+    const __m512 p = exp_nonpositive16(_mm512_sub_ps(s[j], new_max));
+    sum = _mm512_add_ps(sum, p);
+    const __m256bh rounded = _mm512_cvtneps_pbh(p);
+    std::memcpy(probs + 16 * j, &rounded, sizeof rounded);
+  }
+  _mm512_storeu_ps(state, new_max);
+  _mm512_storeu_ps(state + 16, _mm512_fmadd_ps(_mm512_loadu_ps(state + 16), rescale, quarter_sum(sum)));
+  _mm512_storeu_ps(state + 32, rescale);
+}
+
+// Value rows t and t + 1 interleaved element by element, for t = 0, 2, ... < n (a missing row
+// n repeats row n - 1; its probability is 0).
+template <int64_t CHUNKS>
+inline void interleave_values(const uint16_t* const* rows, int64_t n, uint16_t* out) {
+  for (int64_t t = 0; t < n; t += 2) {
+    const uint16_t* a = rows[t];
+    const uint16_t* b = rows[std::min(t + 1, n - 1)];
+    __m512i* o = reinterpret_cast<__m512i*>(out + t * 32 * CHUNKS);
+    for (int64_t c = 0; c < CHUNKS; ++c) {
+      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+      _mm512_storeu_si512(o + 2 * c, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(o + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
+    }
+  }
+}
+
+// acc = acc * rescale + P.V over the block's key pairs, for one head; p: the head's probabilities,
+// key t at p[16 * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
+template <int64_t CHUNKS>
+inline void accumulate_values(const uint16_t* p, float rescale, const uint16_t* values, int64_t n, float* acc) {
+  constexpr int64_t V = 2 * CHUNKS;
+  __m512 a[V], b[V];  // even and odd key pairs: twice the independent chains
+  const __m512 r = _mm512_set1_ps(rescale);
+  for (int64_t v = 0; v < V; ++v) {
+    a[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), r);
+    b[v] = _mm512_setzero_ps();
+  }
+  auto pair_at = [&](int64_t t) {
+    uint32_t pair;
+    std::memcpy(&pair, p + 16 * (t / 4) + t % 4, sizeof pair);
+    return as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair)));
+  };
+  int64_t t = 0;
+  for (; t + 2 < n; t += 4) {
+    const __m512bh p0 = pair_at(t), p1 = pair_at(t + 2);
+    const __m512i* v = reinterpret_cast<const __m512i*>(values + t * 32 * CHUNKS);
+    for (int64_t c = 0; c < V; ++c) {
+      a[c] = _mm512_dpbf16_ps(a[c], p0, as_bh(_mm512_loadu_si512(v + c)));
+      b[c] = _mm512_dpbf16_ps(b[c], p1, as_bh(_mm512_loadu_si512(v + V + c)));
+    }
+  }
+  if (t < n) {
+    const __m512bh p0 = pair_at(t);
+    const __m512i* v = reinterpret_cast<const __m512i*>(values + t * 32 * CHUNKS);
+    for (int64_t c = 0; c < V; ++c) a[c] = _mm512_dpbf16_ps(a[c], p0, as_bh(_mm512_loadu_si512(v + c)));
+  }
+  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a[v], b[v]));
+}
+
+// Element d of the output from the interleaved accumulator: vector 2c holds elements 32c + 8L + i
+// at lane 4L + i, vector 2c + 1 elements 32c + 8L + 4 + i.
+inline int64_t interleaved_lane(int64_t d) {
+  const int64_t c = d / 32, L = (d % 32) / 8, i = d % 8;
+  return 16 * (2 * c + i / 4) + 4 * L + i % 4;
+}
+
+// Attention of `group` query heads (q: [group, 32 * CHUNKS] bf16 bits, unscaled) over keys
+// `begin` to `end` of one request, for one K/V head (the pools offset to it). Writes out[group,
+// dim] and lse[group].
+template <int64_t CHUNKS>
+void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+  constexpr int64_t DIM = 32 * CHUNKS;
+  const int64_t quads = Scratch::quads(group);
+  for (int64_t w = 0; w < quads; ++w) {
+    pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 8 * 16);
+    float* state = s.state.data() + w * 48;
+    std::fill(state, state + 16, -std::numeric_limits<float>::infinity());
+    std::fill(state + 16, state + 32, 0.f);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
+  const uint16_t* keys[BLOCK];
+  const uint16_t* values[BLOCK];
+  for (int64_t start = begin; start < end; start += BLOCK) {
+    const int64_t n = std::min(BLOCK, end - start);
+    for (int64_t t = 0; t < BLOCK; ++t) {  // past n, the last row again: scored, then masked out
+      const int64_t slot = slots[start + std::min(t, n - 1)];
+      keys[t] = k_pool + slot * slot_stride;
+      values[t] = v_pool + slot * slot_stride;
+    }
+    // Rows are scattered over the pool: fetch the next block's while this one computes.
+    for (int64_t t = start + BLOCK; t < std::min(end, start + 2 * BLOCK); ++t) {
+      prefetch_row(k_pool + slots[t] * slot_stride, DIM);
+      prefetch_row(v_pool + slots[t] * slot_stride, DIM);
+    }
+    for (int64_t w = 0; w < quads; ++w)
+      score_block<CHUNKS>(s.q4.data() + w * DIM / 8 * 16, keys, n, scale, s.probs.data() + w * VECS * 16,
+                          s.state.data() + w * 48);
+    interleave_values<CHUNKS>(values, n, s.values.data());
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t w = g / HEADS, h = g % HEADS;
+      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], s.values.data(), n,
+                                s.acc.data() + g * DIM);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
+    const float inv = 1.f / state[16];
+    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + interleaved_lane(d)] * inv;
+    lse[g] = state[0] + std::log(state[16]);
+  }
+}
+
+}  // namespace bf16
+#endif
+
+// Whether `bf16::attend` takes a task: bfloat16 rows whose length is a multiple of 32 it unrolls.
+template <typename T>
+bool takes_bf16_path(int64_t dim) {
+#ifdef ACTORSERVE_BF16_DOT
+  return std::is_same_v<T, c10::BFloat16> && (dim == 32 || dim == 64 || dim == 128);
+#else
+  (void)dim;
+  return false;
+#endif
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
          const at::Tensor& req_rows, const at::Tensor& key_begin, const at::Tensor& key_end, double scale, at::Tensor& out,
@@ -114,6 +368,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const T* q_data = q.data_ptr<T>();
+  const int64_t q_stride = q.stride(0);
   const T* k_data = k_pool.data_ptr<T>();
   const T* v_data = v_pool.data_ptr<T>();
   const int32_t* table = req_to_token.data_ptr<int32_t>();
@@ -125,27 +380,44 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   float* lse_data = lse.data_ptr<float>();
   const int64_t slot_stride = kv_heads * dim;
   const int64_t num_tasks = batch * kv_heads;
+  const bool bf16_path = takes_bf16_path<T>(dim);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
   {
     std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(group * dim);
+#ifdef ACTORSERVE_BF16_DOT
+    bf16::Scratch bf16_scratch(bf16_path ? group : 0, bf16_path ? dim : 0);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      const T* q_head = q_data + (b * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
+      const T* q_head = q_data + b * q_stride + h * group * dim;
       const T* k_head = k_data + h * dim;
       const T* v_head = v_data + h * dim;
       const int32_t* slots = table + rows[b] * table_stride;
       float* lse_out = lse_data + b * heads + h * group;
-      auto call = [&](auto fixed_dim) {
-        attend<T, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
-                                               rows_buf.data(), scores.data(), result.data(), lse_out);
-      };
-      if (dim == 32) call(std::integral_constant<int64_t, 32>{});
-      else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
-      else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
-      else call(std::integral_constant<int64_t, 0>{});
+      if (bf16_path) {
+#ifdef ACTORSERVE_BF16_DOT
+        auto call = [&](auto chunks) {
+          bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
+                                                reinterpret_cast<const uint16_t*>(v_head), slot_stride, slots, begins[b], ends[b], group,
+                                                static_cast<float>(scale), bf16_scratch, result.data(), lse_out);
+        };
+        if (dim == 32) call(std::integral_constant<int64_t, 1>{});
+        else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
+        else call(std::integral_constant<int64_t, 4>{});
+#endif
+      } else {
+        for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
+        auto call = [&](auto fixed_dim) {
+          attend<T, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
+                                                 rows_buf.data(), scores.data(), result.data(), lse_out);
+        };
+        if (dim == 32) call(std::integral_constant<int64_t, 32>{});
+        else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
+        else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
+        else call(std::integral_constant<int64_t, 0>{});
+      }
       T* o = out_data + (b * heads + h * group) * dim;
       for (int64_t i = 0; i < group * dim; ++i) actorserve::store_f32(o + i, result[i]);
     }
@@ -171,7 +443,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
     TORCH_CHECK(0 <= begins[b] && begins[b] < ends[b] && ends[b] <= req_to_token.size(1), "request ", b, "'s key range [",
                 begins[b], ", ", ends[b], ") is empty or outside req_to_token's ", req_to_token.size(1), " columns");
   }
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
     run<scalar_t>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, out, lse);

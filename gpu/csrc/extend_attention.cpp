@@ -46,7 +46,7 @@ struct Scratch {
 };
 
 template <typename T, int64_t FIXED_DIM>
-void attend_tile(const T* q, T* out, int64_t q_row_stride, const T* k_pool, const T* v_pool, int64_t slot_stride, const int32_t* slots,
+void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const T* k_pool, const T* v_pool, int64_t slot_stride, const int32_t* slots,
                  int64_t first_pos, int64_t tile, int64_t group, int64_t dim_arg, float scale, Scratch& s) {
   const int64_t DIM = FIXED_DIM ? FIXED_DIM : dim_arg;
   // Rows past the tile's end repeat its last query: computed, never stored.
@@ -137,7 +137,7 @@ void attend_tile(const T* q, T* out, int64_t q_row_stride, const T* k_pool, cons
     for (int64_t i = 0; i < tile; ++i) {
       const float inv = 1.f / s.sum[g * TILE + i];
       const float* a = s.acc.data() + (g * TILE + i) * DIM;
-      T* o = out + i * q_row_stride + g * DIM;
+      T* o = out + i * out_row_stride + g * DIM;
 #pragma omp simd
       for (int64_t d = 0; d < DIM; ++d) store_f32(o + d, a[d] * inv);
     }
@@ -159,7 +159,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const T* k_data = k_pool.data_ptr<T>();
   const T* v_data = v_pool.data_ptr<T>();
   const int32_t* table = req_to_token.data_ptr<int32_t>();
-  const int64_t table_stride = req_to_token.stride(0), slot_stride = kv_heads * dim, q_row_stride = heads * dim;
+  const int64_t table_stride = req_to_token.stride(0), slot_stride = kv_heads * dim, q_row_stride = q.stride(0), out_row_stride = heads * dim;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   // Dynamic scheduling: tiles late in a long prompt cost many times the early ones.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
@@ -169,13 +169,14 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
     for (int64_t j = 0; j < num_tasks; ++j) {
       const Task& task = tasks[j];
       const int64_t b = task.request, tile = std::min(TILE, extend[b] - task.first);
-      const int64_t offset = (token_start[b] + task.first) * q_row_stride + task.kv_head * group * dim;
+      const int64_t head_offset = task.kv_head * group * dim, first_token = token_start[b] + task.first;
       const T* k_head = k_data + task.kv_head * dim;
       const T* v_head = v_data + task.kv_head * dim;
       const int32_t* slots = table + rows[b] * table_stride;
       const int64_t first_pos = prefix[b] + task.first;
       auto call = [&](auto fixed_dim) {
-        attend_tile<T, decltype(fixed_dim)::value>(q_data + offset, out_data + offset, q_row_stride, k_head, v_head, slot_stride, slots,
+        attend_tile<T, decltype(fixed_dim)::value>(q_data + first_token * q_row_stride + head_offset, q_row_stride,
+                                                   out_data + first_token * out_row_stride + head_offset, out_row_stride, k_head, v_head, slot_stride, slots,
                                                    first_pos, tile, group, dim, static_cast<float>(scale), scratch);
       };
       if (dim == 32) call(std::integral_constant<int64_t, 32>{});
@@ -212,7 +213,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const
     tokens += extend[b];
   }
   TORCH_CHECK(tokens == q.size(0), "extend_lens sum to ", tokens, " tokens but q has ", q.size(0));
-  auto out = at::empty_like(q);
+  auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention", [&] {
     run<scalar_t>(q, k_pool, v_pool, req_to_token, rows, prefix, extend, token_start, scale, out);
   });
