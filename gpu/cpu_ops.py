@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import sys
 from collections.abc import Callable
@@ -80,7 +81,9 @@ def _load() -> None:
         cpp_extension.load(
             name="actorserve_cpu_ops",
             sources=[str(s) for s in SOURCES],
-            # torch rebuilds when the sources or flags change; the digest makes a header change count.
+            # torch rebuilds when the sources or flags change; the digest makes a header change count,
+            # and a change of CPU too: -march=native code from another machine can stop on an
+            # illegal instruction (machines of one kind do not all expose AVX-512).
             extra_cflags=[*FLAGS, f"-DACTORSERVE_CSRC_DIGEST={_csrc_digest()}"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(BUILD_DIR),
@@ -92,10 +95,19 @@ def _load() -> None:
 
 
 def _csrc_digest() -> str:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_cpu_features().encode())
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def _cpu_features() -> str:
+    """The CPU's instruction-set flags where Linux lists them, else the processor's name."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
 
 
 if __name__ == "__main__":

@@ -163,3 +163,11 @@ def test_model_with_kernels_matches_the_torch_path(runners):
         assert torch.equal(g.argmax(-1)[clear], w.argmax(-1)[clear])
         checked += int(clear.sum())
     assert checked >= len(got) * len(prompts) // 3, f"only {checked} rows had a clear top token"
+
+
+def test_a_build_from_another_cpu_is_not_reused(monkeypatch):
+    """-march=native code is tied to the CPU it was built on: its flags are part of the build key."""
+    monkeypatch.setattr(cpu_ops, "_cpu_features", lambda: "flags : fpu avx2")
+    avx2 = cpu_ops._csrc_digest()
+    monkeypatch.setattr(cpu_ops, "_cpu_features", lambda: "flags : fpu avx2 avx512f avx512_bf16")
+    assert cpu_ops._csrc_digest() != avx2
