@@ -14,6 +14,8 @@ It is built with torch's extension builder (ninja, the system C++ compiler, `-ma
 to the torch path with one warning, so nothing depends on the kernel being there.
 
     python -m gpu.cpu_ops    # build (what `make setup` runs) and report
+    # the bfloat16 dot-product paths on a CPU without AVX512-BF16 (needs SIMDe's headers):
+    ACTORSERVE_EMULATE_AVX512BF16=1 python -m pytest tests/test_attention.py -k kernel
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.cpp", "extend_attention.cpp", "elementwise.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "cpu_ops"
 FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# "1": build the AVX512-BF16 paths on any x86 CPU, their intrinsics emulated (csrc/simde_avx512bf16.h),
+# into a build folder of their own, so the kernel tests can check those paths where the CPU lacks them.
+EMULATE_BF16 = os.environ.get("ACTORSERVE_EMULATE_AVX512BF16") == "1"
 
 # (q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale) -> (out, lse)
 DecodeAttention = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -71,7 +76,11 @@ def cpu_kernels() -> CpuKernels | None:
 def _load() -> None:
     from torch.utils import cpp_extension
 
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    flags, build_dir = FLAGS, BUILD_DIR
+    if EMULATE_BF16:
+        flags = [*FLAGS, "-DACTORSERVE_BF16_DOT", "-include", str(CSRC / "simde_avx512bf16.h")]
+        build_dir = BUILD_DIR.with_name("cpu_ops_emulated_bf16")
+    build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which is not on PATH when the venv is not activated.
     path = os.environ.get("PATH", "")
@@ -84,9 +93,9 @@ def _load() -> None:
             # torch rebuilds when the sources or flags change; the digest makes a header change count,
             # and a change of CPU too: -march=native code from another machine can stop on an
             # illegal instruction (machines of one kind do not all expose AVX-512).
-            extra_cflags=[*FLAGS, f"-DACTORSERVE_CSRC_DIGEST={_csrc_digest()}"],
+            extra_cflags=[*flags, f"-DACTORSERVE_CSRC_DIGEST={_csrc_digest()}"],
             extra_ldflags=["-fopenmp"],
-            build_directory=str(BUILD_DIR),
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )

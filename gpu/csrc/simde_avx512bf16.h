@@ -1,0 +1,26 @@
+// The AVX512-BF16 intrinsics the kernels use, emulated by SIMDe (Debian: libsimde-dev), so that
+// their bfloat16 paths can be tested on a CPU without them. Only gpu/cpu_ops.py's emulated build
+// includes it (ACTORSERVE_EMULATE_AVX512BF16=1); it is slow and not for serving.
+#pragma once
+
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+#include <cstdint>
+#include <cstring>
+
+// Missing from SIMDe 0.7: float32 to bfloat16, rounding to nearest even as vcvtneps2bf16 does.
+static inline simde__m256bh actorserve_cvtneps_pbh(simde__m512 a) {
+  float f[16];
+  uint16_t bf[16];
+  std::memcpy(f, &a, sizeof f);
+  for (int i = 0; i < 16; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, &f[i], sizeof bits);
+    bf[i] = f[i] != f[i] ? 0x7FC0u : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  }
+  simde__m256bh out;
+  std::memcpy(&out, bf, sizeof out);
+  return out;
+}
+#define _mm512_cvtneps_pbh actorserve_cvtneps_pbh
