@@ -72,10 +72,11 @@ class Router:
         self.healthy = [True] * num_replicas
         self.tree = PrefixTree(num_replicas, config.max_tree_tokens)
         self._turn = itertools.count()
+        self._live = list(range(num_replicas))  # the healthy replicas, kept with `healthy`
 
     def choose(self, prompt: Sequence[int], routing_key: str | None = None) -> int:
         """The replica for a request; raises NoHealthyReplica when every replica is down."""
-        live = [i for i, ok in enumerate(self.healthy) if ok]
+        live = self._live
         if not live:
             raise NoHealthyReplica("every replica is down")
         policy = self.config.policy
@@ -84,22 +85,23 @@ class Router:
         if policy == "routing_key" and routing_key is not None:
             return max(live, key=lambda i: _rendezvous_weight(routing_key, i))
         if policy == "cache_aware":
-            replica = self._cache_aware(prompt, live)
-            self.tree.insert(prompt, replica)
+            walk = self.tree.walk(prompt)  # matched once, inserted along the same path
+            replica = self._cache_aware(prompt, live, walk.matched)
+            self.tree.insert(prompt, replica, walk)
             return replica
         return min(live, key=lambda i: (self.loads[i].tokens, i))
 
-    def _cache_aware(self, prompt: Sequence[int], live: list[int]) -> int:
+    def _cache_aware(self, prompt: Sequence[int], live: list[int], matched: list[int]) -> int:
         cfg = self.config
-        counts = [self.loads[i].requests for i in live]
+        loads = self.loads
+        counts = [loads[i].requests for i in live]
         busiest, idlest = max(counts), min(counts)
         if busiest - idlest > cfg.balance_abs_threshold and busiest > idlest * cfg.balance_rel_threshold:
             return live[counts.index(idlest)]
-        matched = self.tree.match(prompt)
-        best = max(live, key=lambda i: (matched[i], -self.loads[i].requests, -i))
+        best = max(live, key=lambda i: (matched[i], -loads[i].requests, -i))
         if prompt and matched[best] / len(prompt) > cfg.cache_threshold:
             return best
-        return min(live, key=lambda i: (self.tree.size[i], self.loads[i].requests, i))
+        return min(live, key=lambda i: (self.tree.size[i], loads[i].requests, i))
 
     def started(self, replica: int, tokens: int) -> None:
         load = self.loads[replica]
@@ -116,6 +118,7 @@ class Router:
 
     def set_healthy(self, replica: int, healthy: bool) -> None:
         self.healthy[replica] = healthy
+        self._live = [i for i, ok in enumerate(self.healthy) if ok]
         if not healthy:  # what it cached is gone with it, or will be stale when it returns
             self.tree.drop_replica(replica)
 
@@ -135,6 +138,16 @@ class _Node:
     last_used: dict[int, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class Walk:
+    """A prompt's way down the tree: per replica how many of its leading tokens the replica's tree
+    holds (`matched`), and where it left the tree, so that inserting it does not walk again."""
+
+    matched: list[int]
+    path: list[_Node]  # the nodes it went through, root's child first; the last maybe only in part
+    depth: int  # tokens matched along `path`
+
+
 class PrefixTree:
     """An approximate radix tree of the prompts routed to each replica, at most `max_tokens`
     tokens per replica (least recently used leaves are dropped first). Approximate: it does not
@@ -144,41 +157,57 @@ class PrefixTree:
         self.root = _Node(b"", None)
         self.max_tokens = max_tokens
         self.size = [0] * num_replicas  # tokens held per replica
+        self._nodes = [0] * num_replicas  # nodes held per replica
         self._clock = itertools.count(1)
         self._ids = itertools.count()
         # Per replica: (last used, tiebreak, node) candidates for eviction, checked when popped.
+        # An insert pushes only the deepest node of its path: the nodes above it are not leaves,
+        # and each is pushed when its last child of that replica is evicted.
         self._lru: list[list[tuple[int, int, _Node]]] = [[] for _ in range(num_replicas)]
 
     def match(self, tokens: Sequence[int]) -> list[int]:
         """Per replica, how many leading tokens of `tokens` its tree holds."""
-        matched = [0] * len(self.size)
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            common = _common_prefix(child.key, tokens, pos)
-            for replica in child.last_used:
-                matched[replica] = pos + common
-            if common < len(child.key):
-                break
-            node, pos = child, pos + common
-        return matched
+        return self.walk(tokens).matched
 
-    def insert(self, tokens: Sequence[int], replica: int) -> None:
-        now = next(self._clock)
-        node, pos = self.root, 0
-        while pos < len(tokens):
+    def walk(self, tokens: Sequence[int]) -> Walk:
+        matched = [0] * len(self.size)
+        path: list[_Node] = []
+        node, pos, end = self.root, 0, len(tokens)
+        while pos < end:
             child = node.children.get(tokens[pos])
             if child is None:
-                child = _Node(tokens[pos:], node)
-                node.children[tokens[pos]] = child
-            else:
-                common = _common_prefix(child.key, tokens, pos)
-                if common < len(child.key):
-                    child = self._split(child, common)
-            self._mark(child, replica, now)
-            node, pos = child, pos + len(child.key)
+                break
+            key = child.key
+            whole = tokens[pos : pos + len(key)] == key
+            pos += len(key) if whole else _common_prefix(key, tokens, pos)
+            path.append(child)
+            for replica in child.last_used:
+                matched[replica] = pos
+            if not whole:
+                break
+            node = child
+        return Walk(matched, path, pos)
+
+    def insert(self, tokens: Sequence[int], replica: int, walk: Walk | None = None) -> None:
+        """Add `tokens` to `replica`'s tree; `walk` is this tree's walk of them, if taken since its
+        last change."""
+        if walk is None:
+            walk = self.walk(tokens)
+        now = next(self._clock)
+        node, edge_end = self.root, 0
+        for child in walk.path:
+            edge_end += len(child.key)
+            if edge_end > walk.depth:  # the prompt leaves this edge part way: cut it there
+                child = self._split(child, len(child.key) - (edge_end - walk.depth))
+            self._hold(child, replica, now)
+            node = child
+        if walk.depth < len(tokens):
+            leaf = _Node(tokens[walk.depth :], node)
+            node.children[tokens[walk.depth]] = leaf
+            self._hold(leaf, replica, now)
+            node = leaf
+        if node is not self.root:
+            heapq.heappush(self._lru[replica], (now, next(self._ids), node))
         self._evict(replica)
 
     def drop_replica(self, replica: int) -> None:
@@ -189,18 +218,21 @@ class PrefixTree:
             stack.extend(node.children.values())
         self._prune(self.root)
         self.size[replica] = 0
+        self._nodes[replica] = 0
         self._lru[replica] = []
 
-    def _mark(self, node: _Node, replica: int, now: int) -> None:
+    def _hold(self, node: _Node, replica: int, now: int) -> None:
         if replica not in node.last_used:
             self.size[replica] += len(node.key)
+            self._nodes[replica] += 1
         node.last_used[replica] = now
-        heapq.heappush(self._lru[replica], (now, next(self._ids), node))
 
     def _split(self, child: _Node, at: int) -> _Node:
         """Cut `child`'s edge after `at` tokens; the new upper half holds what the child held."""
         assert child.parent is not None
         upper = _Node(child.key[:at], child.parent, last_used=dict(child.last_used))
+        for replica in upper.last_used:
+            self._nodes[replica] += 1
         child.parent.children[child.key[0]] = upper
         child.key, child.parent = child.key[at:], upper
         upper.children[child.key[0]] = child
@@ -214,22 +246,26 @@ class PrefixTree:
                 continue  # used again since, or not a leaf of this replica's tree
             del node.last_used[replica]
             self.size[replica] -= len(node.key)
+            self._nodes[replica] -= 1
             parent = node.parent
             if not node.last_used and not node.children and parent is not None:
                 del parent.children[node.key[0]]
             if parent is not None and parent is not self.root and replica in parent.last_used:
                 heapq.heappush(heap, (parent.last_used[replica], next(self._ids), parent))
-        if len(heap) > 4 * max(self.size[replica], 1024):  # stale entries pile up: rebuild
+        if len(heap) > 2 * self._nodes[replica] + 1024:  # stale entries pile up: rebuild
             self._rebuild_lru(replica)
 
     def _rebuild_lru(self, replica: int) -> None:
+        """The replica's leaves only: the nodes above them are pushed as they become leaves."""
         entries = []
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             if replica in node.last_used:
-                entries.append((node.last_used[replica], next(self._ids), node))
-                stack.extend(node.children.values())
+                held_children = [c for c in node.children.values() if replica in c.last_used]
+                if not held_children:
+                    entries.append((node.last_used[replica], next(self._ids), node))
+                stack.extend(held_children)
         heapq.heapify(entries)
         self._lru[replica] = entries
 
