@@ -23,7 +23,7 @@
 
 // vdpbf16ps where the compiler targets it (-march=native on a CPU with AVX512-BF16). A test build
 // may force the path with -DACTORSERVE_BF16_DOT and an emulation of the intrinsics.
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && !defined(ACTORSERVE_BF16_DOT)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ACTORSERVE_BF16_DOT)
 #define ACTORSERVE_BF16_DOT 1
 #endif
 #ifdef ACTORSERVE_BF16_DOT
