@@ -1,4 +1,6 @@
-"""Adder: forms every batch. Owns the running set, KV allocation, the prefix cache and its locks.
+"""Adder: forms every batch. Owns the running set, KV allocation, the prefix cache and its locks
+(its KV accounting is the `KVLedger`, actors/kv_ledger.py; why the queue is another actor's, see
+actors/policy.py).
 
 The loop, driven by messages:
 
@@ -29,6 +31,7 @@ import torch
 
 from actors.fairness import generated_by_tenant
 from actors.kv_ledger import KVLedger
+from actors.priority import PriorityRule
 from actors.running_set import RunningSet
 from actors.prefill_adder import (
     AddResult,
@@ -65,6 +68,7 @@ class Adder(Actor[AdderMsg]):
     ):
         super().__init__("adder", inbox)
         self.config = config
+        self.priority_rule = PriorityRule.of(config)
         self.kv = KVLedger(runner.allocator, runner.req_to_token, cache)
         self.executor = executor
         self.policy = policy
@@ -167,8 +171,7 @@ class Adder(Actor[AdderMsg]):
         preemption possible)."""
         if not self.config.enable_priority_scheduling or not self.running:
             return None
-        sign = 1 if self.config.schedule_low_priority_values_first else -1
-        return max((r.priority for r in self.running), key=lambda p: p * sign)
+        return max((r.priority for r in self.running), key=self.priority_rule.level)
 
     def _routing_keys(self) -> dict[str, int]:
         if self.config.effective_schedule_policy != "routing-key":
@@ -269,10 +272,8 @@ class Adder(Actor[AdderMsg]):
         cfg = self.config
         if not cfg.enable_priority_scheduling or any(e.kind in ("preempt", "retract") for e in self.ending):
             return  # while earlier victims still hold KV, preempting more would over-preempt
-        sign = 1 if cfg.schedule_low_priority_values_first else -1
         victims = select_preemption_victims(
-            req, adder.running, adder.preemption_need(req, match), sign,
-            cfg.priority_scheduling_preemption_threshold, adder.reserved_tokens,
+            req, adder.running, adder.preemption_need(req, match), self.priority_rule, adder.reserved_tokens,
         )
         for victim in victims or []:
             self._leave(victim, "preempt")

@@ -1,5 +1,15 @@
 """Policy: owns the waiting queue; orders it when the Adder pulls candidates.
 
+Why a separate actor and not part of the Adder: the queue's work (ordering thousands of waiting
+requests by prefix match, admission limits, grammar compiles, deadlines, tenant fairness) scales
+with the backlog, the Adder's with the batch; apart, each stays small enough to read and to test
+alone, and the Adder's batch loop never waits on a sort. What the Policy needs from the Adder
+comes as plain data in `Pull` (rows free, routing keys running, the priority a candidate must beat
+to preempt, the measured prefill rate); what it gives back is `Ranked`. The one thing shared is
+the prefix cache, which the Adder owns and writes: the Policy reads match lengths from it through
+the read-only `PrefixMatcher` view, on the same event loop, so it never sees a half-made change.
+Both compare priorities with the one `PriorityRule` (actors/priority.py).
+
 Admission limits that depend on the queue live here because the queue does: `max_queued_requests`
 (with priority scheduling, a strictly better newcomer evicts the worst queued request; otherwise
 the newcomer is refused) and `queue_timeout_s`. Refused, evicted and timed-out requests end with
@@ -27,7 +37,7 @@ from collections import Counter
 from actors.fairness import VirtualTokenCounter, tenant_of
 from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
-from actors.prefill_adder import may_preempt
+from actors.priority import PriorityRule
 from cache import PrefixMatcher
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
@@ -45,6 +55,7 @@ class Policy(Actor[PolicyMsg]):
     ):
         super().__init__("policy", inbox)
         self.config = config
+        self.priority_rule = PriorityRule.of(config)
         self.adder = adder
         self.grammars = grammars
         self.compiling: dict[str, Req] = {}  # the grammar queue, by rid
@@ -108,16 +119,11 @@ class Policy(Actor[PolicyMsg]):
             if self.fairness is not None:
                 ordered = self.fairness.interleave(ordered)
             given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
-            if pull.preempt_priority is not None and not self._may_preempt(given[0], pull.preempt_priority):
+            if pull.preempt_priority is not None and not self.priority_rule.may_preempt(given[0].priority, pull.preempt_priority):
                 given, self.waiting = [], ordered  # it stays here, where a better newcomer can evict it
             self._charge(given)
         self.backlog_rate.answered(time.monotonic(), len(given), backlogged=bool(self.waiting))
         await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
-
-    def _may_preempt(self, req: Req, running_priority: int) -> bool:
-        cfg = self.config
-        sign = 1 if cfg.schedule_low_priority_values_first else -1
-        return may_preempt(req.priority, running_priority, sign, cfg.priority_scheduling_preemption_threshold)
 
     def _enqueue(self, req: Req) -> None:
         grammar = req.sampling.grammar
@@ -217,13 +223,12 @@ class Policy(Actor[PolicyMsg]):
     def _worst_waiting(self) -> Req | None:
         if not self.waiting:
             return None
-        sign = 1 if self.config.schedule_low_priority_values_first else -1
+        level = self.priority_rule.level
         # Worst priority; among equals the newest goes first.
-        return max(self.waiting, key=lambda r: (r.priority * sign, r.sched.enqueue_time))
+        return max(self.waiting, key=lambda r: (level(r.priority), r.sched.enqueue_time))
 
     def _better(self, a: Req, b: Req) -> bool:
-        sign = 1 if self.config.schedule_low_priority_values_first else -1
-        return a.priority * sign < b.priority * sign
+        return self.priority_rule.level(a.priority) < self.priority_rule.level(b.priority)
 
     def _drop_aborted_and_expired(self) -> None:
         for rid in [rid for rid, req in self.compiling.items() if req.sched.abort_requested]:

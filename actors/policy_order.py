@@ -34,10 +34,10 @@ import time
 from collections.abc import Iterator, Sequence
 
 from actors.cold_lane import ColdLane
-from actors.prefill_adder import match_key
+from actors.priority import PriorityRule
 from cache import MatchResult, PrefixMatcher, PrefixSet, RadixNode
 from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
-from runtime.req import Req
+from runtime.req import Req, match_key
 
 # In-batch prefix caching (lpm): only requests whose real-cache hit is at most CHECK tokens are
 # checked against the other queued requests (-1 disables the check); a shared uncached prefix of
@@ -64,7 +64,7 @@ class QueueOrderer:
         self.policy = "fcfs" if policy in CACHE_AWARE_POLICIES and self.cache is None else policy
         self.rng = rng
         self.priority_on = config.enable_priority_scheduling
-        self.priority_sign = 1 if config.schedule_low_priority_values_first else -1
+        self.priority_rule = PriorityRule.of(config)
         self.aging_s = config.effective_aging_s
         self.default_slo_ttft_ms = config.default_slo_ttft_ms
         self.lpm_fallback_queue_len = config.lpm_fallback_queue_len
@@ -98,7 +98,7 @@ class QueueOrderer:
             out = [out[i] for i in sorted(range(len(out)), key=levels.__getitem__)]
         if lane is not None:
             # The lane passes aging levels (its share bounds what that costs) but no priority.
-            return lane.interleave(out, cold, [req.priority * self.priority_sign for req in out] if by_priority else None)
+            return lane.interleave(out, cold, [self.priority_rule.level(req.priority) for req in out] if by_priority else None)
         if self.cold_lane is not None:
             self.cold_lane.pause()
         return out
@@ -127,8 +127,8 @@ class QueueOrderer:
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
         """Each request's level, lower first: its priority (signed so the better sorts first),
         less one per `aging_s` waited."""
-        sign, aging_s = self.priority_sign, self.aging_s
-        levels = [req.priority * sign for req in reqs] if by_priority else [0] * len(reqs)
+        level, aging_s = self.priority_rule.level, self.aging_s
+        levels = [level(req.priority) for req in reqs] if by_priority else [0] * len(reqs)
         if aging_s is not None:
             levels = [level - int((now - req.sched.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
         return levels

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cache import ChunkCache, MatchResult, PrefixCache, token_array
-from runtime.req import Req
+from runtime.req import Req, match_key
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on max_new_tokens in admission estimates only
 IGNORE_EOS_RESERVE_TOKENS = 1  # per-request slack in the ignore_eos worst-case simulation
@@ -70,20 +70,6 @@ def prefix_tokens(req: Req, length: int) -> Sequence[int]:
     if req.prompt_key is not None and length <= len(req.origin_input_ids):
         return req.prompt_key[:length]
     return req.fill_ids[:length]
-
-
-def match_key(req: Req) -> array:
-    """All but the last token of the request, encoded for the cache's memcmp walk; only up to
-    the first position whose logits give a wanted prompt logprob."""
-    if req.input_logprobs_pending:
-        return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
-    if req.out.output_ids or req.prompt_key is None:
-        key = token_array(req.fill_ids)
-        if key:
-            key.pop()
-        return key
-    return req.prompt_key[:-1]  # a memcpy; the Receiver encoded the prompt on arrival
-
 
 
 class NewTokenRatio:
@@ -347,32 +333,24 @@ class PrefillAdder:
 
 
 
-def may_preempt(priority: int, victim_priority: int, sign: int, threshold: int) -> bool:
-    """A request of `priority` may preempt one of `victim_priority`: more important by strictly
-    more than `threshold` (`sign` as in `select_preemption_victims`)."""
-    return (priority - victim_priority) * -sign > threshold
-
-
 def select_preemption_victims(
     new_req: Req,
     running: Sequence[Req],
     need_tokens: float,
-    sign: int,
-    threshold: int,
+    rule: PriorityRule,
     reserved_tokens_of: Callable[[Req], float],
 ) -> list[Req] | None:
     """Running requests to preempt so that `new_req` fits, or None when preemption cannot help.
 
-    `sign` is +1 when low priority values go first (SGLang's `schedule_low_priority_values_first`),
-    else -1. Least important first, newest first among equals; each victim gives back its own
+    Least important first, newest first among equals; each victim gives back its own
     reserved tokens until `need_tokens` is covered; with `need_tokens <= 0` (the batch is full of
     requests, not of tokens) one victim is taken.
     """
     order = {id(r): i for i, r in enumerate(running)}
-    candidates = sorted(running, key=lambda r: (r.priority * -sign, -r.sched.enqueue_time, -order[id(r)]))
+    candidates = sorted(running, key=lambda r: (-rule.level(r.priority), -r.sched.enqueue_time, -order[id(r)]))
     victims: list[Req] = []
     for cand in candidates:
-        if not may_preempt(new_req.priority, cand.priority, sign, threshold):
+        if not rule.may_preempt(new_req.priority, cand.priority):
             break  # sorted: every later candidate is at least as important
         victims.append(cand)
         need_tokens -= reserved_tokens_of(cand)

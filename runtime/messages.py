@@ -6,8 +6,10 @@
     Executor  <- Batch
     Output    <- StepOut
 
-`Req` objects travel by reference (see runtime/req.py for who writes which field), and device
-tensors ride along in `Batch`; inside one process nothing is copied.
+All of these stay inside one process (the core's, or the Engine's when the core runs inline):
+`Req` objects travel by reference (runtime/req.py says who writes which record), device tensors
+ride along in `Batch`, `FlushCache` carries a Future. What crosses to a core process is runtime/ipc.py's messages
+instead: plain data, encoded with msgspec (a `CoreRequest` is a `Req`'s caller record).
 """
 
 from __future__ import annotations

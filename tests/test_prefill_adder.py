@@ -20,6 +20,7 @@ from actors.prefill_adder import (
 )
 from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
+from actors.priority import PriorityRule
 from runtime.req import OutputState, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
@@ -388,9 +389,9 @@ def _reserved(table: dict[str, float]):
 def test_preemption_needs_a_difference_strictly_greater_than_the_threshold():
     new = req(4, priority=20)
     equal = req(4, priority=10)  # 20 - 10 == threshold
-    assert select_preemption_victims(new, [equal], 5, sign=-1, threshold=10, reserved_tokens_of=_reserved({equal.rid: 100})) is None
+    assert select_preemption_victims(new, [equal], 5, PriorityRule(False, 10), reserved_tokens_of=_reserved({equal.rid: 100})) is None
     below = req(4, priority=9)
-    assert select_preemption_victims(new, [below], 5, -1, 10, _reserved({below.rid: 100})) == [below]
+    assert select_preemption_victims(new, [below], 5, PriorityRule(False, 10), _reserved({below.rid: 100})) == [below]
 
 
 def test_preemption_victim_order_least_important_then_newest():
@@ -398,26 +399,26 @@ def test_preemption_victim_order_least_important_then_newest():
     old0, new0, five = req(4, priority=0, enqueue=1.0), req(4, priority=0, enqueue=2.0), req(4, priority=5, enqueue=3.0)
     reserved = _reserved({old0.rid: 10, new0.rid: 10, five.rid: 10})
     running = [five, old0, new0]
-    assert select_preemption_victims(new, running, 15, -1, 10, reserved) == [new0, old0]
-    assert select_preemption_victims(new, running, 25, -1, 10, reserved) == [new0, old0, five]
-    assert select_preemption_victims(new, running, 31, -1, 10, reserved) is None  # still short
-    assert select_preemption_victims(new, running, 0, -1, 10, reserved) == [new0]  # full by count
+    assert select_preemption_victims(new, running, 15, PriorityRule(False, 10), reserved) == [new0, old0]
+    assert select_preemption_victims(new, running, 25, PriorityRule(False, 10), reserved) == [new0, old0, five]
+    assert select_preemption_victims(new, running, 31, PriorityRule(False, 10), reserved) is None  # still short
+    assert select_preemption_victims(new, running, 0, PriorityRule(False, 10), reserved) == [new0]  # full by count
 
 
 def test_preemption_with_low_values_first():
     new = req(4, priority=0)
     worst, close = req(4, priority=20), req(4, priority=10)
     reserved = _reserved({worst.rid: 5, close.rid: 50})
-    assert select_preemption_victims(new, [close, worst], 5, sign=1, threshold=5, reserved_tokens_of=reserved) == [worst]
+    assert select_preemption_victims(new, [close, worst], 5, PriorityRule(True, 5), reserved_tokens_of=reserved) == [worst]
     # `close` differs by exactly 10: not eligible at threshold 10, so 6 tokens cannot be found.
-    assert select_preemption_victims(new, [close, worst], 6, 1, 10, reserved) is None
+    assert select_preemption_victims(new, [close, worst], 6, PriorityRule(True, 10), reserved) is None
 
 
 def test_preemption_subtracts_each_victims_own_reservation():
     new = req(4, priority=50)
     big, small = req(4, priority=0, enqueue=2.0), req(4, priority=0, enqueue=1.0)
     # big goes first (newest) and covers 20 alone; charging small's 1 instead would take both.
-    assert select_preemption_victims(new, [small, big], 20, -1, 10, _reserved({big.rid: 30, small.rid: 1})) == [big]
+    assert select_preemption_victims(new, [small, big], 20, PriorityRule(False, 10), _reserved({big.rid: 30, small.rid: 1})) == [big]
 
 
 def test_preemption_with_the_adder_budget():
@@ -429,7 +430,7 @@ def test_preemption_with_the_adder_budget():
     assert a.add_one_req(urgent, match, False) is AddResult.NO_TOKEN
     need = a.preemption_need(urgent, match)
     assert need == 70 - 50
-    victims = select_preemption_victims(urgent, a.running, need, -1, 10, a.reserved_tokens)
+    victims = select_preemption_victims(urgent, a.running, need, PriorityRule(False, 10), a.reserved_tokens)
     assert victims == [low]
     a.remove_running(victims)
     assert a.rem_total_tokens == 100
@@ -502,3 +503,13 @@ def test_new_token_ratio_conservativeness_and_retraction():
     assert r.value == 0.05
     r.decay()  # ... until the next decay lifts it to min
     assert r.value == pytest.approx(0.098)
+
+
+@pytest.mark.parametrize("low_first", [False, True])
+def test_the_priority_rule_is_one_direction_for_order_and_preemption(low_first):
+    rule = PriorityRule(low_first, preemption_threshold=2)
+    better, worse = (1, 5) if low_first else (5, 1)
+    assert rule.level(better) < rule.level(worse)
+    assert rule.may_preempt(better, worse) and not rule.may_preempt(worse, better)
+    edge = worse - 2 if low_first else worse + 2  # exactly the threshold apart: not enough
+    assert not rule.may_preempt(edge, worse)
