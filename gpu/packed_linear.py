@@ -20,7 +20,10 @@ PACKABLE = (torch.float32, torch.bfloat16)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype in PACKABLE and torch.backends.mkldnn.is_available()
+    if device.type != "cpu" or dtype not in PACKABLE or not torch.backends.mkldnn.is_available():
+        return False
+    # oneDNN refuses to reorder bfloat16 weights on CPUs without its bf16 instructions (AVX2 only).
+    return dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):
