@@ -13,28 +13,18 @@ built once per forward in `init_forward_metadata`; every layer reuses them.
 
 On a CPU, decode attention is memory-bound: the gather (one copy of the batch's K/V per layer)
 costs about 1.5x the SDPA call that reads it back, so the keys that buckets do not pad are what
-counts. The gathers go into reused buffers (see `TorchAttention.__init__`).
-
-Shared prefixes (CPU decode batches): requests whose first keys are the same pool slots (the radix
-cache hands one prefix's slots to every request that matches it) attend to that prefix together,
-cascade style. Each prefix is gathered once per layer and its requests' queries attend to it
-together (all prefixes in one SDPA call, padded to the longest); each request's own suffix goes
-through the buckets as usual; the two partial results merge exactly through their log-sum-exps.
-Without it, every request copies the shared prefix again in every layer. Everything is batched:
-on a CPU each extra small op costs tens of microseconds, so a loop over prefixes would eat the
-gain.
-
-With `kernels` (gpu/cpu_ops.py, CPU only) the compiled kernels read K/V where it lies in the pool
-instead: decode batches one query per request (still merged with shared prefixes as above), any
-other batch causally per new token. No buckets, gathers or masks then.
+counts. The gathers go into reused buffers (see `TorchAttention.__init__`). Two CPU optimisations
+sit beside this path, each in its own module: decode requests behind one cached prefix attend to
+it once (gpu/shared_prefix.py), and with `kernels` the compiled kernels read K/V where it lies
+instead of gathering it (gpu/paged_attention.py).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +32,8 @@ import torch.nn.functional as F
 from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
+from gpu.paged_attention import PagedDecode, PagedExtend
+from gpu.shared_prefix import SharedPrefixes, decode_lse, find_shared_prefixes, merge_prefixes
 
 # A bucket closes when adding the next request would leave less than FILL of its padded
 # query-key work useful, unless the waste is under MIN_WASTE pairs: below that an extra bucket
@@ -51,9 +43,6 @@ MIN_WASTE = 1024
 # Gathered K/V rows per bucket (one request may exceed it alone). Bounds the reused gather
 # buffers; splitting there measured no slower than one big bucket.
 MAX_KV_ROWS = 32768
-# A shared prefix is attended once for all its requests when at least this long: shorter ones
-# (a chat template's first tokens) save less copying than the extra SDPA call and merge cost.
-SHARED_PREFIX_MIN = 64
 
 
 class AttentionBackend(ABC):
@@ -115,52 +104,18 @@ class _Bucket:
 
 
 @dataclass(slots=True)
-class _SharedPrefixes:
-    """Groups of decode requests whose first keys are the same slots, each group's prefix padded
-    to the longest and its requests' queries to the largest group, for one SDPA call."""
-
-    members: torch.Tensor  # [M] int64 batch rows, group after group
-    pad_index: torch.Tensor  # [M] int64 row of each member in the padded [groups * max_members] layout
-    slots: torch.Tensor  # [groups * max_len] int64 prefix slots; padding reads slot 0 (masked out)
-    mask: torch.Tensor | None  # additive [groups, 1, 1, max_len]; None when every prefix is max_len
-    sizes: list[int]  # members per group
-    lengths: list[int]  # prefix length per group
-    max_len: int
-
-
-@dataclass(slots=True)
-class _PagedDecode:
-    """A decode batch for the compiled kernel: request i attends to the slots at positions
-    key_begin[i] .. key_end[i] - 1 of its table row (key_begin: the shared prefix it skips)."""
-
-    req_rows: torch.Tensor  # [batch] int64
-    key_begin: torch.Tensor  # [batch] int64
-    key_end: torch.Tensor  # [batch] int64
-
-
-@dataclass(slots=True)
-class _PagedExtend:
-    """Any other batch for the compiled kernel: request i's new tokens are positions
-    prefix_lens[i] .. prefix_lens[i] + extend_lens[i] - 1, each attending causally."""
-
-    req_rows: torch.Tensor  # [batch] int64
-    prefix_lens: torch.Tensor  # [batch] int64
-    extend_lens: torch.Tensor  # [batch] int64
-
-
-@dataclass(slots=True)
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [tokens]
-    buckets: list[_Bucket]
+    buckets: list[_Bucket] = field(default_factory=list)
     # One bucket holding every request in batch order: its output is the result, no scatter.
-    in_order: bool
-    # One request with nothing cached: attend to the new k/v directly with SDPA's causal kernel.
-    plain_causal: bool
-    # Shared prefixes of a decode batch; the buckets then hold only the keys after them.
-    shared: _SharedPrefixes | None
+    in_order: bool = False
+    # One request with nothing cached: SDPA's causal kernel over the new k/v, no gather.
+    plain_causal: bool = False
+    # A decode batch's shared prefixes; the buckets or `paged` then cover only the keys after them.
+    shared: SharedPrefixes | None = None
     # A batch the compiled kernels attend in place (no buckets then).
-    paged: _PagedDecode | None = None
-    extend: _PagedExtend | None = None
+    paged: PagedDecode | None = None
+    extend: PagedExtend | None = None
 
 
 class TorchAttention(AttentionBackend):
@@ -168,8 +123,7 @@ class TorchAttention(AttentionBackend):
         self.kv = kv
         self.req_to_token = req_to_token
         self.scale = scale
-        # gpu/cpu_ops.py's paged attention kernels (CPU batches), or None for the torch path.
-        self.kernels = kernels
+        self.kernels = kernels  # attend CPU batches in place with these (gpu/paged_attention.py)
         self._meta: _TorchMetadata | None = None
         # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
         # layer is served by mmap and page-faulted on first touch, which costs more than the copy.
@@ -177,66 +131,33 @@ class TorchAttention(AttentionBackend):
         self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        on_cpu = self.kernels is not None and batch.input_ids.device.type == "cpu"
-        if on_cpu and any(n != 1 for n in batch.extend_lens):
-            extend = _PagedExtend(batch.req_rows, _int64(batch.prefix_lens), _int64(batch.extend_lens))
-            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=False, plain_causal=False, shared=None, extend=extend)
-            return
+        self._meta = self._plan(batch)
+
+    def _plan(self, batch: ForwardBatch) -> _TorchMetadata:
+        loc = batch.out_cache_loc
+        kernels = self.kernels if batch.input_ids.device.type == "cpu" else None
+        if kernels is not None and any(n != 1 for n in batch.extend_lens):
+            return _TorchMetadata(loc, extend=PagedExtend.plan(kernels.extend_attention, batch))
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
-            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=True, plain_causal=True, shared=None)
-            return
-        shared, skip = self._shared_prefixes(batch)
-        if on_cpu:  # a decode batch
-            paged = _PagedDecode(batch.req_rows, _int64(skip), _int64(batch.seq_lens))
-            self._grow_buffers(shared.slots.numel() if shared else 0)
-            self._meta = _TorchMetadata(batch.out_cache_loc, [], in_order=False, plain_causal=False, shared=shared, paged=paged)
-            return
-        # Keys each request attends through the buckets: all but its shared prefix.
+            return _TorchMetadata(loc, in_order=True, plain_causal=True)
+        shared = find_shared_prefixes(batch, self.req_to_token, self._k_buf.dtype)
+        skip = shared.skip if shared else [0] * batch.batch_size
+        prefix_rows = shared.slots.numel() if shared else 0
+        if kernels is not None:  # a decode batch
+            self._grow_buffers(prefix_rows)
+            return _TorchMetadata(loc, shared=shared, paged=PagedDecode.plan(kernels.decode_attention, batch, skip))
         key_lens = [s - k for s, k in zip(batch.seq_lens, skip)]
         groups = plan_buckets(batch.extend_lens, key_lens)
-        starts = [0]
-        for n in batch.extend_lens[:-1]:
-            starts.append(starts[-1] + n)
+        starts = list(accumulate(batch.extend_lens[:-1], initial=0))
         buckets = [self._bucket(batch, group, starts, key_lens, skip) for group in groups]
+        self._grow_buffers(max([b.size * b.max_seq for b in buckets] + [prefix_rows]))
         in_order = len(groups) == 1 and groups[0] == list(range(batch.batch_size))
-        self._grow_buffers(max([b.size * b.max_seq for b in buckets] + [shared.slots.numel() if shared else 0]))
-        self._meta = _TorchMetadata(batch.out_cache_loc, buckets, in_order, plain_causal=False, shared=shared)
+        return _TorchMetadata(loc, buckets, in_order, shared=shared)
 
     def _grow_buffers(self, kv_rows: int) -> None:
         if self._k_buf.shape[0] < kv_rows:
             self._k_buf = self._k_buf.new_empty((kv_rows, *self._k_buf.shape[1:]))
             self._v_buf = self._k_buf.new_empty(self._k_buf.shape)
-
-    def _shared_prefixes(self, batch: ForwardBatch) -> tuple[_SharedPrefixes | None, list[int]]:
-        """The shared prefixes of a CPU decode batch, and how many leading keys of each request
-        they cover (0 for a request in none)."""
-        skip = [0] * batch.batch_size
-        if batch.input_ids.device.type != "cpu" or any(n != 1 for n in batch.extend_lens):
-            return None, skip  # the log-sum-exp kernel is the CPU one; extends keep the plain path
-        seq_lens = batch.seq_lens
-        long = [i for i, s in enumerate(seq_lens) if s > SHARED_PREFIX_MIN]
-        if len(long) < 2:
-            return None, skip
-        rows = batch.req_rows[long]
-        # Cached slots form a tree: two requests with the same slot at one position have the same
-        # slots at every position before it. So grouping by one slot finds the shared prefixes.
-        by_slot: dict[int, list[int]] = defaultdict(list)
-        for i, slot in zip(long, self.req_to_token[rows, SHARED_PREFIX_MIN - 1].tolist()):
-            by_slot[slot].append(i)
-        groups: list[tuple[list[int], torch.Tensor]] = []  # (members, prefix slots)
-        for members in by_slot.values():
-            if len(members) < 2:
-                continue
-            # Each request keeps at least its newest key (its own slot) for the buckets.
-            limit = min(seq_lens[i] for i in members) - 1
-            slots = self.req_to_token[batch.req_rows[members], :limit]
-            length = int((slots == slots[:1]).all(0).int().cumprod(0).sum())
-            if length < SHARED_PREFIX_MIN:  # not a tree-shared prefix after all: keep the plain path
-                continue
-            groups.append((members, slots[0, :length]))
-            for i in members:
-                skip[i] = length
-        return (_pack_prefixes(groups, self._k_buf.dtype) if groups else None), skip
 
     def _bucket(self, batch: ForwardBatch, group: list[int], starts: list[int], key_lens: list[int], skip: list[int]) -> _Bucket:
         """`key_lens[i]` keys of request i from position `skip[i]` on (skip: a shared prefix
@@ -284,16 +205,10 @@ class TorchAttention(AttentionBackend):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True
             )
             return out[0].transpose(0, 1)
-        if meta.paged:
-            return self._decode_paged(q, meta, layer_id)
         if meta.extend:
-            assert self.kernels is not None
-            e = meta.extend
-            return self.kernels.extend_attention(
-                q.contiguous(), self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, e.req_rows, e.prefix_lens, e.extend_lens, self.scale
-            )
-        if meta.shared:
-            return self._decode_with_shared_prefixes(q, meta, layer_id)
+            return meta.extend.attend(q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, self.scale)
+        if meta.paged or meta.shared:
+            return self._decode_merged(q, meta, layer_id)
         if meta.in_order:
             return self._attend(q, meta.buckets[0], layer_id)
         out = torch.empty_like(q)
@@ -301,39 +216,22 @@ class TorchAttention(AttentionBackend):
             out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
         return out
 
-    def _decode_paged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
-        """The compiled kernel over each request's keys in place (after its shared prefix, if
-        any), merged with the shared prefixes' attention as the torch path does."""
-        paged = meta.paged
-        assert paged is not None and self.kernels is not None
-        q = q.contiguous()
-        out, lse = self.kernels.decode_attention(
-            q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, paged.req_rows, paged.key_begin, paged.key_end, self.scale
-        )
+    def _decode_merged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
+        """Each request's own keys (the kernel's or the buckets'), then its shared prefix merged in."""
+        if meta.paged:
+            out, lse = meta.paged.attend(q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, self.scale)
+        else:
+            out = torch.empty_like(q)
+            lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [requests, heads]; merged in float32
+            for bucket in meta.buckets:
+                o, l = decode_lse(q.index_select(0, bucket.token_index), *self._bucket_kv(bucket, layer_id), bucket.mask, self.scale)
+                out.index_copy_(0, bucket.token_index, o)
+                lse.index_copy_(0, bucket.token_index, l)
         return out if meta.shared is None else self._merge_shared(q, out, lse, meta.shared, layer_id)
 
-    def _decode_with_shared_prefixes(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
-        """Each request's own keys through the buckets, each shared prefix once for all its
-        requests; merged by log-sum-exp (softmax over a union of key sets, exactly)."""
-        out = torch.empty_like(q)
-        lse = torch.empty(q.shape[:2], dtype=torch.float32)  # [requests, heads]; merged in float32
-        for bucket in meta.buckets:
-            o, l = self._decode_lse(q.index_select(0, bucket.token_index), bucket, layer_id)
-            out.index_copy_(0, bucket.token_index, o)
-            lse.index_copy_(0, bucket.token_index, l)
-        assert meta.shared is not None
-        return self._merge_shared(q, out, lse, meta.shared, layer_id)
-
-    def _merge_shared(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shared: _SharedPrefixes, layer_id: int) -> torch.Tensor:
-        """`out`/`lse`: attention over each request's own keys; merged in place with its shared
-        prefix's by log-sum-exp (softmax over a union of key sets, exactly)."""
-        o, l = self._prefixes_lse(q, shared, layer_id)
-        own_o, own_l = out.index_select(0, shared.members), lse.index_select(0, shared.members)
-        top = torch.maximum(l, own_l)
-        w, own_w = (l - top).exp(), (own_l - top).exp()
-        merged = (o * w[..., None] + own_o * own_w[..., None]) / (w + own_w)[..., None]
-        out.index_copy_(0, shared.members, merged.to(out.dtype))
-        return out
+    def _merge_shared(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, shared: SharedPrefixes, layer_id: int) -> torch.Tensor:
+        keys, values = self._gather(shared.slots, layer_id)
+        return merge_prefixes(q, out, lse, shared, keys, values, self.scale)
 
     def _gather(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         rows = slots.numel()
@@ -341,42 +239,18 @@ class TorchAttention(AttentionBackend):
         values = torch.index_select(self.kv.v[layer_id], 0, slots, out=self._v_buf[:rows])
         return keys, values
 
-    def _decode_lse(self, q: torch.Tensor, b: _Bucket, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode bucket's outputs [size, heads, dim] and log-sum-exps [size, heads]."""
+    def _bucket_kv(self, b: _Bucket, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's keys and values, [size, kv_heads, max_seq, dim]."""
         keys, values = self._gather(b.kv_slots, layer_id)
-        size, num_heads, head_dim = q.shape
-        kv_heads = keys.shape[1]
-        keys = keys.view(size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
-        queries = q.reshape(size, kv_heads, num_heads // kv_heads, head_dim)
-        out, lse = _flash_cpu(queries, keys, values, attn_mask=b.mask, scale=self.scale)
-        return out.reshape(size, num_heads, head_dim), lse.reshape(size, num_heads)
-
-    def _prefixes_lse(self, q: torch.Tensor, p: _SharedPrefixes, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every member's attention over its group's prefix, [M, heads, dim] and [M, heads]: one
-        SDPA call whose query axis holds, per group and K/V head, all members' query groups."""
-        keys, values = self._gather(p.slots, layer_id)
-        num_heads, head_dim = q.shape[1], q.shape[2]
-        kv_heads = keys.shape[1]
-        group, groups = num_heads // kv_heads, len(p.sizes)
-        most = max(p.sizes)
-        keys = keys.view(groups, p.max_len, kv_heads, head_dim).transpose(1, 2)
-        values = values.view(groups, p.max_len, kv_heads, head_dim).transpose(1, 2)
-        padded = q.new_zeros((groups * most, num_heads, head_dim)).index_copy_(0, p.pad_index, q.index_select(0, p.members))
-        queries = padded.view(groups, most, kv_heads, group, head_dim).transpose(1, 2).reshape(groups, kv_heads, most * group, head_dim)
-        out, lse = _flash_cpu(queries, keys, values, attn_mask=p.mask, scale=self.scale)
-        out = out.view(groups, kv_heads, most, group, head_dim).transpose(1, 2).reshape(groups * most, num_heads, head_dim)
-        lse = lse.view(groups, kv_heads, most, group).transpose(1, 2).reshape(groups * most, num_heads)
-        return out.index_select(0, p.pad_index), lse.index_select(0, p.pad_index)
+        kv_heads, head_dim = keys.shape[1], keys.shape[2]
+        keys = keys.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        values = values.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        return keys, values
 
     def _attend(self, q: torch.Tensor, b: _Bucket, layer_id: int) -> torch.Tensor:
         """q: the bucket's packed queries [rows, heads, dim] -> their outputs, same shape."""
-        rows = b.kv_slots.numel()
-        keys = torch.index_select(self.kv.k[layer_id], 0, b.kv_slots, out=self._k_buf[:rows])
-        values = torch.index_select(self.kv.v[layer_id], 0, b.kv_slots, out=self._v_buf[:rows])
-        kv_heads, head_dim = keys.shape[1], keys.shape[2]
-        keys = keys.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)  # [size, kv_heads, seq, dim]
-        values = values.view(b.size, b.max_seq, kv_heads, head_dim).transpose(1, 2)
+        keys, values = self._bucket_kv(b, layer_id)
+        kv_heads, head_dim = keys.shape[1], keys.shape[3]
         num_heads = q.shape[1]
         if b.max_new == 1:
             # Decode: fold each K/V head's query group into the query-length axis, so SDPA reads
@@ -390,32 +264,6 @@ class TorchAttention(AttentionBackend):
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=b.mask, is_causal=b.causal, scale=self.scale, enable_gqa=True)
         out = out.transpose(1, 2).reshape(b.size * b.max_new, num_heads, head_dim)
         return out if b.pad_index is None else out.index_select(0, b.pad_index)
-
-
-def _pack_prefixes(groups: list[tuple[list[int], torch.Tensor]], dtype: torch.dtype) -> _SharedPrefixes:
-    sizes = [len(members) for members, _ in groups]
-    lengths = [slots.numel() for _, slots in groups]
-    most, max_len = max(sizes), max(lengths)
-    members = torch.tensor([i for m, _ in groups for i in m], dtype=torch.int64)
-    pad_index = torch.tensor([g * most + j for g, n in enumerate(sizes) for j in range(n)], dtype=torch.int64)
-    slots = torch.zeros((len(groups), max_len), dtype=torch.int64)
-    for g, (_, prefix) in enumerate(groups):
-        slots[g, : prefix.numel()] = prefix
-    mask = None
-    if min(lengths) != max_len:
-        allowed = torch.arange(max_len)[None, :] < torch.tensor(lengths)[:, None]
-        mask = _additive(allowed[:, None, None, :], dtype)
-    return _SharedPrefixes(members, pad_index, slots.reshape(-1), mask, sizes, lengths, max_len)
-
-
-def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch's CPU flash attention, which also returns the log-sum-exp of each query's scores."""
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=attn_mask, scale=scale)
-    return out, lse.float()
-
-
-def _int64(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
