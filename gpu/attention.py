@@ -8,8 +8,7 @@ request.
 
 Requests are grouped into length buckets (`plan_buckets`), each padded only to its own longest
 sequence: one padding for a whole batch whose contexts range from 33 to 768 tokens makes about half
-of the gathered K/V and of the SDPA work padding. The bucket plan, slot indices and masks are
-built once per forward in `init_forward_metadata`; every layer reuses them.
+of the gathered K/V and of the SDPA work padding.
 
 On a CPU, decode attention is memory-bound: the gather (one copy of the batch's K/V per layer)
 costs about 1.5x the SDPA call that reads it back, so the keys that buckets do not pad are what
@@ -46,8 +45,6 @@ MAX_KV_ROWS = 32768
 
 
 class AttentionBackend(ABC):
-    """Computes attention for one layer of the batch prepared by `init_forward_metadata`."""
-
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Precompute what every layer of this forward pass shares (indices, masks)."""
@@ -217,7 +214,6 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _decode_merged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
-        """Each request's own keys (the kernel's or the buckets'), then its shared prefix merged in."""
         if meta.paged:
             out, lse = meta.paged.attend(q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, self.scale)
         else:

@@ -103,7 +103,6 @@ class ModelRunner:
         return self.device.type == "cuda" and self.attention_backend == "flashinfer" and not self.config.disable_cuda_graph
 
     def init_graph_runner(self, capture: bool) -> DecodeGraphRunner:
-        """Route decode batches through the bucketed graph runner (eager replay if not `capture`)."""
         buckets = capture_batch_sizes(self._cuda_graph_max_bs())
         self.graph_runner = DecodeGraphRunner(self.model, self.attn, buckets, device=self.device, capture=capture)
         return self.graph_runner

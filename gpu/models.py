@@ -230,7 +230,6 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_position_embeddings).to(device)
 
     def use_cpu_kernels(self, kernels: CpuKernels) -> None:
-        """Run RMSNorm, RoPE, SiLU-and-multiply and the residual adds through gpu/cpu_ops.py."""
         assert self.rotary is not None, "call init_rotary() first"
         self.rotary.kernels = kernels
         for module in self.modules():

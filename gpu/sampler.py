@@ -21,10 +21,6 @@ temperature and filters (vLLM's default "raw_logprobs"). They say what the model
 token, which is what clients comparing models or scoring text want; the processed distribution
 would report -inf for tokens a filter removed and change with the sampling knobs.
 
-`SamplingInfo` is built once per batch; its flags let the common cases skip work: an all-greedy
-batch is one argmax, a batch without top-k/top-p never sorts, and rows without penalties never
-count tokens.
-
 Nothing here reads a device tensor back to the host, and host values reach the device through
 `host_to_device`: on CUDA the sampler runs in the launch of a step on the forward stream, where
 either would wait for the step in flight (gpu/cuda_streams.py). Penalty token histories may be
@@ -326,8 +322,6 @@ def greedy_ids(logits: Tensor) -> Tensor:
 
 
 class Sampler:
-    """Turns one batch of logits into token ids (and logprobs when asked)."""
-
     def __init__(self) -> None:
         # One generator per device, reseeded per seeded row: reseeding is cheap, creating is not.
         self._generators: dict[torch.device, torch.Generator] = {}
