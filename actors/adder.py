@@ -197,6 +197,7 @@ class Adder(Actor[AdderMsg]):
             if self._idle():
                 self.ratio.reset()
             return False
+        self._stalled = False
         await self._launch(batch)
         return True
 
