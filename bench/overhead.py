@@ -801,4 +801,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run as the module bench.overhead, not __main__: the core builds its step runner from
+    # "bench.overhead:bench_device", and start_engine checks for that module's classes.
+    from bench.overhead import main as module_main
+
+    module_main()
