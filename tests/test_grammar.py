@@ -10,7 +10,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 
 import jsonschema
 import pytest
@@ -159,9 +158,9 @@ async def test_a_slow_compile_delays_no_other_request_and_can_be_aborted(model_p
         slow = asyncio.ensure_future(engine.generate(input_ids=[5, 6], sampling_params=_params(0, regex="slow:[a-z]{3}")))
         doomed = asyncio.ensure_future(engine.generate(input_ids=[5, 7], sampling_params=_params(1, regex="slow:[0-9]{3}"), rid="doomed"))
         await asyncio.sleep(0.2)
-        start = time.monotonic()
         free = await engine.generate(input_ids=[9, 9], sampling_params={"max_new_tokens": 8, "temperature": 0})
-        assert len(free.output_ids) == 8 and time.monotonic() - start < 5 and not slow.done()
+        # Both compiles are still blocked (until released, or 30 s): `free` waited for neither.
+        assert len(free.output_ids) == 8 and not slow.done()
         assert (await engine.current_stats())["num_compiling"] == 2
         await engine.abort("doomed")
         out = await asyncio.wait_for(doomed, 5)  # ends at once, its compile still running

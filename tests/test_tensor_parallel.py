@@ -291,11 +291,13 @@ async def test_kill_9_of_a_rank_mid_stream_fails_its_requests_and_stops_the_core
     async with _started_with_its_rank(tiny_model_factory("llama")) as (engine, core, rank):
         streams = await decoding(engine, PROMPTS, {**GREEDY, "max_new_tokens": 1500})
         os.kill(rank, signal.SIGKILL)
-        killed = time.monotonic()
-        results = await drain(streams, 10)
-        assert time.monotonic() - killed < 5.0
+        results = await drain(streams, 30)  # a hang guard
         assert all(isinstance(r, EngineError) for r in results), results
-        assert "rank" in engine.stats()["failure"] or "Connection closed" in engine.stats()["failure"]
+        # The rank's death ended them (its exit, or its connection closed or reset: whichever the core
+        # sees first), not the collective's timeout (dist_timeout_s, 120 s).
+        failure = engine.stats()["failure"]
+        deaths = (f"(pid {rank}) exited with code -9", "Connection closed", "Connection reset by peer")
+        assert any(death in failure for death in deaths), failure
 
 
 async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout(tiny_model_factory):
