@@ -122,6 +122,7 @@ class TorchAttention(AttentionBackend):
         self.scale = scale
         self.kernels = kernels  # attend CPU batches in place with these (gpu/paged_attention.py)
         self._meta: _TorchMetadata | None = None
+        self.shared_prefix_batches = 0  # decode batches that attended a shared prefix once
         # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
         # layer is served by mmap and page-faulted on first touch, which costs more than the copy.
         self._k_buf = kv.k[0].new_empty((0, *kv.k[0].shape[1:]))
@@ -138,6 +139,7 @@ class TorchAttention(AttentionBackend):
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
             return _TorchMetadata(loc, in_order=True, plain_causal=True)
         shared = find_shared_prefixes(batch, self.req_to_token, self._k_buf.dtype)
+        self.shared_prefix_batches += shared is not None
         skip = shared.skip if shared else [0] * batch.batch_size
         prefix_rows = shared.slots.numel() if shared else 0
         if kernels is not None:  # a decode batch

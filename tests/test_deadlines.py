@@ -7,6 +7,7 @@ import asyncio
 import math
 import random
 import time
+from typing import Any
 
 import pytest
 
@@ -25,8 +26,8 @@ from runtime.actor import Mailbox
 from tests.actor_helpers import handle_queued
 
 
-def _req(rid: str, arrival: float, prompt: int = 10, **service: float) -> Req:
-    return Req(rid=rid, origin_input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=4),
+def _req(rid: str, arrival: float, prompt: int = 10, stream: Any = None, **service: float) -> Req:
+    return Req(rid=rid, origin_input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=4), stream=stream,
                service=ServiceClass(**service), arrival_time=arrival, sched=SchedState(enqueue_time=arrival))
 
 
@@ -92,9 +93,12 @@ async def test_a_request_the_queue_would_make_late_is_refused_at_once():
     await policy.send(Pull(max_reqs=0, running_routing_keys={}, block=False, prefill_tokens_per_s=1e4))
     await handle_queued(policy)
     policy.waiting = [_req(f"q{i}", now, slo_ttft_ms=400) for i in range(20)]  # 2 s of queue, all due first
-    urgent, relaxed, due_first = _req("urgent", now, slo_ttft_ms=500), _req("relaxed", now, slo_ttft_ms=5_000), _req("first", now, slo_ttft_ms=100)
+    urgent, relaxed, due_first = (
+        _req("urgent", now, stream=_Recorder(), slo_ttft_ms=500),
+        _req("relaxed", now, stream=_Recorder(), slo_ttft_ms=5_000),
+        _req("first", now, stream=_Recorder(), slo_ttft_ms=100),
+    )
     for req in (urgent, relaxed, due_first):
-        req.stream = _Recorder()
         await policy.send(Enqueue(req))
     await handle_queued(policy)
     # urgent: 20 requests due before it take ~2 s, it is due in 0.5 s; relaxed is due in 5 s;

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from api.engine import Engine
-from gpu.attention import TorchAttention
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 NUM_REQUESTS = 32
@@ -21,7 +20,7 @@ def workload(tiny_model_factory):
     """Prompts with shared prefixes (so the radix cache and lpm matter) and transformers' answers."""
     path = tiny_model_factory("llama", max_position_embeddings=512)
     rng = random.Random(7)
-    # 72 tokens: decode batches attend that prefix once for its requests (gpu/attention.py).
+    # 72 tokens: decode batches attend that prefix once for its requests (gpu/shared_prefix.py).
     shared = [[rng.randrange(3, 500) for _ in range(n)] for n in (24, 72)]
     prompts, max_new = [], []
     for i in range(NUM_REQUESTS):
@@ -70,16 +69,8 @@ PARITY_CASES = [pytest.param(name, True, id=f"{name}-inline") for name in CONFIG
 
 
 @pytest.mark.parametrize(("name", "inline_core"), PARITY_CASES)
-async def test_greedy_parity(workload, name, inline_core, monkeypatch):
+async def test_greedy_parity(workload, name, inline_core):
     path, prompts, max_new, expected = workload
-    shared_prefix_steps = []
-    merge = TorchAttention._merge_shared
-
-    def counted(self, q, out, lse, shared, layer_id):
-        shared_prefix_steps.append(len(shared.sizes))
-        return merge(self, q, out, lse, shared, layer_id)
-
-    monkeypatch.setattr(TorchAttention, "_merge_shared", counted)  # seen inline only
     engine = Engine(model_path=str(path), dtype="float32", max_total_tokens=4096, inline_core=inline_core, **CONFIGS[name])
     async with engine:
         got = await _run_all(engine, prompts, max_new)
@@ -87,9 +78,9 @@ async def test_greedy_parity(workload, name, inline_core, monkeypatch):
         await assert_idle_invariants(engine)
         if name in ("lpm", "page-4"):
             assert (await engine.current_stats())["kv_cached"] > 0
+        if name in ("fcfs", "lpm") and inline_core:  # the runner is in this process only inline
+            assert engine.runner.attn.shared_prefix_batches > 0, "no decode step attended a shared prefix once"
     await close_and_check_tasks(engine)
-    if name in ("fcfs", "lpm") and inline_core:
-        assert shared_prefix_steps, "no decode step attended a shared prefix once"
 
 
 async def test_retraction_keeps_parity(workload, core_mode):
