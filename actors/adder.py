@@ -2,17 +2,8 @@
 (its KV accounting is the `KVLedger`, actors/kv_ledger.py; why the queue is another actor's, see
 actors/policy.py).
 
-The loop, driven by messages:
-
-1. While fewer than `overlap_depth` steps are launched and unreported, it pulls ranked candidates
-   from the Policy (`Pull` -> `Ranked`). When the Policy's queue was empty, the Pull blocks: the
-   Policy holds it until a request arrives, and meanwhile the Adder forms rounds without asking
-   (a decode step then costs no round trip). Candidates that arrive while the pipeline is full
-   wait for the next round.
-2. It forms one batch: a prefill (chunked request first, then candidates under the PrefillAdder
-   budgets, with priority preemption), else a decode of the running set (evicting cache, then
-   retracting, when KV is short). Candidates it does not admit go back to the Policy.
-3. `StepDone(N)` from the OutputProcessor reports the requests that finished at step N.
+When the Policy's queue was empty, a `Pull` blocks there until a request arrives, and meanwhile
+the Adder forms rounds without asking: a decode step costs no round trip.
 
 A request that leaves the running set (finished, aborted, retracted, preempted) keeps its KV and
 request row until the last launched step that includes it has completed; then they are released
@@ -51,7 +42,6 @@ from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, Served, StepDone, Wake
 from runtime.req import FinishReason, Req, end_request
 
-# Prefill-rate samples come from steps computing at least this many prompt tokens.
 PREFILL_SAMPLE_MIN_TOKENS = 64
 
 
@@ -96,7 +86,6 @@ class Adder(Actor[AdderMsg]):
         super().start(on_exit)
         self.mailbox.put_nowait(Wake())  # the first pull; after that every message ends in one
 
-    # --- messages -----------------------------------------------------------------------------
     async def handle(self, msg: AdderMsg) -> None:
         start = time.perf_counter()
         if isinstance(msg, Ranked):
@@ -123,8 +112,6 @@ class Adder(Actor[AdderMsg]):
         self.scheduler_s += time.perf_counter() - start
 
     async def _schedule(self) -> None:
-        """Launch rounds while the pipeline has room: with candidates in hand, or while the
-        Policy holds a blocking Pull; otherwise ask the Policy and wait for its answer."""
         while self.in_flight < self.config.overlap_depth and not (self._stalled and self.in_flight > 0):
             if self._candidates is not None or self._pull_parked:
                 candidates, self._candidates = self._candidates or [], None
@@ -178,7 +165,6 @@ class Adder(Actor[AdderMsg]):
             return {}
         return dict(Counter(r.routing_key for r in self.running if r.routing_key is not None))
 
-    # --- one scheduling round -----------------------------------------------------------------
     async def _round(self, candidates: list[Req]) -> bool:
         """Form and launch one batch; False if there was nothing to launch."""
         # Running requests that an abort reaches are collected on the Wake that follows it.
@@ -208,11 +194,8 @@ class Adder(Actor[AdderMsg]):
         self.next_step += 1
         self.counters["steps"] += 1
         await self.executor.send(batch)
-        # Requests retracted or preempted while forming this batch go back to the queue only
-        # after their last step is done (see _release_done).
 
     async def _requeue_released(self) -> None:
-        """Retracted and preempted requests whose last step is done go back to the queue's end."""
         if self._to_requeue:
             reqs, self._to_requeue = self._to_requeue, []
             await self._requeue(reqs, front=False)
@@ -224,7 +207,6 @@ class Adder(Actor[AdderMsg]):
             self._queue_empty = False
             await self.policy.send(Requeue(reqs=reqs, front=front))
 
-    # --- prefill --------------------------------------------------------------------------------
     def _form_prefill(self, candidates: list[Req]) -> tuple[Batch | None, list[Req]]:
         """A prefill batch from the chunked request and the candidates; returns it and the
         candidates not admitted (in order)."""
@@ -295,7 +277,6 @@ class Adder(Actor[AdderMsg]):
         self.kv.cache_prefix(req.sched.req_row, prefix_tokens(req, length), req.extra_key)
 
     def _mixed_decode(self) -> bool:
-        """Mixed chunk: the running requests decode inside the prefill batch (not when logprobs are wanted)."""
         cfg = self.config
         return cfg.enable_mixed_chunk and cfg.chunking_enabled and bool(self.running) and not any(r.return_logprob for r in self.running)
 
@@ -346,8 +327,6 @@ class Adder(Actor[AdderMsg]):
         return self._batch(mode, reqs, rows, prefix_lens, lens, ids, slots, produces, done)
 
     def _allocate_admission(self, adm: Admission) -> torch.Tensor:
-        """A row (for a new admission, with its cached prefix) and KV slots for the extend.
-        The budgets guarantee free + evictable covers every extend of the round."""
         req = adm.req
         if adm.match is not None:
             req.sched.req_row = self.kv.open_row(adm.match)
@@ -360,7 +339,6 @@ class Adder(Actor[AdderMsg]):
         assert new_slots is not None, "the PrefillAdder budget guarantees the KV"
         return new_slots
 
-    # --- decode ---------------------------------------------------------------------------------
     def _form_decode(self) -> Batch | None:
         """One token for every running request (each still needs one: a request leaves the
         running set when its last token is launched)."""
@@ -403,7 +381,6 @@ class Adder(Actor[AdderMsg]):
     def _reclaimable(self, victims: list[Req]) -> int:
         return self.kv.reclaimable(r.sched.req_row for r in victims if r.sched.req_row is not None)
 
-    # --- batches ------------------------------------------------------------------------------
     def _batch(
         self,
         mode: ForwardMode,
@@ -432,7 +409,6 @@ class Adder(Actor[AdderMsg]):
             produces_token=produces_token,
         )
 
-    # --- leaving and releasing ------------------------------------------------------------------
     def _leave_all(self, reqs: list[Req], kind: str) -> None:
         """Take requests out of the running set (or the chunked slot); their KV is released
         after their last step is done. A request already leaving, or listed twice, leaves once."""
@@ -509,7 +485,6 @@ class Adder(Actor[AdderMsg]):
         end_request(req, reason or FinishReason("abort"))
         self.counters["aborted"] += 1
 
-    # --- cache and stats -------------------------------------------------------------------------
     def _flush_cache(self) -> bool:
         if self.running or self.chunked or self.ending or self.in_flight:
             return False

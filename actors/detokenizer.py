@@ -224,8 +224,7 @@ def _rust_backend(tokenizer: Any) -> Any | None:
 
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas that are safe to stream: whole
-    characters only, with stop strings found and trimmed. Decoding goes through tokenizers'
-    native DecodeStream when the tokenizer has a Rust backend, otherwise through `decode`."""
+    characters only, with stop strings found and trimmed."""
 
     __slots__ = ("_decoder", "_scan", "_min_new", "_n_out", "_closed")
 

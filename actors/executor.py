@@ -1,17 +1,15 @@
 """Executor: runs each `Batch` on its `StepRunner` and hands the step outputs on, in order.
 
 Steps run in one worker thread, in launch order; torch releases the GIL, so the event loop keeps
-serving clients and post-processing the previous step meanwhile. A reporter task awaits the steps
-in order and sends each result to the OutputProcessor.
+serving clients and post-processing the previous step meanwhile.
 
-`ModelStepRunner` runs the model. It owns the model runner (weights, KV buffers) and the token
-pool: `token_pool[row, pos]` is the token at position `pos` of the request in `row`. A decode row
-reads its input id from there, written by the previous step's sampler, which is what lets the
-Adder launch step N+1 before step N's tokens reach the host. On CUDA it only launches: each step
-runs on a forward stream that waits on the scheduling stream (gpu/cuda_streams.py), its sampled
-ids land in the device token pool, and its results are copied into pinned host memory behind an
-event. The reporter awaits that event without blocking the loop, so the worker is already
-launching step N+1 while step N runs on the GPU.
+In `ModelStepRunner`'s token pool, `token_pool[row, pos]` is the token at position `pos` of the
+request in `row`. A decode row reads its input id from there, written by the previous step's
+sampler, which is what lets the Adder launch step N+1 before step N's tokens reach the host. On
+CUDA a step is only launched, on a forward stream that waits on the scheduling stream
+(gpu/cuda_streams.py); its results are copied into pinned host memory behind an event that the
+reporter awaits without blocking the loop, so the worker is already launching step N+1 while
+step N runs on the GPU.
 """
 
 from __future__ import annotations
@@ -88,8 +86,6 @@ class Executor(Actor[Batch]):
 
 @dataclass(slots=True)
 class _Launched:
-    """A launched CUDA step whose results may still be on their way to the host."""
-
     batch: Batch
     host: HostResult  # (token_ids, logprobs, top logprob values, top logprob ids)
     launch_s: float
@@ -248,7 +244,6 @@ def _step_out(batch: Batch, tensors: tuple[torch.Tensor | None, ...], forward_s:
     )
 
 
-# --- prompt logprobs ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class _PromptScore:
     """Prompt tokens `first .. first + count - 1` of batch row `row`, scored by the logits of the

@@ -29,8 +29,6 @@ CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
 
 @dataclass(frozen=True, slots=True)
 class Compiled:
-    """A grammar that compiled (`grammar`) or the compiler's message (`error`)."""
-
     grammar: Any = None  # xgrammar.CompiledGrammar
     error: str | None = None
 

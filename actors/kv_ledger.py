@@ -44,7 +44,6 @@ class KVLedger:
         self._held = np.zeros(rows, dtype=np.int64)  # positions with slots recorded in the row
         self._node: list[RadixNode | None] = [None] * rows  # the locked node; None: row not open
 
-    # --- sizes ------------------------------------------------------------------------------------
     def rows_free(self) -> int:
         return self.req_to_token.available()
 
@@ -70,7 +69,6 @@ class KVLedger:
             return len(positions)
         return self.page_size * int((positions % self.page_size == 0).sum())
 
-    # --- one request's KV ---------------------------------------------------------------------------
     def open_row(self, match: MatchResult) -> int:
         """A row holding the matched prefix (borrowed from the cache). The caller has locked
         `match.last_node` (the PrefillAdder does, for its budget check); the row keeps that lock."""
@@ -144,7 +142,6 @@ class KVLedger:
         assert node is not None, f"request row {row} is not open"
         return node
 
-    # --- the whole pool -----------------------------------------------------------------------------
     def flush_cache(self) -> None:
         """Drop every cached prefix; only while no row is open (a row may borrow cached slots)."""
         assert not self.open_rows(), "flushing the cache under live requests"

@@ -1,12 +1,8 @@
 """OutputProcessor: turns each step's sampled tokens into stream deltas and finish decisions.
 
-It appends tokens, checks max_new_tokens, EOS, min_new_tokens, stop token ids and stop strings,
-detokenizes incrementally (never half a UTF-8 character), streams deltas every
-`stream_interval` tokens, and reports the requests that finished to the Adder with `StepDone`.
 In the engine core process (with an `outbox`) it decides only: deltas carry token ids, and the
 frontend turns them into text (api/core_client.py); only a request with stop strings is
-detokenized here, to find them. There a decode step's tokens that end nothing and carry nothing
-else go into the outbox as one (rid, token) column pair for the whole step.
+detokenized here, to find them.
 Under overlap a request finished at step N is also in step N+1: that extra token is dropped here.
 """
 
@@ -156,7 +152,6 @@ def _record_first_prompt_token(req: Req) -> None:
 
 
 def _record_input(req: Req, logprobs: list[float | None], top: list[list[tuple[int, float]]] | None) -> None:
-    """Append prompt logprobs (for the next prompt positions) to the request and its unsent delta."""
     delta = req.out.unsent
     assert delta is not None
     first = req.logprob_start_len + len(req.out.input_logprobs)

@@ -60,7 +60,6 @@ class Policy(Actor[PolicyMsg]):
         self.grammars = grammars
         self.compiling: dict[str, Req] = {}  # the grammar queue, by rid
         self._compiles: set[asyncio.Task[None]] = set()
-        # The one sanctioned read of the Adder's prefix cache: match_prefix to order the queue.
         self.orderer = QueueOrderer(config, prefix_cache, random.Random(config.random_seed))
         self.waiting: list[Req] = []
         self._parked: Pull | None = None
@@ -224,7 +223,6 @@ class Policy(Actor[PolicyMsg]):
         if not self.waiting:
             return None
         level = self.priority_rule.level
-        # Worst priority; among equals the newest goes first.
         return max(self.waiting, key=lambda r: (level(r.priority), r.sched.enqueue_time))
 
     def _better(self, a: Req, b: Req) -> bool:

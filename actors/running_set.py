@@ -25,7 +25,7 @@ class RunningSet:
         self._rows_list: list[int] = []  # likewise
         self._rows = torch.empty(0, dtype=torch.int64)
         self._positions = np.empty(0, dtype=np.int64)  # each request's computed_len, now
-        self._round = 0  # rounds advanced so far
+        self._round = 0
         self._round_step = -1  # the step of the latest round
         self._synced_round: dict[Req, int] = {}  # the members, and the round their counters show
         self._last_round: dict[Req, int] = {}  # the round that launches a member's last token
