@@ -105,7 +105,6 @@ class Actor(ABC, Generic[M]):
         """Handle one message; may send messages to other actors."""
 
     async def send(self, msg: M) -> bool:
-        """Send to this actor's own mailbox (see `Mailbox.send`)."""
         return await self.mailbox.send(msg)
 
     def start(self, on_exit: ExitCallback) -> None:

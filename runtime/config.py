@@ -24,7 +24,6 @@ SJF_DEFAULT_AGING_S = 5.0
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    # model and device
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     device: str = "cpu"
@@ -55,14 +54,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     dist_init_addr: str | None = None  # "host:port" of the group's rendezvous; None: a free loopback port
     dist_timeout_s: float = 120.0  # a rank that answers no collective this long fails the engine
 
-    # memory
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
     max_running_requests: int | None = None  # None: min(256, what the pool holds)
     page_size: int = 1
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
 
-    # scheduling
     schedule_policy: str = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
     max_prefill_tokens: int = 16384
@@ -71,7 +68,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     schedule_conservativeness: float = 1.0
     disable_overlap_schedule: bool = False
 
-    # priority and admission
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
@@ -96,7 +92,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     fairness: str = "none"
     tenant_weights: str | None = None
 
-    # outputs
     stream_interval: int = 1
     tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
 

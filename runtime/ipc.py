@@ -22,7 +22,6 @@ from runtime.service import ServiceClass
 from runtime.stream import Delta
 
 
-# --- frontend -> core ---------------------------------------------------------------------------
 class CoreRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """A validated, tokenized request (the Receiver's checks are done)."""
 
@@ -62,7 +61,6 @@ class CoreShutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
 ToCore = CoreRequest | CoreAbort | CoreFlush | CoreStatsQuery | CoreShutdown
 
 
-# --- core -> frontend ---------------------------------------------------------------------------
 class CoreReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The model is loaded: the settings resolved against it, and the limits the Receiver checks."""
 

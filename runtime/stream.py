@@ -143,7 +143,6 @@ class StepOutbox:
         self.deltas.append(delta)
 
     def flush(self) -> None:
-        """Send what is pushed (nothing if empty)."""
         if self.rids:
             taken = self.rids, self.tokens, self.deltas
             self.rids, self.tokens, self.deltas = [], [], []
