@@ -7,7 +7,8 @@
 
 Keyword arguments of `Engine(...)` are `EngineConfig` fields. Many tasks may call one Engine at
 once. With `inline_core=False` the core (Policy, Adder, Executor, OutputProcessor) runs in a
-process of its own (api/core_process.py) and this process keeps the Receiver and the streams. Invalid requests raise `InvalidRequest`; a full queue, a queue timeout or eviction by a
+process of its own (api/core_process.py) and this process keeps the Receiver and the streams.
+Invalid requests raise `InvalidRequest`; a full queue, a queue timeout or eviction by a
 higher-priority request raise `Rejected`; an engine failure raises `EngineError`.
 """
 
@@ -105,7 +106,6 @@ class Engine:
         """The first (with dp_size 1, the only) core process's client."""
         return None if self.replicas is None else self.replicas.clients[0]
 
-    # --- lifecycle ----------------------------------------------------------------------------
     async def __aenter__(self) -> Engine:
         await self.start()
         return self
@@ -157,7 +157,6 @@ class Engine:
         self._closed = True
         await self._stop_actors("the engine is shutting down", status=503, code=SHUTTING_DOWN)
 
-    # --- requests -----------------------------------------------------------------------------
     async def generate(
         self,
         prompt: str | None = None,
@@ -276,7 +275,6 @@ class Engine:
         assert self._failure is not None
         return self._failure
 
-    # --- internals ----------------------------------------------------------------------------
     async def _submit(self, msg: Submit) -> None:
         if self._failure is not None:
             raise EngineError(f"the engine has failed: {self._failure}")

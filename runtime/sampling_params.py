@@ -27,8 +27,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     skip_special_tokens: bool = True
     logprobs: bool = False
     top_logprobs_num: int = 0
-    # Token id -> value added to its logit before sampling (OpenAI's logit_bias; JSON object keys
-    # are strings, the Receiver turns them into ids).
+    # Token id -> value added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] = {}
     # Constrained decoding (SGLang's names; at most one): a JSON schema as JSON text, a regular
     # expression, or an EBNF grammar (actors/grammar.py compiles them with xgrammar).
