@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator
@@ -157,10 +158,12 @@ async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_p
 
 
 async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_path):
+    socket_dirs = set(Path(tempfile.gettempdir()).glob("actorserve-*"))
     engine = Engine(model_path=model_path, inline_core=False, attention_backend="flashinfer")
     with pytest.raises(RuntimeError, match="could not start.*flashinfer"):
         await engine.start()
     assert not engine._started
+    assert set(Path(tempfile.gettempdir()).glob("actorserve-*")) <= socket_dirs  # its socket files are gone
     children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
     assert not [c for c in children if "actorserve-core" in Path(f"/proc/{c}/cmdline").read_text(errors="ignore")]
 
