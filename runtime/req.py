@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-
 from cache.keys import token_array
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass

@@ -14,6 +14,7 @@ from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, Submit, Wake
 from runtime.req import FinishReason, Req, end_request
+from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from runtime.stream import Delta, RequestStream
 from tests.actor_helpers import taken
@@ -200,3 +201,12 @@ async def test_a_request_leaves_the_live_map_with_its_final_delta_only():
     assert rig.to_policy.empty() and rig.to_adder.empty() and not req.sched.abort_requested
     await rig.submit("r1", input_ids=[3])  # its id is free again
     assert [r.origin_input_ids for r in rig.enqueued()] == [[3]]
+
+
+def test_what_the_caller_asked_cannot_be_changed_after_the_receiver_built_it():
+    req = Req(rid="r", origin_input_ids=[1, 2], sampling=SamplingParams())
+    with pytest.raises(AttributeError, match="immutable"):
+        req.priority = 5  # type: ignore[misc]
+    req.sched.enqueue_time = 1.0  # the owners' records stay writable
+    req.out.output_ids.append(7)
+    assert (req.priority, req.sched.enqueue_time, req.fill_ids) == (0, 1.0, [1, 2, 7])
