@@ -78,5 +78,4 @@ class VirtualTokenCounter:
 
 
 def generated_by_tenant(reqs: Sequence[Req], produces_token: Sequence[bool]) -> Counter[str]:
-    """Tokens one step generates, per tenant."""
     return Counter(tenant_of(req) for req, produced in zip(reqs, produces_token) if produced)

@@ -125,8 +125,7 @@ class QueueOrderer:
         raise ValueError(f"unknown schedule policy {policy!r}")
 
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
-        """Each request's level, lower first: its priority (signed so the better sorts first),
-        less one per `aging_s` waited."""
+        """Lower first: the priority is signed so that the better one sorts first."""
         level, aging_s = self.priority_rule.level, self.aging_s
         levels = [level(req.priority) for req in reqs] if by_priority else [0] * len(reqs)
         if aging_s is not None:

@@ -3,11 +3,9 @@
 Pure and synchronous: the Adder actor calls these, then allocates, frees and messages itself.
 Behaviour follows reference/sglang-behaviour.md ("Constants", "PrefillAdder", "Scheduler step").
 
-One round: build a fresh `PrefillAdder`; continue the chunked request first (`add_chunked_req`);
-then `add_one_req` per candidate in Policy order until a result is not CONTINUE (with priority
-scheduling, `select_preemption_victims` may make room for a refused one); allocate for every
-`admitted` entry, evicting first when short. The budgets guarantee `free + evictable` covers the
-extends, and every admitted prefix is locked, so eviction never takes an admitted request's prefix.
+The caller allocates for every `admitted` entry, evicting first when short: the budgets guarantee
+`free + evictable` covers the extends, and every admitted prefix is locked, so eviction never takes
+an admitted request's prefix.
 `add_one_req` sets `computed_len` to the matched length and leaves one lock on the matched node,
 which the KV ledger's row takes over (actors/kv_ledger.py).
 

@@ -104,7 +104,6 @@ class RadixCache(PrefixCache):
         self._leaves: set[RadixNode] = set()  # unlocked leaves: the eviction candidates
 
     def reset(self) -> None:
-        """Drop every cached prefix, returning its slots to the allocator; refused while a request holds a lock."""
         if self._protected:
             raise RuntimeError(f"reset while requests hold {self._protected} cached tokens")
         self._free([node.value for node in self._nodes()])  # type: ignore[misc]
@@ -119,8 +118,8 @@ class RadixCache(PrefixCache):
 
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        """Longest cached page-aligned prefix; splits the node the match ends inside, so
-        `last_node` ends exactly at the match, and touches the access time of the path."""
+        """Splits the node the match ends inside, so `last_node` ends exactly at the match; touches
+        the access time of the path."""
         parts: list[torch.Tensor] = []
         node, length = self._walk(self._query(token_ids), extra_key, parts)
         return MatchResult(length, node, parts)
@@ -229,7 +228,6 @@ class RadixCache(PrefixCache):
         return result
 
     def release_req(self, slots: torch.Tensor, last_node: RadixNode) -> None:
-        """Free the slots a request owns (positions from `last_node.depth` on) and unlock `last_node`."""
         self._free([slots[last_node.depth :]])
         self.dec_lock_ref(last_node)
 

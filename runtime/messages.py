@@ -44,7 +44,6 @@ class GenerateSpec(msgspec.Struct, frozen=True, kw_only=True):
     logprob_start_len: int = -1
 
 
-# --- Receiver ---------------------------------------------------------------------------------
 class Submit(msgspec.Struct, frozen=True, tag=True):
     spec: GenerateSpec
     stream: RequestStream
@@ -54,7 +53,6 @@ class AbortRequest(msgspec.Struct, frozen=True, tag=True):
     rid: str
 
 
-# --- Policy -----------------------------------------------------------------------------------
 class Enqueue(msgspec.Struct, frozen=True, tag=True):
     req: Req
 
@@ -98,7 +96,6 @@ class Wake(msgspec.Struct, frozen=True, tag=True):
     rid: str | None = None
 
 
-# --- Adder ------------------------------------------------------------------------------------
 class Ranked(msgspec.Struct, frozen=True, tag=True):
     reqs: list[Req]  # best first; the Adder now owns them and returns the ones it does not admit
     num_waiting: int  # still queued at the Policy after these
@@ -115,7 +112,6 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     done: asyncio.Future
 
 
-# --- Executor ---------------------------------------------------------------------------------
 class Batch(msgspec.Struct, frozen=True, tag=True):
     """One forward step. Decode rows carry no token values: the Executor reads them from its
     token pool at (row, position), so this batch can launch before the previous step's tokens

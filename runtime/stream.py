@@ -2,7 +2,6 @@
 
 Producers never wait on a slow reader: a push merges into the one pending delta, so a client
 that stops reading costs memory bounded by its own output, and the OutputProcessor never blocks.
-The final delta (with `finish_reason`) is delivered exactly once, whoever ends the request.
 """
 
 from __future__ import annotations
