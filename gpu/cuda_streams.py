@@ -1,9 +1,7 @@
 """Streams and events for the overlap schedule on CUDA.
 
 The scheduling stream (the event-loop thread's device work: table writes, input copies) and the
-forward stream (each step's forward and sampling, from the Executor's worker). `launch()` orders
-the forward stream after the scheduling stream's work without a host synchronisation.
-`HostResult.wait()` awaits a step's copy-out event in a helper thread, so the loop keeps running.
+forward stream (each step's forward and sampling, from the Executor's worker).
 
 Host values go to the device with `host_to_device()`: a blocking host-to-device copy synchronizes
 the current stream (PyTorch's `memcpy_and_sync`), which on the forward stream means waiting for
@@ -74,7 +72,8 @@ class StepStreams:
 
     @contextmanager
     def launch(self) -> Iterator[torch.cuda.Stream]:
-        """Issue the enclosed work on the forward stream, after the scheduling stream's work."""
+        """Issue the enclosed work on the forward stream, after the scheduling stream's work (a
+        device-side wait: the host does not synchronize)."""
         self.forward.wait_stream(self.schedule)
         with torch.cuda.stream(self.forward):
             yield self.forward

@@ -101,8 +101,7 @@ def paged_kv_plan_args(
     indptr[1:] = counts.cumsum(0)
     last_page_len = torch.tensor([n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32)
     total = int(indptr[-1])
-    # Only O(batch) values cross to the device, in one non-blocking copy (a blocking one would
-    # synchronize the forward stream, i.e. wait for the step in flight); the O(pages) index
+    # Only O(batch) values cross to the device (one `host_to_device` copy); the O(pages) index
     # arithmetic runs there. output_size spares repeat_interleave a device-to-host sync.
     counts_starts = host_to_device(torch.stack([counts, indptr[:-1].to(torch.int64)]), device)
     req_of_page = torch.repeat_interleave(torch.arange(len(pages), device=device), counts_starts[0], output_size=total)

@@ -1,10 +1,9 @@
 """Decode through CUDA graphs, padded to batch-size buckets.
 
 A decode step launches hundreds of small kernels; on a GPU the launch overhead, not the math,
-bounds small batches. Padded rows are the dummy request row 0 at position 0 writing the reserved
-KV slot 0, so they never touch a live request's KV. Attention metadata is planned outside the
-graph (a plan reads host-side lengths). The eager-replay mode (no capture) runs the same padding
-and buffer logic with a plain forward, so it is tested on a CPU.
+bounds small batches. Attention metadata is planned outside the graph (a plan reads host-side
+lengths). The eager-replay mode (no capture) runs the same padding and buffer logic with a plain
+forward, so it is tested on a CPU.
 
 Returned logits are a view of a buffer the next `run` overwrites (as with any CUDA graph output):
 consume them (sample) before the next decode step is launched on the same stream.
@@ -24,7 +23,8 @@ from gpu.forward_batch import ForwardBatch
 from gpu.models import CausalLM
 from runtime.forward_mode import ForwardMode
 
-# What padded rows read and write: the dummy request row and the reserved KV slot (see kv_pool.py).
+# Padded rows are the dummy request row at position 0 writing the reserved KV slot (see kv_pool.py),
+# so they never touch a live request's KV.
 DUMMY_ROW = 0
 DUMMY_SLOT = 0
 DUMMY_TOKEN = 0

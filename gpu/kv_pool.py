@@ -1,12 +1,8 @@
 """Paged KV memory: request rows, a token-slot allocator and the per-layer K/V buffers.
 
-- `ReqToTokenPool`: one row per live request (row 0 is a dummy used to pad graph batches); row r,
-  column p holds the KV slot of the request's token at position p.
-- `TokenSlotAllocator`: hands out KV slots a page at a time. Page 0 is reserved, so slot 0 is a
-  safe target for the writes of padded rows. Running out is an explicit `None`, never an overwrite.
-- `KVBuffers`: K and V tensors per layer, indexed by slot.
-
-The Adder owns allocation (rows and slots); the Executor owns the buffers.
+Row 0 and page 0 are reserved: padded graph-batch rows read and write them (gpu/graph_runner.py).
+Running out is an explicit `None`, never an overwrite. The Adder owns allocation (rows and
+slots); the Executor owns the buffers.
 """
 
 from __future__ import annotations
@@ -19,7 +15,8 @@ import torch
 
 
 class ReqToTokenPool:
-    """Request rows of KV slot indices: `[max_requests + 1, context_len]` int32; row 0 is the dummy."""
+    """`table[row, p]`: the KV slot of the row's request's token at position p;
+    `[max_requests + 1, context_len]` int32, row 0 the dummy."""
 
     def __init__(self, max_requests: int, context_len: int, device: str | torch.device = "cpu", record_writes: bool = False):
         if max_requests < 1 or context_len < 1:

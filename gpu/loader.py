@@ -29,8 +29,7 @@ DTYPES: dict[str, torch.dtype] = {
 logger = logging.getLogger(__name__)
 
 # torch.cpu.get_capabilities() keys for bfloat16 arithmetic in hardware: x86 AMX and AVX-512 BF16,
-# ARM FEAT_BF16 and SVE BF16. Without them a CPU emulates bfloat16 (converting to float32), which is
-# slower than float32 itself.
+# ARM FEAT_BF16 and SVE BF16.
 CPU_BF16_FEATURES = ("amx_bf16", "avx512_bf16", "bf16", "sve_bf16")
 
 
@@ -65,11 +64,7 @@ def cpu_bf16_features() -> tuple[str, ...] | None:
 
 def choose_dtype(name: str, device_type: str, checkpoint_dtype: str, cpu_bf16: tuple[str, ...] | None) -> tuple[str, str]:
     """(dtype name, why) for the `dtype` setting `name`; pure, so it is testable on any machine.
-
-    'auto' is the checkpoint's dtype on CUDA; on a CPU it is bfloat16 where the CPU computes it
-    natively (`cpu_bf16` names the features; None: unknown) and float32 otherwise. Other names
-    are returned as given (unsupported ones are rejected by `resolve_dtype`).
-    """
+    Names other than 'auto' are returned as given: `resolve_dtype` rejects unsupported ones."""
     if name != "auto":
         return name, "as configured"
     if device_type == "cuda":

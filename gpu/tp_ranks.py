@@ -2,8 +2,7 @@
 
 Rank 0 binds the rendezvous (a `TCPStore`) before it starts anyone, so a port in use is one clear
 error and no process is left behind. A rank exits on its own when rank 0's process is gone, so
-none outlives its core, even after a kill -9. `TPRanks.wait_exit` notices a rank that exits on a
-pidfd, without polling.
+none outlives its core, even after a kill -9.
 """
 
 from __future__ import annotations
