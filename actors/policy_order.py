@@ -125,9 +125,9 @@ class QueueOrderer:
         raise ValueError(f"unknown schedule policy {policy!r}")
 
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
-        """Lower first: the priority is signed so that the better one sorts first."""
-        level, aging_s = self.priority_rule.level, self.aging_s
-        levels = [level(req.priority) for req in reqs] if by_priority else [0] * len(reqs)
+        """Lower first: `PriorityRule.level`, less one per `aging_s` waited (see the module docstring)."""
+        level_of, aging_s = self.priority_rule.level, self.aging_s
+        levels = [level_of(req.priority) for req in reqs] if by_priority else [0] * len(reqs)
         if aging_s is not None:
             levels = [level - int((now - req.sched.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
         return levels

@@ -26,11 +26,11 @@ Where we differ from SGLang, on purpose:
 from __future__ import annotations
 
 import enum
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from cache import ChunkCache, MatchResult, PrefixCache, token_array
+from actors.priority import PriorityRule
+from cache import ChunkCache, MatchResult, PrefixCache
 from runtime.req import Req, match_key
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on max_new_tokens in admission estimates only
