@@ -167,6 +167,7 @@ class Probe:
     _gc_start: float = 0.0
     profiler: cProfile.Profile | None = None  # runs inside the handles named in profile_keys, while active
     profile_keys: frozenset[str] = frozenset()
+    _profiling: set[int] = field(default_factory=set)  # ids of the messages whose handle is profiled
 
     def on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
@@ -183,11 +184,14 @@ class Probe:
         if isinstance(msg, Batch) and self.on_batch is not None:
             self.on_batch(msg)
         if self.profiler is not None and self._profiled(key, msg):
+            self._profiling.add(id(msg))
             self.profiler.enable()
 
     def after(self, actor: Actor, msg: object, cpu_s: float, wall_s: float) -> None:
         key = f"{actor.name}.{type(msg).__name__}"
-        if self.profiler is not None and self._profiled(key, msg):
+        # Decided in `before`: `active` may change while the handle awaits.
+        if self.profiler is not None and id(msg) in self._profiling:
+            self._profiling.discard(id(msg))
             self.profiler.disable()
         if self.active:
             self.cpu[key] += cpu_s
