@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8
 	# The compiled CPU kernels (gpu/csrc/); without a C++ compiler the torch path runs instead.
 	$(PY) -m gpu.cpu_ops
+	# The router's compiled data plane (api/csrc/); without a C compiler the Python one runs instead.
+	$(PY) -m api.native
 	touch $(STAMP)
 
 serve: setup

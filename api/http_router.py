@@ -8,6 +8,9 @@ text of the body's token ids, prompt or chat messages), streaming
 included: the body's bytes pass unchanged as they arrive (api/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
 `/health` is 200 while one worker is healthy; `/get_server_info` lists the workers.
 
+Generation requests are relayed by the compiled data plane (api/csrc/relay.c, on a thread; see
+api/native_plane.py) where it could be built, else by api/relay.py in Python: `--data-plane`.
+
 A worker is taken out when its `/health` fails (checked every `health_check_interval_s`) or a
 request's connection to it fails; its requests in flight end with 503 `worker_unavailable` (an SSE
 error event when the stream had started). It comes back when `/health` answers 200 again.
@@ -17,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +32,9 @@ import aiohttp
 import msgspec
 import orjson
 
+from api import relay
+from api.native import native_library
+from api.native_plane import NativePlane
 from api.openai_schema import error_body
 from api.relay import ClientConnection, Exchange, Request, UpstreamPool
 from api.routing import NoHealthyReplica, Router, RouterConfig
@@ -36,6 +44,7 @@ log = logging.getLogger("actorserve.router")
 
 UNAVAILABLE = "worker_unavailable"
 GENERATION_PATHS = frozenset({b"/generate", b"/v1/completions", b"/v1/chat/completions"})
+DATA_PLANES = ("auto", "compiled", "python")  # auto: compiled where it could be built
 
 Answer = tuple[int, dict[str, Any]]
 
@@ -48,12 +57,18 @@ class RouterSettings:
     port: int = 31000
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 2.0
+    data_plane: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane {self.data_plane!r} is unknown; choose one of {', '.join(DATA_PLANES)}")
 
 
 class HttpRouter:
     """The workers' health and load, and what each request path does. Generation requests are
-    relayed by api/relay.py; the other paths are answered here (off the hot path, with aiohttp's
-    client)."""
+    relayed by the compiled data plane, or by api/relay.py with `router`, `in_flight` and `pool`
+    (the Python data plane's state); the other paths are answered here (off the hot path, with
+    aiohttp's client)."""
 
     def __init__(self, settings: RouterSettings):
         if not settings.worker_urls:
@@ -64,6 +79,7 @@ class HttpRouter:
         self.down_reason: dict[int, str] = {}
         self.in_flight: list[set[Exchange]] = [set() for _ in self.urls]
         self.pool = UpstreamPool(self.urls, settings.health_check_timeout_s, self._request_failed)
+        self.native: NativePlane | None = None
         self.session: aiohttp.ClientSession | None = None
         self._server: asyncio.Server | None = None
         self._clients: set[ClientConnection] = set()
@@ -79,16 +95,46 @@ class HttpRouter:
     async def start(self) -> int:
         """Listen on the settings' host:port (0: a free port); returns the port."""
         s = self.settings
+        library = self._compiled_data_plane()
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=s.health_check_timeout_s))
         loop = asyncio.get_running_loop()
+        serve = lambda: ClientConnection(self.handle, self._clients)  # noqa: E731
         try:
-            self._server = await loop.create_server(lambda: ClientConnection(self.handle, self._clients), s.host, s.port)
+            if library is None:
+                self._server = await loop.create_server(serve, s.host, s.port)
+                return await self._started(self._server.sockets[0].getsockname()[1])
+            listener = socket.create_server((s.host, s.port), family=socket.AF_INET6 if ":" in s.host else socket.AF_INET, backlog=1024)
         except OSError as exc:
             await self.close()
             raise RuntimeError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
+        try:  # the private listener for what the compiled plane passes on
+            self._server = await loop.create_server(serve, "127.0.0.1", 0)
+            self.native = NativePlane(library, self.urls, s.routing, s.health_check_timeout_s, relay.MAX_BODY, self._worker_failed)
+            await self.native.start(listener, self._server.sockets[0].getsockname()[1])
+        except BaseException:
+            listener.close()
+            await self.close()
+            raise
+        return await self._started(listener.getsockname()[1])
+
+    def _compiled_data_plane(self) -> ctypes.CDLL | None:
+        if self.settings.data_plane == "python":
+            return None
+        library = native_library()
+        if library is None and self.settings.data_plane == "compiled":
+            raise RuntimeError("the compiled data plane is unavailable here (see the warning above); use --data-plane python")
+        return library
+
+    async def _started(self, port: int) -> int:
         await self.check_health()
         self._spawn(self._health_loop())
-        return self._server.sockets[0].getsockname()[1]
+        return port
+
+    def load(self, worker: int) -> tuple[int, int]:
+        """Requests in flight to the worker and their prompt bytes."""
+        if self.native is not None:
+            return self.native.load(worker)
+        return self.router.loads[worker].requests, self.router.loads[worker].tokens
 
     async def close(self) -> None:
         if self._server is not None:
@@ -101,6 +147,8 @@ class HttpRouter:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.native is not None:
+            await self.native.close()
         await self.pool.close()
         if self.session is not None:
             await self.session.close()
@@ -125,7 +173,10 @@ class HttpRouter:
             if why is None and worker in self.down_reason:
                 log.info("worker %s is back", self.urls[worker])
                 del self.down_reason[worker]
-                self.router.set_healthy(worker, True)
+                if self.native is not None:
+                    self.native.worker_up(worker)
+                else:
+                    self.router.set_healthy(worker, True)
             elif why is not None:
                 self._mark_down(worker, why)
 
@@ -142,16 +193,21 @@ class HttpRouter:
         if worker not in self.down_reason:
             log.warning("worker %s is down: %s", self.urls[worker], why)
         self.down_reason[worker] = why
+        body = _error_body(503, f"worker {self.urls[worker]} is unavailable: {why}", UNAVAILABLE)
+        if self.native is not None:
+            self.native.worker_down(worker, body)
+            return
         self.router.set_healthy(worker, False)
         self.pool.drop_idle(worker)
-        message = f"worker {self.urls[worker]} is unavailable: {why}"
-        body = _error_body(503, message, UNAVAILABLE)
         event = b"data: " + body + b"\n\ndata: [DONE]\n\n"
         for exchange in list(self.in_flight[worker]):
             exchange.lose(body, event)
 
     def _request_failed(self, exchange: Exchange, why: str) -> None:
-        self._mark_down(exchange.worker, f"a request failed: {why}")
+        self._worker_failed(exchange.worker, why)
+
+    def _worker_failed(self, worker: int, why: str) -> None:
+        self._mark_down(worker, f"a request failed: {why}")
 
     # --- requests -----------------------------------------------------------------------------
     def handle(self, request: Request, client: ClientConnection) -> None:
@@ -198,8 +254,8 @@ class HttpRouter:
                 "url": url,
                 "healthy": i not in self.down_reason,
                 "down_reason": self.down_reason.get(i),
-                "requests": self.router.loads[i].requests,
-                "prompt_bytes": self.router.loads[i].tokens,
+                "requests": self.load(i)[0],
+                "prompt_bytes": self.load(i)[1],
             }
             for i, url in enumerate(self.urls)
         ]
@@ -296,6 +352,8 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--balance-rel-threshold", type=float, default=1.5)
     p.add_argument("--health-check-interval-s", type=float, default=5.0)
     p.add_argument("--health-check-timeout-s", type=float, default=2.0)
+    p.add_argument("--data-plane", default="auto", choices=DATA_PLANES,
+                   help="who relays generation requests: compiled C (api/csrc/relay.c), Python (api/relay.py), or auto: compiled where it could be built")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run)
 
@@ -311,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
     settings = RouterSettings(
         worker_urls=tuple(args.worker_urls), routing=routing, host=args.host, port=args.port,
         health_check_interval_s=args.health_check_interval_s, health_check_timeout_s=args.health_check_timeout_s,
+        data_plane=args.data_plane,
     )
     return uvloop.run(serve_router(settings))
 

@@ -352,7 +352,7 @@ class UpstreamPool:
     connection fails under a request (the router marks the worker down and ends the exchange)."""
 
     def __init__(self, urls: list[str], connect_timeout_s: float, on_lost: Callable[[Exchange, str], None]):
-        self._addresses = [_host_port(url) for url in urls]
+        self._addresses = [host_port(url) for url in urls]
         self._host_headers = [b"host: %s:%d\r\n" % (host.encode(), port) for host, port in self._addresses]
         self._connect_timeout_s = connect_timeout_s
         self.on_lost = on_lost
@@ -419,7 +419,7 @@ class UpstreamPool:
             self.drop_idle(worker)
 
 
-def _host_port(url: str) -> tuple[str, int]:
+def host_port(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"worker URL {url!r}: expected http://host:port (the router speaks plain HTTP/1.1 to workers)")

@@ -5,7 +5,7 @@ parse nothing: one in Python, one in C (the floor).
 
 Null workers (this module with `--null-worker PORT`: an aiohttp app in its own process that answers
 /health and /generate at once with a fixed body). In front of them, each in its own process:
-`actorserve router` (cache_aware); a bare Python relay (this module with `--bare-relay`: uvloop
+`actorserve router` (cache_aware) with its compiled data plane and with its Python one; a bare Python relay (this module with `--bare-relay`: uvloop
 protocols copying bytes to one worker and back, parsing nothing: what the event loop costs any
 Python hop); a C relay (bench/c_relay.c, compiled into build/ with the system's `cc`, skipped with
 a message when there is none: epoll copying bytes, what the kernel's loopback TCP costs any hop,
@@ -137,10 +137,12 @@ async def _measure(args: argparse.Namespace) -> None:
     c_relay = _build_c_relay()
     try:
         paths = [PathRuns("direct", "", [w.pid for w in workers])]
-        port = free_port()
         actorserve = str(Path(sys.executable).parent / "actorserve")
-        procs.append(subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(port), "--log-level", "warning"]))
-        paths.append(PathRuns("`actorserve router` (cache_aware)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
+        for plane in ("compiled", "python"):
+            port = free_port()
+            procs.append(subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(port), "--log-level", "warning",
+                                           "--data-plane", plane]))
+            paths.append(PathRuns(f"`actorserve router --data-plane {plane}` (cache_aware)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
         port = free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "bench.router_http", "--bare-relay", str(port), str(worker_ports[0])]))
         paths.append(PathRuns("bare Python relay (uvloop protocols, parses nothing)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
@@ -195,7 +197,7 @@ def _report(paths: list[PathRuns], args: argparse.Namespace) -> None:
         print(f"| {name} | {_spread(path.cpu_us, '{:.0f}')} | {statistics.median(path.system_us):.0f} | "
               f"{statistics.median(medians) * 1e3:.2f} | {added_text} | "
               f"{statistics.median(_p99(lat) for lat in path.latencies) * 1e3:.2f} |")
-    if len(paths) < 4:
+    if not paths[-1].name.startswith("C relay"):
         print("\n(no C relay: see the message above)")
 
 

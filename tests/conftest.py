@@ -97,3 +97,14 @@ def core_mode(request: pytest.FixtureRequest) -> dict[str, bool]:
     """Engine keyword arguments for each way of running the core: tests that only talk to the
     Engine's API take this and run in both."""
     return CORE_MODES[request.param]
+
+
+@pytest.fixture(params=["python", "compiled"])
+def router_plane(request: pytest.FixtureRequest) -> str:
+    """`actorserve router`'s data planes (api/http_router.py's `data_plane`): router tests take
+    this and run on both; the compiled one skips where it could not be built."""
+    from api.native import native_library
+
+    if request.param == "compiled" and native_library() is None:
+        pytest.skip("the router's compiled data plane could not be built here (no C compiler?)")
+    return request.param

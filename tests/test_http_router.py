@@ -76,11 +76,11 @@ def _wait_healthy(proc: subprocess.Popen, url: str) -> None:
 
 
 @asynccontextmanager
-async def _router(urls: list[str], policy: str = "round_robin", interval: float = 0.2, timeout: float = 0.5) -> AsyncIterator[str]:
-    """A router over `urls` on a free port: its base URL, while the block runs."""
+async def _router(urls: list[str], plane: str, interval: float = 0.2, timeout: float = 0.5) -> AsyncIterator[str]:
+    """A round_robin router over `urls` on a free port: its base URL, while the block runs."""
     settings = RouterSettings(
-        worker_urls=tuple(urls), routing=RouterConfig(policy=policy), port=0,
-        health_check_interval_s=interval, health_check_timeout_s=timeout,
+        worker_urls=tuple(urls), routing=RouterConfig(policy="round_robin"), port=0,
+        health_check_interval_s=interval, health_check_timeout_s=timeout, data_plane=plane,
     )
     router = HttpRouter(settings)
     port = await router.start()
@@ -101,10 +101,10 @@ async def _sse(session: aiohttp.ClientSession, url: str, body: dict) -> list[str
         return [line.decode().strip()[6:] async for line in r.content if line.startswith(b"data: ")]
 
 
-async def test_requests_pass_through_to_every_worker_with_the_same_answers(model_path):
+async def test_requests_pass_through_to_every_worker_with_the_same_answers(model_path, router_plane):
     with workers(model_path, 2) as procs:
         urls = [url for _, url in procs]
-        async with _router(urls) as base:
+        async with _router(urls, router_plane) as base:
             async with aiohttp.ClientSession() as session:
                 prompts = [[5, 6, 7], [9, 9, 9, 9], [11, 12], [3, 1, 4, 1, 5]]
                 direct = [await _post(session, f"{urls[0]}/generate", {"input_ids": p, "sampling_params": GREEDY}) for p in prompts]
@@ -129,10 +129,10 @@ async def test_requests_pass_through_to_every_worker_with_the_same_answers(model
                 assert all(w["requests"] == 0 for w in info["workers"])
 
 
-async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_other_keeps_serving(model_path):
+async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_other_keeps_serving(model_path, router_plane):
     with workers(model_path, 2) as procs:
         urls = [url for _, url in procs]
-        async with _router(urls) as base:
+        async with _router(urls, router_plane) as base:
             async with aiohttp.ClientSession() as session:
                 long = {**GREEDY, "max_new_tokens": 900}
                 responses = [await session.post(f"{base}/generate", json={"input_ids": [5 + i, 6], "sampling_params": long, "stream": True}) for i in range(2)]
@@ -156,12 +156,12 @@ async def test_kill_9_of_a_worker_mid_stream_ends_its_requests_with_503_and_the_
                     assert status == 200 and len(body["output_ids"]) == 8
 
 
-async def test_a_worker_that_never_answers_is_taken_out_and_none_left_is_503():
+async def test_a_worker_that_never_answers_is_taken_out_and_none_left_is_503(router_plane):
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)  # accepts connections, never answers
     try:
-        async with _router([f"http://127.0.0.1:{silent.getsockname()[1]}"], timeout=0.3) as base:
+        async with _router([f"http://127.0.0.1:{silent.getsockname()[1]}"], router_plane, timeout=0.3) as base:
             async with aiohttp.ClientSession() as session:
                 async with session.get(f"{base}/health") as r:
                     assert r.status == 503
@@ -173,22 +173,22 @@ async def test_a_worker_that_never_answers_is_taken_out_and_none_left_is_503():
         silent.close()
 
 
-async def test_router_that_cannot_bind_says_why():
+async def test_router_that_cannot_bind_says_why(router_plane):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        settings = RouterSettings(worker_urls=("http://127.0.0.1:1",), port=port)
+        settings = RouterSettings(worker_urls=("http://127.0.0.1:1",), port=port, data_plane=router_plane)
         with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
             await HttpRouter(settings).start()
         cli = subprocess.run(
-            [sys.executable, "-m", "api.cli", "router", "--worker-urls", "http://127.0.0.1:1", "--port", str(port)],
+            [sys.executable, "-m", "api.cli", "router", "--worker-urls", "http://127.0.0.1:1", "--port", str(port), "--data-plane", router_plane],
             capture_output=True, text=True, timeout=60,
         )
         assert cli.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in cli.stderr, cli.stderr
 
 
-async def test_a_worker_that_fails_its_health_check_leaves_and_comes_back():
+async def test_a_worker_that_fails_its_health_check_leaves_and_comes_back(router_plane):
     from aiohttp import web
 
     healthy = {"ok": True}
@@ -207,7 +207,7 @@ async def test_a_worker_that_fails_its_health_check_leaves_and_comes_back():
     await site.start()
     url = f"http://127.0.0.1:{worker.addresses[0][1]}"
     try:
-        async with _router([url], interval=0.05) as base:
+        async with _router([url], router_plane, interval=0.05) as base:
             async with aiohttp.ClientSession() as session:
 
                 async def routed_status() -> int:

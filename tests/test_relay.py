@@ -1,5 +1,6 @@
-"""The router's data plane (api/relay.py) over scripted aiohttp workers: framing, keep-alive,
-pipelining, bad requests and the ways a client or a worker can leave mid-request."""
+"""The router's data planes (api/relay.py in Python, api/csrc/relay.c compiled) over scripted
+aiohttp workers: framing, keep-alive, pipelining, bad requests and the ways a client or a worker
+can leave mid-request. Each test runs on both planes."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ class Worker:
     def __init__(self, events: int = 3, gap_s: float = 0.0):
         self.events, self.gap_s = events, gap_s
         self.peers: list[tuple[str, int]] = []  # the connection of each request
+        self.streams: list[asyncio.Transport] = []  # the connection of each streamed request
         self.bodies: list[bytes] = []
         self.disconnected = asyncio.Event()
         self.runner: web.AppRunner | None = None
@@ -32,6 +34,7 @@ class Worker:
         self.bodies.append(await request.read())
         if b'"stream": true' not in self.bodies[-1]:
             return web.json_response({"text": "hi", "path_qs": request.path_qs})
+        self.streams.append(request.transport)
         response = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await response.prepare(request)
         try:
@@ -57,10 +60,10 @@ class Worker:
 
 
 @asynccontextmanager
-async def routed(worker: Worker, interval: float = 5.0) -> AsyncIterator[tuple[HttpRouter, str]]:
+async def routed(worker: Worker, plane: str, interval: float = 5.0) -> AsyncIterator[tuple[HttpRouter, str]]:
     url = await worker.start()
     router = HttpRouter(RouterSettings(worker_urls=(url,), routing=RouterConfig(policy="round_robin"), port=0,
-                                       health_check_interval_s=interval, health_check_timeout_s=0.5))
+                                       health_check_interval_s=interval, health_check_timeout_s=0.5, data_plane=plane))
     port = await router.start()
     try:
         yield router, f"http://127.0.0.1:{port}"
@@ -100,36 +103,36 @@ def _post(path: str, body: bytes, extra: bytes = b"") -> bytes:
     return b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n%s\r\n%s" % (path, len(body), extra, body)
 
 
-async def test_requests_reuse_one_worker_connection_and_keep_their_query_and_body():
+async def test_requests_reuse_one_worker_connection_and_keep_their_query_and_body(router_plane):
     worker = Worker()
-    async with routed(worker) as (router, base), aiohttp.ClientSession() as session:
+    async with routed(worker, router_plane) as (router, base), aiohttp.ClientSession() as session:
         for i in range(3):
             async with session.post(f"{base}/generate?x={i}", data=b'{"text": "a"}') as r:
                 assert r.status == 200 and (await r.json())["path_qs"] == f"/generate?x={i}"
         assert len(set(worker.peers)) == 1  # one kept-alive connection carried all three
         assert worker.bodies == [b'{"text": "a"}'] * 3
-        assert router.router.loads[0].requests == 0 and not router.in_flight[0]
+        assert router.load(0) == (0, 0)
 
 
-async def test_a_stream_passes_through_event_by_event_in_chunks():
+async def test_a_stream_passes_through_event_by_event_in_chunks(router_plane):
     worker = Worker(events=4)
-    async with routed(worker) as (_, base), aiohttp.ClientSession() as session:
+    async with routed(worker, router_plane) as (_, base), aiohttp.ClientSession() as session:
         async with session.post(f"{base}/generate", data=b'{"text": "a", "stream": true}') as r:
             assert r.headers["content-type"] == "text/event-stream" and r.headers["transfer-encoding"] == "chunked"
             body = await r.read()
         assert body == b"".join(b'data: {"i": %d}\n\n' % i for i in range(4)) + b"data: [DONE]\n\n"
 
 
-async def test_pipelined_requests_are_answered_in_order():
+async def test_pipelined_requests_are_answered_in_order(router_plane):
     worker = Worker()
-    async with routed(worker) as (_, base):
+    async with routed(worker, router_plane) as (_, base):
         got = await _raw(base, _post(b"/generate?n=1", b"{}") + _post(b"/generate?n=2", b"{}"), b"n=2")
         assert got.count(b"HTTP/1.1 200") == 2 and got.index(b"n=1") < got.index(b"n=2")
 
 
-async def test_expect_100_continue_is_answered_before_the_body():
+async def test_expect_100_continue_is_answered_before_the_body(router_plane):
     worker = Worker()
-    async with routed(worker) as (_, base):
+    async with routed(worker, router_plane) as (_, base):
         host, port = base.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         try:
@@ -141,14 +144,14 @@ async def test_expect_100_continue_is_answered_before_the_body():
             writer.close()
 
 
-async def test_bad_requests_get_a_status_that_names_the_problem(monkeypatch):
+async def test_bad_requests_get_a_status_that_names_the_problem(router_plane, monkeypatch):
     worker = Worker()
-    async with routed(worker) as (_, base), aiohttp.ClientSession() as session:
+    monkeypatch.setattr(relay, "MAX_BODY", 100)
+    async with routed(worker, router_plane) as (_, base), aiohttp.ClientSession() as session:
         got = await _raw(base, b"NOT HTTP AT ALL\r\n\r\n", b"}")
         assert got.startswith(b"HTTP/1.1 400") and b"malformed HTTP request" in got
         error = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]  # the server's own error shape
         assert error["type"] == "invalid_request_error" and error["message"].startswith("malformed HTTP request")
-        monkeypatch.setattr(relay, "MAX_BODY", 100)
         got = await _raw(base, _post(b"/generate", b"x" * 200), b"}")
         assert got.startswith(b"HTTP/1.1 413") and b"larger than 100 bytes" in got
         async with session.get(f"{base}/nowhere") as r:
@@ -158,31 +161,29 @@ async def test_bad_requests_get_a_status_that_names_the_problem(monkeypatch):
         assert worker.bodies == []  # none of them reached the worker
 
 
-async def test_a_client_that_leaves_mid_stream_ends_the_workers_request():
+async def test_a_client_that_leaves_mid_stream_ends_the_workers_request(router_plane):
     worker = Worker(events=1000, gap_s=0.01)
-    async with routed(worker) as (router, base):
+    async with routed(worker, router_plane) as (router, base):
         _, writer = await _streaming(base)
         writer.close()
         await asyncio.wait_for(worker.disconnected.wait(), 5)
-        assert router.router.loads[0].requests == 0 and not router.in_flight[0]
+        assert router.load(0) == (0, 0)
         assert not router.down_reason  # a client leaving says nothing about the worker
 
 
-async def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_leaves():
+async def test_a_worker_lost_mid_stream_ends_the_stream_with_an_error_event_and_leaves(router_plane):
     worker = Worker(events=1000, gap_s=0.01)
-    async with routed(worker) as (router, base):
+    async with routed(worker, router_plane) as (router, base):
         reader, writer = await _streaming(base)
-        upstream = next(iter(router.in_flight[0])).upstream
-        assert upstream is not None and upstream.transport is not None
-        upstream.transport.abort()  # the worker's connection drops mid-stream
+        worker.streams[-1].abort()  # the worker's connection drops mid-stream
         tail = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 5)  # the stream's last chunk
         writer.close()
         assert b"worker_unavailable" in tail and tail.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
-        assert router.router.loads[0].requests == 0 and not router.in_flight[0]
+        assert router.load(0) == (0, 0)
         assert "a request failed" in router.down_reason[0]
 
 
-async def test_a_worker_lost_inside_a_body_of_known_length_closes_the_client_connection():
+async def test_a_worker_lost_inside_a_body_of_known_length_closes_the_client_connection(router_plane):
     async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
         if head.startswith(b"GET /health"):
@@ -193,12 +194,12 @@ async def test_a_worker_lost_inside_a_body_of_known_length_closes_the_client_con
         writer.close()
 
     server = await asyncio.start_server(worker, "127.0.0.1", 0)
-    router = HttpRouter(RouterSettings(worker_urls=(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",), port=0))
+    router = HttpRouter(RouterSettings(worker_urls=(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",), port=0, data_plane=router_plane))
     port = await router.start()
     try:
         got = await _raw(f"http://127.0.0.1:{port}", _post(b"/generate", b"{}"), b"never")
         assert got.startswith(b"HTTP/1.1 200") and b"content-length: 100" in got and got.endswith(b"only part")
-        assert router.router.loads[0].requests == 0 and "a request failed" in router.down_reason[0]
+        assert router.load(0) == (0, 0) and "a request failed" in router.down_reason[0]
     finally:
         await router.close()
         server.close()
