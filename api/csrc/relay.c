@@ -75,6 +75,7 @@ static int buf_reserve(buf *b, size_t extra) {
 }
 
 static int buf_add(buf *b, const void *data, size_t len) {
+    if (len == 0) return 0; /* either side may be an empty buffer's NULL, which memcpy may not get */
     if (buf_reserve(b, len) != 0) return -1;
     memcpy(b->data + b->end, data, len);
     b->end += len;
@@ -138,6 +139,7 @@ typedef struct client {
     exchange *exchange; /* the request being answered; the next one waits in `in` */
     int closing;        /* close once `out` is sent */
     int continued;      /* "100 Continue" sent for the request being read */
+    int starting;       /* client_next is on the stack */
     struct client *prev, *next;
 } client;
 
@@ -452,9 +454,9 @@ static framing read_framing(const head *h) {
         if (is(x->name, x->name_len, "content-length")) {
             int64_t n = 0;
             if (x->value_len == 0 || x->value_len > 18) f.bad = 1;
-            for (size_t j = 0; j < x->value_len; j++) {
+            for (size_t j = 0; j < x->value_len && !f.bad; j++) { /* up to 18 digits: n cannot overflow */
                 if (x->value[j] < '0' || x->value[j] > '9') f.bad = 1;
-                n = n * 10 + (x->value[j] - '0');
+                else n = n * 10 + (x->value[j] - '0');
             }
             if (f.content_length >= 0 && f.content_length != n) f.bad = 1;
             f.content_length = n;
@@ -481,8 +483,8 @@ static int dechunk(dechunker *d, buf *in, int (*emit)(void *, const char *, size
     for (;;) {
         char *data = buf_at(in);
         size_t len = buf_len(in);
+        if (len == 0) return 0; /* and memmem may not get an empty buffer's NULL */
         if (d->state == CHUNK_DATA) {
-            if (len == 0) return 0;
             size_t n = len < d->remaining ? len : (size_t)d->remaining;
             if (emit(context, data, n) != 0) return -1;
             buf_consume(in, n);
@@ -864,44 +866,46 @@ static void dispatch(relay *r, client *cl, const head *h, const char *body, size
 
 static int collect_body(void *context, const char *data, size_t len) { return buf_add(context, data, len); }
 
-/* Parse the next request in the client's buffer and start it, if it is all there. */
-static void client_next(relay *r, client *cl) {
-    if (cl->exchange != NULL || cl->closing) return;
+/* Parse the next request in the client's buffer and start it, if it is all there: 1 if it was. */
+static int client_start(relay *r, client *cl) {
+    if (cl->exchange != NULL || cl->closing) return 0;
     buf *in = &cl->c.in;
     head h;
     int got = parse_head(buf_at(in), buf_len(in), &h);
-    if (got == 0) {
-        if (buf_len(in) > MAX_HEAD) client_refuse(r, cl, 431, "the request head is larger than 65536 bytes");
-        return;
+    if (got == 0 ? buf_len(in) > MAX_HEAD : h.head_len > MAX_HEAD) { /* a whole head may come in one read */
+        client_refuse(r, cl, 431, "the request head is larger than 65536 bytes");
+        return 0;
     }
+    if (got == 0) return 0;
     const char *line = h.first_line, *sp1 = memchr(line, ' ', h.first_line_len);
     const char *sp2 = sp1 ? memchr(sp1 + 1, ' ', (size_t)(line + h.first_line_len - sp1 - 1)) : NULL;
     size_t version_len = sp2 ? (size_t)(line + h.first_line_len - sp2 - 1) : 0;
     if (got < 0 || sp1 == NULL || sp2 == NULL || sp1 == line || sp2 == sp1 + 1 || sp1[1] != '/' || version_len != 8 ||
         strncmp(sp2 + 1, "HTTP/1.", 7) != 0 || (sp2[8] != '0' && sp2[8] != '1')) {
         client_refuse(r, cl, 400, "malformed HTTP request: not an HTTP/1.x request head");
-        return;
+        return 0;
     }
     framing f = read_framing(&h);
     if (f.bad) {
         client_refuse(r, cl, 400, "malformed HTTP request: bad content-length or transfer-encoding");
-        return;
+        return 0;
     }
     if (f.upgrade) {
         client_refuse(r, cl, 400, "protocol upgrades are not supported");
-        return;
+        return 0;
     }
     int keep_alive = sp2[8] == '1' ? !f.close : f.keep_alive_asked && !f.close;
     char body_limit[96];
     snprintf(body_limit, sizeof body_limit, "the request body is larger than %lld bytes", (long long)r->config->max_body);
     if (f.content_length > r->config->max_body) {
         client_refuse(r, cl, 413, body_limit);
-        return;
+        return 0;
     }
     if (f.chunked) {
         /* Rare on this path: decoded from the start each time more arrives, then sent with a length. */
         buf rest = {0}, body = {0};
         dechunker d = {CHUNK_SIZE, 0};
+        int started = 0;
         int done = buf_add(&rest, buf_at(in) + h.head_len, buf_len(in) - h.head_len) != 0 ? -1 : dechunk(&d, &rest, collect_body, &body);
         if (done == 1 && (int64_t)buf_len(&body) <= r->config->max_body) {
             size_t used = buf_len(in) - buf_len(&rest);
@@ -914,6 +918,7 @@ static void client_next(relay *r, client *cl) {
                 cl->continued = 0;
                 dispatch(r, cl, &moved, buf_at(&body), buf_len(&body), keep_alive);
                 free(copy);
+                started = 1;
             }
         } else if (done < 0) {
             client_refuse(r, cl, 400, "malformed HTTP request: bad chunked body");
@@ -926,7 +931,7 @@ static void client_next(relay *r, client *cl) {
         }
         buf_free(&rest);
         buf_free(&body);
-        return;
+        return started;
     }
     size_t body_len = f.content_length < 0 ? 0 : (size_t)f.content_length;
     if (buf_len(in) - h.head_len < body_len) {
@@ -935,7 +940,7 @@ static void client_next(relay *r, client *cl) {
             ADD_TEXT(&cl->c.out, "HTTP/1.1 100 Continue\r\n\r\n");
             client_flush(r, cl);
         }
-        return;
+        return 0;
     }
     cl->continued = 0;
     /* The request is built from `in` before it is consumed: nothing below reads `in` again. */
@@ -943,7 +948,17 @@ static void client_next(relay *r, client *cl) {
     char *start = buf_at(in);
     in->start += used; /* consumed in place; the bytes stay valid until the next read */
     dispatch(r, cl, &h, start + h.head_len, body_len, keep_alive);
-    (void)start;
+    return 1;
+}
+
+/* Start the client's buffered requests in turn. One answered at once (a 503, a refusal) ends in
+ * client_done, which calls back here: a loop instead of that recursion keeps the stack flat
+ * under thousands of pipelined requests. */
+static void client_next(relay *r, client *cl) {
+    if (cl->starting) return; /* the loop further up the stack goes on */
+    cl->starting = 1;
+    while (cl->c.fd >= 0 && client_start(r, cl)) continue;
+    cl->starting = 0;
 }
 
 static void client_readable(relay *r, client *cl, uint32_t events) {
