@@ -23,7 +23,6 @@ the prompts inserted, compared with slices of the same type.
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 from collections.abc import Sequence
@@ -83,7 +82,8 @@ class Router:
         if policy == "round_robin":
             return live[next(self._turn) % len(live)]
         if policy == "routing_key" and routing_key is not None:
-            return max(live, key=lambda i: _rendezvous_weight(routing_key, i))
+            keyed = _key_hash(routing_key)
+            return max(live, key=lambda i: _replica_weight(keyed, i))
         if policy == "cache_aware":
             walk = self.tree.walk(prompt)  # matched once, inserted along the same path
             replica = self._cache_aware(prompt, live, walk.matched)
@@ -123,9 +123,32 @@ class Router:
             self.tree.drop_replica(replica)
 
 
-def _rendezvous_weight(key: str, replica: int) -> int:
-    digest = hashlib.blake2b(f"{replica}\0{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+# Rendezvous weights: 64-bit FNV-1a over the UTF-8 of f"{key}\0{replica}", then splitmix64's
+# finalizer (FNV-1a leaves its last bytes, the replica's digits, poorly mixed into the high bits).
+# Short enough for api/csrc/route.c to compute the same; the key comes first so that both hash it
+# once per request and only the replica's digits per replica.
+_FNV_OFFSET = 0xCBF29CE484222325
+_FNV_PRIME = 0x100000001B3
+_MASK64 = (1 << 64) - 1
+
+
+def _key_hash(key: str) -> int:
+    """FNV-1a of the key and its separator. A lone surrogate (JSON allows "\\ud800") is encoded
+    as its three bytes instead of raising."""
+    return _fnv1a(_FNV_OFFSET, key.encode("utf-8", "surrogatepass") + b"\0")
+
+
+def _replica_weight(keyed: int, replica: int) -> int:
+    z = _fnv1a(keyed, str(replica).encode())
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _fnv1a(h: int, data: bytes) -> int:
+    for byte in data:
+        h = ((h ^ byte) * _FNV_PRIME) & _MASK64
+    return h
 
 
 @dataclass(eq=False, slots=True)
