@@ -87,6 +87,8 @@ class NativePlane:
     def load(self, worker: int) -> tuple[int, int]:
         """Requests in flight and their prompt bytes: read while the thread writes them, so a
         snapshot, as any load figure is."""
+        if not self._router:  # closed
+            return 0, 0
         return self._library.route_requests(self._router, worker), self._library.route_tokens(self._router, worker)
 
     async def close(self) -> None:

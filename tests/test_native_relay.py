@@ -67,7 +67,7 @@ async def test_close_ends_the_thread_and_closes_every_socket_it_opened():
     assert worker.runner is not None
     try:
         before = _open_files()
-        async with router_for([url], PLANE) as (_, base):
+        async with router_for([url], PLANE) as (router, base):
             held = [await _connect(base) for _ in range(2)]
             for _, writer in held:  # two requests at once: two worker connections, then idle in the pool
                 writer.write(_post(b"/generate", b"{}"))
@@ -76,6 +76,7 @@ async def test_close_ends_the_thread_and_closes_every_socket_it_opened():
                 writer.close()
             reader, writer = await _streaming(base)  # and a stream in flight
         assert "actorserve-relay" not in [t.name for t in threading.enumerate()]
+        assert router.load(0) == (0, 0)  # the routing state is freed: read, it says nothing is in flight
         assert not (await asyncio.wait_for(reader.read(), 5)).endswith(b"0\r\n\r\n")  # cut off by the close
         writer.close()
         await _eventually(lambda: not _open_files() - before)  # the worker's ends close as it sees the router's go

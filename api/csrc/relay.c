@@ -36,6 +36,7 @@
 #define CLIENT_OUT_HIGH (1 << 20)  /* stop reading the worker while the client has this much unsent */
 #define UPSTREAM_IDLE_S 30.0       /* below aiohttp's keep-alive (75 s), as in api/relay.py */
 #define READ_SIZE 16384
+#define ACCEPT_PAUSE_S 0.1
 
 struct relay_config {
     int listen_fd;  /* bound and listening; the caller closes it */
@@ -192,6 +193,7 @@ typedef struct {
     client *clients;
     upstream *connecting;
     conn *retired;
+    double accept_resumes; /* 0, or when to listen again after running out of descriptors */
     int stopping;
 } relay;
 
@@ -978,7 +980,12 @@ static void client_readable(relay *r, client *cl, uint32_t events) {
 static void accept_clients(relay *r) {
     for (;;) {
         int fd = accept4(r->listener.fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) return; /* EAGAIN, or out of descriptors: the next event retries */
+        if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+            /* The listener stays readable while out of descriptors: without a pause this would spin. */
+            watch(r, &r->listener, 0);
+            r->accept_resumes = now_s() + ACCEPT_PAUSE_S;
+        }
+        if (fd < 0) return;
         client *cl = calloc(1, sizeof *cl);
         int one = 1;
         if (cl == NULL) {
@@ -1031,8 +1038,8 @@ static void expire_connects(relay *r) {
 }
 
 static int next_timeout_ms(relay *r) {
-    if (r->connecting == NULL) return 1000;
-    double soonest = r->connecting->deadline;
+    if (r->connecting == NULL && r->accept_resumes == 0) return 1000;
+    double soonest = r->accept_resumes ? r->accept_resumes : r->connecting->deadline;
     for (upstream *u = r->connecting; u != NULL; u = u->next)
         if (u->deadline < soonest) soonest = u->deadline;
     double wait = (soonest - now_s()) * 1000.0;
@@ -1121,6 +1128,7 @@ int relay_run(const struct relay_config *config) {
         int n = epoll_wait(r.epoll_fd, events, 64, next_timeout_ms(&r));
         for (int i = 0; i < n; i++) handle_event(&r, events[i].data.ptr, events[i].events);
         if (r.connecting != NULL) expire_connects(&r);
+        if (r.accept_resumes && now_s() >= r.accept_resumes && watch(&r, &r.listener, EPOLLIN) == 0) r.accept_resumes = 0;
         free_retired(&r);
     }
     epoll_ctl(r.epoll_fd, EPOLL_CTL_DEL, config->listen_fd, NULL);
