@@ -319,7 +319,10 @@ def _routing_of(body: bytes) -> tuple[bytes, str | None]:
     prompt = fields.input_ids or fields.prompt or fields.text or fields.messages
     routing_key = None
     if fields.routing_key:
-        value = msgspec.json.decode(fields.routing_key)
+        try:  # scanned as Raw, a value can still fail to decode (bad UTF-8, a number past float range)
+            value = msgspec.json.decode(fields.routing_key)
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError):
+            value = None
         routing_key = value if isinstance(value, str) else None
     return bytes(prompt), routing_key
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import ctypes
 
-import msgspec
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.http_router import _routing_fields, _routing_of
+from api.http_router import _routing_of
 from api.native import native_library
 from api.routing import NoHealthyReplica, Router, RouterConfig
 from bench.workloads import make_workload
@@ -259,13 +258,7 @@ def native_fields(body: bytes, key_cap: int = KEY_CAP) -> tuple[bytes, bytes | N
 
 
 def python_fields(body: bytes) -> tuple[bytes, bytes | None]:
-    try:
-        prompt, key = _routing_of(body)
-    except (UnicodeDecodeError, msgspec.ValidationError):
-        # _routing_of raises when msgspec skipped the routing key's value but cannot decode it (bytes
-        # that are not UTF-8, a number beyond a float's range); route.c routes such a body without a key.
-        fields = _routing_fields.decode(body)
-        return bytes(fields.input_ids or fields.prompt or fields.text or fields.messages), None
+    prompt, key = _routing_of(body)
     return prompt, None if key is None else key.encode()
 
 
@@ -378,13 +371,11 @@ def test_the_routing_key_is_decoded_to_utf8_and_a_lone_surrogate_voids_the_body(
 
 
 def test_a_routing_key_that_msgspec_skips_but_cannot_decode_routes_without_a_key():
-    """_routing_of raises here (msgspec scans the value, then decoding it fails); route.c routes
-    such a body by its prompt, without a key."""
+    """msgspec scans such a value as Raw, then decoding it fails: both route the body by its
+    prompt, without a key."""
     for raw in [b'"\xff"', b'"\xed\xa0\x80"', b'"\xc0\x80"', b'"a\xe2\x82"', b"1e400", b'[{"\xff":1}]']:
         body = b'{"text":"t","routing_key":' + raw + b"}"
-        with pytest.raises((UnicodeDecodeError, msgspec.ValidationError)):
-            _routing_of(body)
-        assert native_fields(body) == (b'"t"', None)
+        assert native_fields(body) == python_fields(body) == (b'"t"', None)
 
 
 def test_a_routing_key_longer_than_the_buffer_counts_as_none():

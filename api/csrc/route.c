@@ -501,16 +501,19 @@ int route_choose(route_router *rt, const uint8_t *prompt, size_t prompt_len, con
 
 static bool known(const route_router *rt, int replica) { return replica >= 0 && replica < rt->replicas; }
 
+/* The load figures are the one thing another thread reads (route_requests, route_tokens: the
+ * Python router's /get_server_info), so they are stored and read atomically; one thread writes. */
+static void add_load(route_router *rt, int replica, int64_t requests, int64_t tokens) {
+    __atomic_store_n(&rt->requests[replica], rt->requests[replica] + requests, __ATOMIC_RELAXED);
+    __atomic_store_n(&rt->tokens[replica], rt->tokens[replica] + tokens, __ATOMIC_RELAXED);
+}
+
 void route_started(route_router *rt, int replica, int64_t tokens) {
-    if (!known(rt, replica)) return;
-    rt->requests[replica]++;
-    rt->tokens[replica] += tokens;
+    if (known(rt, replica)) add_load(rt, replica, 1, tokens);
 }
 
 void route_finished(route_router *rt, int replica, int64_t tokens) {
-    if (!known(rt, replica)) return;
-    rt->requests[replica]--;
-    rt->tokens[replica] -= tokens;
+    if (known(rt, replica)) add_load(rt, replica, -1, -tokens);
 }
 
 void route_set_healthy(route_router *rt, int replica, int healthy) {
@@ -522,9 +525,13 @@ void route_set_healthy(route_router *rt, int replica, int healthy) {
     if (!healthy) drop_replica(&rt->tree, replica); /* what it cached is gone, or stale when it returns */
 }
 
-int64_t route_requests(const route_router *rt, int replica) { return known(rt, replica) ? rt->requests[replica] : 0; }
+int64_t route_requests(const route_router *rt, int replica) {
+    return known(rt, replica) ? __atomic_load_n(&rt->requests[replica], __ATOMIC_RELAXED) : 0;
+}
 
-int64_t route_tokens(const route_router *rt, int replica) { return known(rt, replica) ? rt->tokens[replica] : 0; }
+int64_t route_tokens(const route_router *rt, int replica) {
+    return known(rt, replica) ? __atomic_load_n(&rt->tokens[replica], __ATOMIC_RELAXED) : 0;
+}
 
 int64_t route_tree_size(const route_router *rt, int replica) { return known(rt, replica) ? rt->tree.size[replica] : 0; }
 
