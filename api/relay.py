@@ -86,6 +86,7 @@ class ClientConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._out: list[bytes] = []  # written at once by flush(): one send per upstream read
+        self._refusal: bytes | None = None  # the answer to bad bytes, due once the requests before them are answered
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,6 +94,8 @@ class ClientConnection(asyncio.Protocol):
         self._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._refusal is not None:  # llhttp stays in its error; the connection ends once answered
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -178,15 +181,23 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
 
     def _next(self) -> None:
-        if self._waiting and self.transport is not None:
+        if self.transport is None:
+            return
+        if self._waiting:
             self._busy = True
             self._handle(self._waiting.popleft(), self)
+        elif self._refusal is not None:
+            self.write(self._refusal)
+            self.close()
 
     def _refuse(self, status: int, message: str) -> None:
-        self._waiting.clear()
+        """Bad bytes end the connection, but the requests parsed before them are answered first,
+        in order, as HTTP/1.1 pipelining asks."""
+        self._refusal = response_bytes(status, orjson.dumps(error_body(status, message)), False)
+        if self.transport is not None:
+            self.transport.pause_reading()
         if not self._busy:
-            self.write(response_bytes(status, orjson.dumps(error_body(status, message)), False))
-        self.close()
+            self._next()
 
 
 # --- the worker side -------------------------------------------------------------------------------
@@ -281,6 +292,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._reason = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._content_length: int | None = None
+        self._worker_chunked = False
+        self._interim = False  # the head parsed is a 1xx: the final response follows
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
@@ -294,10 +307,23 @@ class UpstreamConnection(asyncio.Protocol):
         if client is not None:
             client.flush()
 
+    def eof_received(self) -> bool | None:
+        # httptools cannot be told of the EOF (it has no llhttp_finish), so a body delimited by the
+        # worker's close is ended here; any other response cut short is lost in connection_lost.
+        if self._reads_until_close():
+            self.on_message_complete()
+        return None
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self._pool.forget(self)
         self._lost(f"connection lost: {exc!r}" if exc else "connection closed by the worker")
+
+    def _reads_until_close(self) -> bool:
+        """A final head came without content-length or chunked: the worker's close ends the body
+        (1xx, 204 and 304 have no body and are complete before this could be asked)."""
+        exchange = self.exchange
+        return exchange is not None and exchange.head_sent and self._content_length is None and not self._worker_chunked
 
     def send(self, exchange: Exchange) -> None:
         assert self.transport is not None and self.exchange is None
@@ -317,10 +343,13 @@ class UpstreamConnection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-length":
             self._content_length = int(value)
+        elif name == b"transfer-encoding":
+            self._worker_chunked = True  # or a coding relay.c refuses: either way the worker's close cuts the body short
         self._headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        if self.exchange is not None:
+        self._interim = self._parser.get_status_code() < 200
+        if self.exchange is not None and not self._interim:
             self.exchange.response_head(self._parser.get_status_code(), self._reason, self._headers, self._content_length)
 
     def on_body(self, body: bytes) -> None:
@@ -328,9 +357,12 @@ class UpstreamConnection(asyncio.Protocol):
             self.exchange.response_body(body)
 
     def on_message_complete(self) -> None:
+        self._reason, self._headers, self._content_length, self._worker_chunked = b"", [], None, False
+        if self._interim:  # llhttp ends a 1xx as a message of its own; the exchange waits on
+            self._interim = False
+            return
         exchange, self.exchange = self.exchange, None
         reusable = self._parser.should_keep_alive()
-        self._reason, self._headers, self._content_length = b"", [], None
         if exchange is not None:
             exchange.upstream = None
             exchange.response_complete()

@@ -1,7 +1,7 @@
 """The router's data planes (api/relay.py in Python, api/csrc/relay.c compiled) over scripted
 workers (aiohttp, or raw asyncio streams for what aiohttp would not write): framing, keep-alive,
 pipelining, bad requests and the ways a client or a worker can leave mid-request. Each test runs on
-both planes; a case api/relay.py gets wrong is a strict xfail on its plane."""
+both planes."""
 
 from __future__ import annotations
 
@@ -409,16 +409,8 @@ WORKER_RESPONSES = {  # what the worker writes -> the status line, headers and b
 }
 
 
-def _python_plane_gap(request: pytest.FixtureRequest, plane: str, why: str) -> None:
-    """A case api/relay.py gets wrong (relay.c gets it right): kept visible as a strict xfail."""
-    if plane == "python":
-        request.node.add_marker(pytest.mark.xfail(reason=why, strict=True))
-
-
 @pytest.mark.parametrize("case", list(WORKER_RESPONSES))
-async def test_worker_responses_reach_the_client_in_the_relays_framing(router_plane, case, request):
-    if case == "interim first":
-        _python_plane_gap(request, router_plane, "api/relay.py passes a worker's 1xx on as the final response")
+async def test_worker_responses_reach_the_client_in_the_relays_framing(router_plane, case):
     written, status_line, body = WORKER_RESPONSES[case]
     async with raw_routed(sends(written), router_plane) as (router, base, worker):
         reader, writer = await _connect(base)
@@ -434,8 +426,7 @@ async def test_worker_responses_reach_the_client_in_the_relays_framing(router_pl
         assert not router.down_reason
 
 
-async def test_a_response_without_length_is_read_until_the_worker_closes(router_plane, request):
-    _python_plane_gap(request, router_plane, "api/relay.py takes the worker's close for a lost connection, not the body's end")
+async def test_a_response_without_length_is_read_until_the_worker_closes(router_plane):
     async with raw_routed(sends(b"HTTP/1.1 200 OK\r\nx-kept: 1\r\n\r\nhello world", keep=False), router_plane) as (router, base, _):
         reader, writer = await _connect(base)
         for _ in range(2):
@@ -548,12 +539,13 @@ async def test_a_body_shorter_than_its_content_length_then_a_close_leaves_no_loa
         assert worker.bodies == [b'{"text": "a"}']
 
 
-async def test_bytes_past_a_body_are_the_next_request_and_a_bad_one_is_400_after_the_first_answer(router_plane, request):
-    _python_plane_gap(request, router_plane, "api/relay.py drops the request in flight when the next one is malformed")
+async def test_bytes_past_a_body_are_the_next_request_and_a_bad_one_is_400_after_the_first_answer(router_plane):
     worker = Worker()
     async with routed(worker, router_plane) as (router, base):
-        got = await _raw(base, _post(b"/generate", b"{}") + b"NOT A REQUEST\r\n\r\n", b"malformed")
-        assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400" in got
+        got = _fed(await _raw(base, _post(b"/generate", b"{}") + b"NOT A REQUEST\r\n\r\n", b"never sent"))  # to EOF: the 400 closes
+        (status, _, body), (refused, _, why) = await _response(got), await _response(got)
+        assert (status, json.loads(body)["text"]) == (b"HTTP/1.1 200 OK", "hi")
+        assert refused == b"HTTP/1.1 400 Bad Request" and b"malformed" in why and got.at_eof()
         await _settled(router)
         await _still_serves(base)
 
