@@ -320,13 +320,13 @@ bodies = rarely(
 )
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(body=bodies)
 def test_fields_equal_routing_of_on_generated_bodies(body):
     assert native_fields(body) == python_fields(body)
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(body=bodies, data=st.data())
 def test_fields_equal_routing_of_on_mutated_bodies(body, data):
     at = data.draw(st.integers(0, len(body)))

@@ -36,6 +36,7 @@
 #define CLIENT_OUT_HIGH (1 << 20)  /* stop reading the worker while the client has this much unsent */
 #define UPSTREAM_IDLE_S 30.0       /* below aiohttp's keep-alive (75 s), as in api/relay.py */
 #define READ_SIZE 16384
+#define READ_ROUND (256 * 1024)
 #define ACCEPT_PAUSE_S 0.1
 
 struct relay_config {
@@ -234,12 +235,15 @@ static int conn_flush(relay *r, conn *c) {
  * call: epoll reports it again), 0 on EOF, -1 on error, 2 if nothing was there. */
 static int conn_read(conn *c) {
     int got = 2;
-    for (;;) {
+    /* At most READ_ROUND per call: a worker far ahead of a slow client must not fill memory before
+     * the client's backlog pauses it; level-triggered epoll reports the rest. */
+    for (size_t total = 0; total < READ_ROUND;) {
         if (buf_reserve(&c->in, READ_SIZE) != 0) return -1;
         size_t space = c->in.cap - c->in.end;
         ssize_t n = recv(c->fd, c->in.data + c->in.end, space, 0);
         if (n > 0) {
             c->in.end += (size_t)n;
+            total += (size_t)n;
             got = 1;
             if ((size_t)n < space) return got; /* a short read: the socket is drained, no EAGAIN call needed */
         } else if (n == 0) {
@@ -252,6 +256,7 @@ static int conn_read(conn *c) {
             return got == 1 ? 1 : -1;
         }
     }
+    return got;
 }
 
 static void conn_close(relay *r, conn *c) {
@@ -441,6 +446,18 @@ static const struct {
 static int is_hop_header(const header *h) {
     for (size_t i = 0; i < sizeof HOP_HEADERS / sizeof *HOP_HEADERS; i++)
         if (HOP_HEADERS[i].len == h->name_len && strncasecmp(h->name, HOP_HEADERS[i].text, h->name_len) == 0) return 1;
+    return 0;
+}
+
+/* The headers that describe the message, not the connection: what a relay passes on. */
+static int add_end_to_end_headers(buf *out, const head *h) {
+    for (int i = 0; i < h->num_headers; i++) {
+        const header *k = &h->headers[i];
+        if (is_hop_header(k)) continue;
+        if (buf_add(out, k->name, k->name_len) || ADD_TEXT(out, ": ") || buf_add(out, k->value, k->value_len) ||
+            ADD_TEXT(out, "\r\n"))
+            return -1;
+    }
     return 0;
 }
 
@@ -660,13 +677,7 @@ static int response_head(relay *r, upstream *u, exchange *x, const head *h) {
     if (ADD_TEXT(out, "HTTP/1.1 ") || buf_add(out, line + 9, 3) || ADD_TEXT(out, " ") ||
         buf_add(out, reason, (size_t)reason_len) || ADD_TEXT(out, "\r\n"))
         return -1;
-    for (int i = 0; i < h->num_headers; i++) {
-        const header *k = &h->headers[i];
-        if (is_hop_header(k)) continue;
-        if (buf_add(out, k->name, k->name_len) || ADD_TEXT(out, ": ") || buf_add(out, k->value, k->value_len) ||
-            ADD_TEXT(out, "\r\n"))
-            return -1;
-    }
+    if (add_end_to_end_headers(out, h)) return -1;
     if (x->chunked ? ADD_TEXT(out, "transfer-encoding: chunked\r\n")
                    : (!x->no_body && (ADD_TEXT(out, "content-length: ") ||
                                       buf_number(out, (uint64_t)f.content_length, 10) || ADD_TEXT(out, "\r\n"))))
@@ -755,13 +766,7 @@ static int request_bytes(relay *r, buf *out, int worker_index, const head *h, co
     const char *line = h->first_line, *version = memmem(line, h->first_line_len, " HTTP/1.", 8);
     if (buf_add(out, line, (size_t)(version - line)) || ADD_TEXT(out, " HTTP/1.1\r\n")) return -1;
     if (buf_add(out, r->workers[worker_index].host_header, strlen(r->workers[worker_index].host_header))) return -1;
-    for (int i = 0; i < h->num_headers; i++) {
-        const header *k = &h->headers[i];
-        if (is_hop_header(k)) continue;
-        if (buf_add(out, k->name, k->name_len) || ADD_TEXT(out, ": ") || buf_add(out, k->value, k->value_len) ||
-            ADD_TEXT(out, "\r\n"))
-            return -1;
-    }
+    if (add_end_to_end_headers(out, h)) return -1;
     if (ADD_TEXT(out, "content-length: ") || buf_number(out, body_len, 10) || ADD_TEXT(out, "\r\n\r\n")) return -1;
     return buf_add(out, body, body_len);
 }
