@@ -215,6 +215,7 @@ class Exchange:
     chunked: bool = False  # the framing towards the client
     head_sent: bool = False
     connecting: asyncio.Task[None] | None = None
+    retried: bool = False  # sent again on a fresh connection once (UpstreamConnection._lost)
 
     def response_head(self, status: int, reason: bytes, headers: list[tuple[bytes, bytes]], content_length: int | None) -> None:
         self.keep_alive = self.request.keep_alive
@@ -294,12 +295,15 @@ class UpstreamConnection(asyncio.Protocol):
         self._content_length: int | None = None
         self._worker_chunked = False
         self._interim = False  # the head parsed is a 1xx: the final response follows
+        self.reused = False  # taken from the idle pool
+        self._answering = False  # bytes came for the current exchange
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's are not subclasses
 
     def data_received(self, data: bytes) -> None:
         client = self.exchange.client if self.exchange is not None else None
+        self._answering = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -362,6 +366,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._interim = False
             return
         exchange, self.exchange = self.exchange, None
+        self._answering = False
         reusable = self._parser.should_keep_alive()
         if exchange is not None:
             exchange.upstream = None
@@ -374,8 +379,16 @@ class UpstreamConnection(asyncio.Protocol):
     def _lost(self, why: str) -> None:
         exchange, self.exchange = self.exchange, None
         self.close()
-        if exchange is not None:
-            exchange.upstream = None
+        if exchange is None:
+            return
+        exchange.upstream = None
+        if self.reused and not self._answering and not exchange.retried:
+            # The worker may have closed this kept-alive connection as it was reused (its keep-alive
+            # ran out at that moment): once more on a fresh connection before the worker is blamed.
+            # Generation has no side effects to repeat.
+            exchange.retried = True
+            self._pool.send(exchange, fresh=True)
+        else:
             self._pool.on_lost(exchange, why)
 
 
@@ -391,13 +404,14 @@ class UpstreamPool:
         self._idle: list[list[UpstreamConnection]] = [[] for _ in urls]
         self._connecting: set[asyncio.Task[None]] = set()
 
-    def send(self, exchange: Exchange) -> None:
-        """Send on an idle connection to the exchange's worker, or on a new one."""
+    def send(self, exchange: Exchange, fresh: bool = False) -> None:
+        """Send on an idle connection to the exchange's worker, or on a new one (`fresh`: new)."""
         idle = self._idle[exchange.worker]
         now = time.monotonic()
-        while idle:
+        while idle and not fresh:
             connection = idle.pop()
             if connection.transport is not None and now - connection.idle_since < UPSTREAM_IDLE_S:
+                connection.reused = True
                 connection.send(exchange)
                 return
             connection.close()

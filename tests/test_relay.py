@@ -474,6 +474,30 @@ async def test_a_large_response_to_a_slow_reader_arrives_intact(router_plane, ch
         await _settled(router)
 
 
+async def test_a_kept_alive_connection_the_worker_closes_as_it_is_reused_is_retried_on_a_fresh_one(router_plane):
+    answered: set[asyncio.StreamWriter] = set()
+
+    async def once_per_connection(writer: asyncio.StreamWriter) -> bool:
+        if writer in answered:
+            return False  # the keep-alive race: the worker closes the connection the router just reused
+        answered.add(writer)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        return True
+
+    async with raw_routed(once_per_connection, router_plane) as (router, base, worker):
+        reader, writer = await _connect(base)
+        for _ in range(3):
+            writer.write(_post(b"/generate", b"{}"))
+            status, _, body = await _response(reader)
+            assert (status, body) == (b"HTTP/1.1 200 OK", b"{}")
+        writer.close()
+        assert not router.down_reason
+        # Requests 2 and 3 each went out twice: on the reused connection, then on a fresh one.
+        assert len(answered) == 3 and len(worker.heads) == 5
+        await _settled(router)
+
+
 async def test_a_worker_whose_listener_closed_after_its_health_check_gets_503_and_is_taken_out(router_plane):
     worker = Worker()
     async with routed(worker, router_plane) as (router, base):

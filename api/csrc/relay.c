@@ -152,6 +152,8 @@ struct exchange {
     int64_t prompt_bytes; /* its load on the router, returned when it ends */
     int keep_alive;       /* the client's */
     int head_sent, chunked, no_body;
+    int retried;         /* sent again on a fresh connection once (retry_on_fresh) */
+    buf request;         /* the bytes the worker gets, kept for that retry */
     exchange *prev, *next; /* its worker's requests in flight */
 };
 
@@ -167,6 +169,7 @@ struct upstream {
     conn c;
     int worker;
     int connecting;
+    int reused;         /* taken from the idle pool */
     double deadline;   /* of the connect */
     double idle_since;
     exchange *exchange;
@@ -339,6 +342,7 @@ static int add_response(buf *out, int status, const char *body, size_t body_len,
 static void client_next(relay *r, client *cl);
 static void exchange_end(relay *r, exchange *x);
 static void upstream_close(relay *r, upstream *u);
+static int retry_on_fresh(relay *r, exchange *x);
 
 static void client_close(relay *r, client *cl) {
     if (cl->exchange != NULL) { /* closing the worker's connection is what makes it abort the request */
@@ -585,6 +589,7 @@ static void exchange_end(relay *r, exchange *x) {
     if (x->worker < r->config->num_workers) route_finished(r->config->router, x->worker, x->prompt_bytes);
     if (x->upstream != NULL) x->upstream->exchange = NULL;
     if (x->client != NULL && x->client->exchange == x) x->client->exchange = NULL;
+    buf_free(&x->request);
     free(x);
 }
 
@@ -722,7 +727,7 @@ static void upstream_readable(relay *r, upstream *u) {
         return;
     }
     client *cl = x->client;
-    int parsed = got < 0 ? -1 : upstream_parse(r, u, x);
+    int parsed = got < 0 ? 0 : upstream_parse(r, u, x); /* a reset (got < 0) is a loss, not a malformed response */
     if (parsed == 1) {
         exchange_complete(r, x);
         return;
@@ -732,6 +737,7 @@ static void upstream_readable(relay *r, upstream *u) {
             exchange_complete(r, x);
             return;
         }
+        if (parsed >= 0 && retry_on_fresh(r, x)) return;
         int to_worker = x->worker < r->config->num_workers;
         worker_failed(r, x, parsed < 0 ? "malformed response" : got == 0 ? "connection closed by the worker" : "connection lost");
         if (to_worker && cl->c.fd >= 0) client_flush(r, cl); /* what came so far; the end waits for "down" */
@@ -772,13 +778,16 @@ static int request_bytes(relay *r, buf *out, int worker_index, const head *h, co
 }
 
 /* An idle connection to the exchange's worker, or a new one (connect under way). */
-static upstream *upstream_for(relay *r, exchange *x, char *why, size_t why_len) {
+static upstream *upstream_for(relay *r, exchange *x, int fresh, char *why, size_t why_len) {
     worker *w = &r->workers[x->worker];
     double now = now_s();
-    while (w->idle != NULL) {
+    while (w->idle != NULL && !fresh) {
         upstream *u = w->idle;
         unlink_upstream(&w->idle, u);
-        if (now - u->idle_since < UPSTREAM_IDLE_S) return u;
+        if (now - u->idle_since < UPSTREAM_IDLE_S) {
+            u->reused = 1;
+            return u;
+        }
         conn_retire(r, &u->c);
     }
     if (!w->resolved) {
@@ -806,6 +815,38 @@ static upstream *upstream_for(relay *r, exchange *x, char *why, size_t why_len) 
     return u;
 }
 
+/* Send the exchange's request on an idle connection to its worker, or on a new one (`fresh`: new). */
+static void exchange_send(relay *r, exchange *x, int fresh) {
+    char why[256];
+    upstream *u = upstream_for(r, x, fresh, why, sizeof why);
+    if (u == NULL) {
+        worker_failed(r, x, why);
+        return;
+    }
+    u->exchange = x;
+    x->upstream = u;
+    u->phase = HEAD;
+    if (buf_add(&u->c.out, buf_at(&x->request), buf_len(&x->request)) != 0) {
+        worker_failed(r, x, "out of memory");
+    } else if (u->connecting) {
+        if (watch(r, &u->c, EPOLLOUT) != 0) worker_failed(r, x, "cannot watch the connection");
+    } else if (upstream_send(r, u) != 0 && !retry_on_fresh(r, x)) {
+        worker_failed(r, x, "connection lost");
+    }
+}
+
+/* A kept-alive connection that fails before anything comes back may have been closed by the
+ * worker as it was reused (its keep-alive ran out at that moment): the request goes once more, on
+ * a fresh connection, before the worker is blamed. Generation has no side effects to repeat. */
+static int retry_on_fresh(relay *r, exchange *x) {
+    upstream *u = x->upstream;
+    if (u == NULL || !u->reused || x->retried || x->head_sent || buf_len(&u->c.in) > 0) return 0;
+    x->retried = 1;
+    upstream_close(r, u);
+    exchange_send(r, x, 1);
+    return 1;
+}
+
 static void exchange_start(relay *r, client *cl, int worker_index, int64_t prompt_bytes, int keep_alive, const head *h,
                            const char *body, size_t body_len) {
     exchange *x = calloc(1, sizeof *x);
@@ -820,24 +861,11 @@ static void exchange_start(relay *r, client *cl, int worker_index, int64_t promp
     w->in_flight = x;
     cl->exchange = x;
     if (worker_index < r->config->num_workers) route_started(r->config->router, worker_index, prompt_bytes);
-    char why[256];
-    upstream *u = upstream_for(r, x, why, sizeof why);
-    if (u == NULL) {
-        worker_failed(r, x, why);
-        return;
-    }
-    u->exchange = x;
-    x->upstream = u;
-    u->phase = HEAD;
-    if (request_bytes(r, &u->c.out, worker_index, h, body, body_len) != 0) {
+    if (request_bytes(r, &x->request, worker_index, h, body, body_len) != 0) {
         worker_failed(r, x, "out of memory");
         return;
     }
-    if (u->connecting) {
-        if (watch(r, &u->c, EPOLLOUT) != 0) worker_failed(r, x, "cannot watch the connection");
-    } else if (upstream_send(r, u) != 0) {
-        worker_failed(r, x, "connection lost");
-    }
+    exchange_send(r, x, 0);
 }
 
 /* ---- requests -------------------------------------------------------------------------------- */
@@ -1075,7 +1103,8 @@ static void handle_event(relay *r, conn *c, uint32_t events) {
     case UPSTREAM: {
         upstream *u = (upstream *)c;
         if (u->connecting) upstream_connected(r, u);
-        else if ((events & EPOLLOUT) && conn_flush(r, c) != 0 && u->exchange) worker_failed(r, u->exchange, "connection lost");
+        else if ((events & EPOLLOUT) && conn_flush(r, c) != 0 && u->exchange && !retry_on_fresh(r, u->exchange))
+            worker_failed(r, u->exchange, "connection lost");
         else if (events & (EPOLLIN | EPOLLRDHUP | EPOLLHUP | EPOLLERR)) upstream_readable(r, u);
         break;
     }
