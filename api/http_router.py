@@ -249,15 +249,16 @@ class HttpRouter:
         return (200 if up else 503), {"healthy_workers": up}
 
     async def server_info(self, request: Request) -> Answer:
+        loads = [self.load(i) for i in range(len(self.urls))]  # one snapshot per worker
         workers = [
             {
                 "url": url,
                 "healthy": i not in self.down_reason,
                 "down_reason": self.down_reason.get(i),
-                "requests": self.load(i)[0],
-                "prompt_bytes": self.load(i)[1],
+                "requests": requests,
+                "prompt_bytes": prompt_bytes,
             }
-            for i, url in enumerate(self.urls)
+            for i, (url, (requests, prompt_bytes)) in enumerate(zip(self.urls, loads))
         ]
         return 200, {"router_policy": self.settings.routing.policy, "workers": workers}
 

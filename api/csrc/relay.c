@@ -211,7 +211,6 @@ static int watch(relay *r, conn *c, uint32_t events) {
     if (c->events == events) return 0;
     struct epoll_event event = {.events = events, .data.ptr = c};
     int op = c->events == 0 ? EPOLL_CTL_ADD : (events == 0 ? EPOLL_CTL_DEL : EPOLL_CTL_MOD);
-    if (events == 0 && c->events == 0) return 0;
     if (epoll_ctl(r->epoll_fd, op, c->fd, &event) != 0) return -1;
     c->events = events;
     return 0;
@@ -901,6 +900,36 @@ static void dispatch(relay *r, client *cl, const head *h, const char *body, size
 
 static int collect_body(void *context, const char *data, size_t len) { return buf_add(context, data, len); }
 
+static void refuse_too_large(relay *r, client *cl) {
+    char message[96];
+    snprintf(message, sizeof message, "the request body is larger than %lld bytes", (long long)r->config->max_body);
+    client_refuse(r, cl, 413, message);
+}
+
+/* 1 when the body of `content_length` bytes (-1: none) after the head is all in `in`, else 0. */
+static int whole_body(const buf *in, size_t head_len, int64_t content_length, size_t *used) {
+    *used = head_len + (content_length < 0 ? 0 : (size_t)content_length);
+    return buf_len(in) >= *used;
+}
+
+/* A chunked body after the head, decoded into `body`: 1 when it is complete, 0 while more is to
+ * come, -1 when it is refused (400, 413). Rare on this path, so decoded from the start each time
+ * more arrives. */
+static int decode_chunked(relay *r, client *cl, size_t head_len, buf *body, size_t *used) {
+    buf *in = &cl->c.in, rest = {0};
+    dechunker d = {CHUNK_SIZE, 0};
+    int done = buf_add(&rest, buf_at(in) + head_len, buf_len(in) - head_len) != 0 ? -1 : dechunk(&d, &rest, collect_body, body);
+    *used = buf_len(in) - buf_len(&rest);
+    buf_free(&rest);
+    if (done < 0) {
+        client_refuse(r, cl, 400, "malformed HTTP request: bad chunked body");
+    } else if ((int64_t)buf_len(body) > r->config->max_body) {
+        refuse_too_large(r, cl);
+        done = -1;
+    }
+    return done;
+}
+
 /* Parse the next request in the client's buffer and start it, if it is all there: 1 if it was. */
 static int client_start(relay *r, client *cl) {
     if (cl->exchange != NULL || cl->closing) return 0;
@@ -930,60 +959,30 @@ static int client_start(relay *r, client *cl) {
         return 0;
     }
     int keep_alive = sp2[8] == '1' ? !f.close : f.keep_alive_asked && !f.close;
-    char body_limit[96];
-    snprintf(body_limit, sizeof body_limit, "the request body is larger than %lld bytes", (long long)r->config->max_body);
     if (f.content_length > r->config->max_body) {
-        client_refuse(r, cl, 413, body_limit);
+        refuse_too_large(r, cl);
         return 0;
     }
-    if (f.chunked) {
-        /* Rare on this path: decoded from the start each time more arrives, then sent with a length. */
-        buf rest = {0}, body = {0};
-        dechunker d = {CHUNK_SIZE, 0};
-        int started = 0;
-        int done = buf_add(&rest, buf_at(in) + h.head_len, buf_len(in) - h.head_len) != 0 ? -1 : dechunk(&d, &rest, collect_body, &body);
-        if (done == 1 && (int64_t)buf_len(&body) <= r->config->max_body) {
-            size_t used = buf_len(in) - buf_len(&rest);
-            char *copy = malloc(used); /* `in` is consumed before the request is built */
-            if (copy != NULL) {
-                memcpy(copy, buf_at(in), used);
-                head moved;
-                parse_head(copy, used, &moved);
-                buf_consume(in, used);
-                cl->continued = 0;
-                dispatch(r, cl, &moved, buf_at(&body), buf_len(&body), keep_alive);
-                free(copy);
-                started = 1;
-            }
-        } else if (done < 0) {
-            client_refuse(r, cl, 400, "malformed HTTP request: bad chunked body");
-        } else if ((int64_t)buf_len(&body) > r->config->max_body) {
-            client_refuse(r, cl, 413, body_limit);
-        } else if (f.expect_continue && !cl->continued) {
-            cl->continued = 1;
-            ADD_TEXT(&cl->c.out, "HTTP/1.1 100 Continue\r\n\r\n");
-            client_flush(r, cl);
-        }
-        buf_free(&rest);
-        buf_free(&body);
-        return started;
+    buf decoded = {0}; /* a chunked body, sent on with a length */
+    size_t used = 0;   /* the bytes of `in` the request takes, its head included */
+    int ready = f.chunked ? decode_chunked(r, cl, h.head_len, &decoded, &used)
+                          : whole_body(in, h.head_len, f.content_length, &used);
+    if (ready == 0 && f.expect_continue && !cl->continued) {
+        cl->continued = 1;
+        ADD_TEXT(&cl->c.out, "HTTP/1.1 100 Continue\r\n\r\n");
+        client_flush(r, cl);
     }
-    size_t body_len = f.content_length < 0 ? 0 : (size_t)f.content_length;
-    if (buf_len(in) - h.head_len < body_len) {
-        if (f.expect_continue && !cl->continued) {
-            cl->continued = 1;
-            ADD_TEXT(&cl->c.out, "HTTP/1.1 100 Continue\r\n\r\n");
-            client_flush(r, cl);
-        }
-        return 0;
+    if (ready == 1) {
+        cl->continued = 0;
+        /* Consumed in place: the bytes stay where they are until the next read, and nothing
+         * reads `in` again before this request is built. */
+        char *start = buf_at(in);
+        in->start += used;
+        if (f.chunked) dispatch(r, cl, &h, buf_at(&decoded), buf_len(&decoded), keep_alive);
+        else dispatch(r, cl, &h, start + h.head_len, used - h.head_len, keep_alive);
     }
-    cl->continued = 0;
-    /* The request is built from `in` before it is consumed: nothing below reads `in` again. */
-    size_t used = h.head_len + body_len;
-    char *start = buf_at(in);
-    in->start += used; /* consumed in place; the bytes stay valid until the next read */
-    dispatch(r, cl, &h, start + h.head_len, body_len, keep_alive);
-    return 1;
+    buf_free(&decoded);
+    return ready == 1;
 }
 
 /* Start the client's buffered requests in turn. One answered at once (a 503, a refusal) ends in
