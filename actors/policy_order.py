@@ -35,9 +35,9 @@ from collections.abc import Iterator, Sequence
 
 from actors.cold_lane import ColdLane
 from actors.priority import PriorityRule
-from cache import MatchResult, PrefixMatcher, PrefixSet, RadixNode
+from cache import MatchResult, PrefixMatcher, PrefixSet, RadixNode, token_array
 from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
-from runtime.req import Req, match_key
+from runtime.req import Req
 
 # In-batch prefix caching (lpm): only requests whose real-cache hit is at most CHECK tokens are
 # checked against the other queued requests (-1 disables the check); a shared uncached prefix of
@@ -70,7 +70,8 @@ class QueueOrderer:
         self.lpm_fallback_queue_len = config.lpm_fallback_queue_len
         self.in_batch_check_threshold = in_batch_check_threshold
         self.in_batch_deprioritize_threshold = in_batch_deprioritize_threshold
-        self._in_batch = PrefixSet(self.cache.page_size) if self.cache is not None else None
+        # SGLang's in-batch check uses a page-1 tree whatever the cache's page size.
+        self._in_batch = PrefixSet(1) if self.cache is not None else None
         # Only the cache-aware policies starve cold prompts; fcfs (their fallback) serves the oldest.
         share = config.cold_lane_share
         self.cold_lane = ColdLane(share) if share is not None and self.policy in CACHE_AWARE_POLICIES else None
@@ -230,8 +231,16 @@ class QueueOrderer:
 
     @staticmethod
     def _keys_for(waiting: Sequence[Req]) -> list[array]:
-        """Each request's match key (cheap: the Receiver encoded every prompt on arrival)."""
-        return [match_key(req) for req in waiting]
+        """Each request's whole prompt and output so far: SGLang's ordering match takes all of it,
+        unlike admission, which leaves the last token to compute (cheap: the Receiver encoded
+        every prompt on arrival)."""
+        return [ordering_key(req) for req in waiting]
+
+
+def ordering_key(req: Req) -> array:
+    if req.out.output_ids or req.prompt_key is None:
+        return token_array(req.fill_ids)
+    return req.prompt_key
 
 
 def _enqueue_time(req: Req) -> float:

@@ -35,7 +35,6 @@ class RadixNode:
     uid: int  # unique: breaks ties in the eviction heap
     created: int = 0  # logical time of creation (FIFO); a split keeps it
     last_access: int = 0  # logical time of the last match or insert through this node (LRU)
-    hit_count: int = 0  # matches and inserts through this node (LFU: fewest first, then oldest access)
     lock_ref: int = 0  # requests whose locked prefix runs through this node
     children: dict[Hashable, RadixNode] = field(default_factory=dict)
 

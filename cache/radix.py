@@ -62,7 +62,9 @@ class _Query:
 
 _PRIORITIES: dict[str, Callable[[RadixNode], Any]] = {
     "lru": lambda node: node.last_access,
-    "lfu": lambda node: (node.hit_count, node.last_access),
+    # SGLang's plain RadixCache never counts hits (only HiRadixCache does, on insert): its LFU
+    # key (hits, last access) orders exactly as LRU, and so does ours.
+    "lfu": lambda node: node.last_access,
     "fifo": lambda node: node.created,
 }
 
@@ -247,7 +249,7 @@ class RadixCache(PrefixCache):
     def _describe(self, node: RadixNode, max_tokens: int) -> str:
         tokens = node.token_ids()
         shown = " ".join(map(str, tokens[:max_tokens])) + (" ..." if len(tokens) > max_tokens else "")
-        text = f"[{len(tokens)}] {shown}  lock={node.lock_ref} t={node.last_access} hits={node.hit_count}"
+        text = f"[{len(tokens)}] {shown}  lock={node.lock_ref} t={node.last_access}"
         if node.parent is self.root and node.edge[0] is not None:  # type: ignore[index]
             text = f"<{node.edge[0]}> " + text  # type: ignore[index]
         if node.value is not None and node.value.numel():
@@ -281,9 +283,9 @@ class RadixCache(PrefixCache):
             else:
                 matched = self._common(q, child.key, pos, min(size, n - pos)) // p * p
                 if matched < size:
+                    child.last_access = tick  # both halves of a split carry the match's time
                     child = self._split(child, matched)
             child.last_access = tick
-            child.hit_count += 1
             if parts is not None:
                 parts.append(child.value)  # type: ignore[arg-type]
             node, pos = child, pos + matched
@@ -315,9 +317,8 @@ class RadixCache(PrefixCache):
             edge=child.edge,
             depth=child.depth - (child.num_tokens - at),
             uid=self._next_uid(),
-            created=child.created,
-            last_access=child.last_access,
-            hit_count=child.hit_count,
+            created=self._clock,  # a new node, as in SGLang's split (FIFO sees it as new)
+            last_access=self._clock,
             lock_ref=child.lock_ref,  # every holder of child holds the path through upper
         )
         parent.children[child.edge] = upper
@@ -358,7 +359,6 @@ class RadixCache(PrefixCache):
             uid=self._next_uid(),
             created=self._clock,
             last_access=self._clock,
-            hit_count=1,
         )
         parent.children[leaf.edge] = leaf
         self._leaves.discard(parent)

@@ -167,12 +167,21 @@ def test_lpm_orders_by_cached_prefix_length():
     assert rids(out) == ["p80", "p60", "p40", "miss", "miss2"]
 
 
-def test_lpm_matches_at_most_all_but_the_last_token():
+def test_lpm_matches_the_whole_prompt():
+    """SGLang's calc_priority matches origin_input_ids + output_ids whole (admission alone leaves
+    the last token): a prompt that is exactly the cached 50 tokens ranks with one that extends them."""
     cache = radix()
     cache_tokens(cache, seq(1000, 50))
-    # "whole" is exactly the cached 50 tokens, so it can match only 49; "longer" matches 50.
-    queue = [req("whole", seq(1000, 50)), req("longer", seq(1000, 50) + [1])]
-    assert rids(orderer("lpm", cache).order(queue)) == ["longer", "whole"]
+    queue = [req("short", seq(1000, 40) + [7] * 5), req("whole", seq(1000, 50)), req("longer", seq(1000, 50) + [1])]
+    assert rids(orderer("lpm", cache).order(queue)) == ["whole", "longer", "short"]
+
+
+def test_lpm_in_batch_check_uses_page_size_one():
+    """SGLang's waiting_queue_radix_tree has pages of 1 whatever the cache's: with pages of 64, a
+    request sharing 40 uncached tokens with one earlier in the queue still goes after the others."""
+    cache = radix(page_size=64)
+    queue = [req("first", seq(5000, 40) + [1] * 30), req("twin", seq(5000, 40) + [2] * 30), req("other", seq(9000, 70))]
+    assert rids(orderer("lpm", cache).order(queue)) == ["first", "other", "twin"]
 
 
 def test_lpm_priority_goes_first():
