@@ -65,12 +65,23 @@ def cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None (with the reason logged once) when they cannot be built or
     loaded here."""
     try:
-        _load()
+        return build_cpu_kernels()
     except Exception as exc:  # a missing compiler surfaces as any of several error types
         log.warning("CPU kernels unavailable, using the torch path: %s", exc)
         return None
+
+
+def build_cpu_kernels() -> CpuKernels:
+    """The compiled kernels, built first if needed; a failed build raises with the compiler's output
+    (the test suite fails on it wherever `cxx_compiler()` finds a compiler)."""
+    _load()
     ops = torch.ops.actorserve
     return CpuKernels(ops.decode_attention, ops.extend_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_)
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch's extension builder would run (`$CXX`, else `c++`), if it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
 
 
 def _load() -> None:

@@ -3,6 +3,8 @@
 - Hugging Face offline mode is forced (unless the caller set it): tests never touch the network.
 - Async tests run on uvloop, the loop `actorserve` itself runs on.
 - Tiny random-weight models are made once per session, on demand (see gpu/tiny_model.py).
+- Our own compiled code (gpu/csrc, api/csrc) is skipped only where no compiler exists; with one
+  (always in CI), a failed build fails every test that needs it, with the compiler's message.
 """
 
 from __future__ import annotations
@@ -13,10 +15,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import ctypes  # noqa: E402
 import json  # noqa: E402
+import shutil  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
 
 import hypothesis  # noqa: E402,F401  (see below)
 import pytest  # noqa: E402
@@ -26,10 +30,11 @@ import uvloop  # noqa: E402
 # summary, after the engine tests, and there CPython 3.11.7's AST validator can fail
 # ("AST constructor recursion depth mismatch") on a run of files that never imported it.
 
-from gpu.cpu_ops import CpuKernels, cpu_kernels  # noqa: E402
+from gpu.cpu_ops import CpuKernels, build_cpu_kernels, cpu_kernels, cxx_compiler  # noqa: E402
 from gpu.tiny_model import make_tiny_model  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
+Built = TypeVar("Built")
 
 
 def pytest_asyncio_loop_factories(
@@ -71,13 +76,42 @@ def tiny_qwen3(tiny_model_factory: TinyModelFactory) -> Path:
     return tiny_model_factory("qwen3")
 
 
+def built_or_skipped(what: str, compiler: str | None, build: Callable[[], Built]) -> Built:
+    """`build()`'s result; a skip only where no compiler exists and CI is not set (CI machines
+    have one), else a failure that carries the build's error (the compiler's output)."""
+    if compiler is None and os.environ.get("CI") != "true":
+        pytest.skip(f"{what}: no compiler on PATH here")
+    try:
+        return build()
+    except Exception as exc:  # the build's own error type varies (RuntimeError, OSError, ...)
+        pytest.fail(f"{what} did not build:\n{exc}", pytrace=False)
+
+
+def _kernels_or_raise() -> CpuKernels:
+    # cpu_kernels() caches its answer and logs the reason; building again raises that reason.
+    return cpu_kernels() or build_cpu_kernels()
+
+
+def _native_library_or_raise() -> ctypes.CDLL:
+    from api import native
+
+    library = native.native_library()
+    if library is None:
+        ctypes.CDLL(str(native._build()))  # raises the compiler's or the loader's error
+        raise RuntimeError("native_library() is None though the library builds and loads now")
+    return library
+
+
 @pytest.fixture(scope="session")
 def kernels() -> CpuKernels:
-    """The compiled CPU kernels (gpu/cpu_ops.py); tests of them skip where they cannot build."""
-    found = cpu_kernels()
-    if found is None:
-        pytest.skip("the CPU kernels did not build here (no C++ compiler?)")
-    return found
+    """The compiled CPU kernels (gpu/cpu_ops.py)."""
+    return built_or_skipped("the CPU kernels (gpu/csrc)", cxx_compiler(), _kernels_or_raise)
+
+
+@pytest.fixture(scope="session")
+def native_plane() -> ctypes.CDLL:
+    """The router's compiled data plane (api/native.py)."""
+    return built_or_skipped("the router's compiled data plane (api/csrc)", shutil.which("cc"), _native_library_or_raise)
 
 
 @pytest.fixture(scope="session")
@@ -102,9 +136,7 @@ def core_mode(request: pytest.FixtureRequest) -> dict[str, bool]:
 @pytest.fixture(params=["python", "compiled"])
 def router_plane(request: pytest.FixtureRequest) -> str:
     """`actorserve router`'s data planes (api/http_router.py's `data_plane`): router tests take
-    this and run on both; the compiled one skips where it could not be built."""
-    from api.native import native_library
-
-    if request.param == "compiled" and native_library() is None:
-        pytest.skip("the router's compiled data plane could not be built here (no C compiler?)")
+    this and run on both; the compiled one skips only where no C compiler exists."""
+    if request.param == "compiled":
+        request.getfixturevalue("native_plane")
     return request.param

@@ -112,12 +112,19 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, caplog):
 
 
 @pytest.fixture(scope="module", params=[("qwen3", "bfloat16"), ("qwen3", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
-def runners(request, tiny_model_factory) -> tuple[ModelRunner, ModelRunner, ModelRunner]:
+def runners(request, tiny_model_factory, kernels) -> tuple[ModelRunner, ModelRunner, ModelRunner]:
     """(with kernels, torch path, torch path in float32) on one tiny model."""
     arch, dtype = request.param
     config = RunnerConfig(model_path=str(tiny_model_factory(arch)), dtype=dtype, max_running_requests=8, max_total_tokens=2048)
     plain = dataclasses.replace(config, cpu_kernels=False)
     return ModelRunner(config), ModelRunner(plain), ModelRunner(dataclasses.replace(plain, dtype="float32"))
+
+
+def _uses_kernels(runner: ModelRunner, kernels: cpu_ops.CpuKernels | None) -> bool:
+    """Whether every place that can run a compiled kernel holds `kernels` (None: the torch path)."""
+    model = runner.model
+    holders = [runner.attn, model.rotary, model.model.norm, *model.model.layers]
+    return runner.cpu_kernels is kernels and all(h.kernels is kernels for h in holders)
 
 
 def _logits(runner: ModelRunner, prompts: list[list[int]], continuations: list[list[int]]) -> list[torch.Tensor]:
@@ -145,6 +152,8 @@ def test_model_with_kernels_matches_the_torch_path(runners):
     """float32: the same logits. bfloat16: as close to the float32 logits as the torch path's
     bfloat16 are (greedy tokens of two bfloat16 paths may differ where the top two nearly tie)."""
     fast, plain, reference = runners
+    # Else this compares the torch path with itself.
+    assert _uses_kernels(fast, cpu_ops.cpu_kernels()) and _uses_kernels(plain, None)
     assert plain.model.packed_head is None
     assert (fast.model.packed_head is not None) == can_pack(fast.dtype, fast.device)  # bf16 needs oneDNN's bf16
     prompts = [[5, 17, 99, 3, 42, 7] * 5, [8, 1, 2], list(range(40, 90))]

@@ -11,16 +11,12 @@ from collections import Counter
 
 import pytest
 
-from api.native import native_library
 from tests.test_relay import Worker, _connect, _eventually, _post, _raw, _settled, _still_serves, _streaming, raw_routed, routed, router_for, sends
 
 PLANE = "compiled"
 
 
-@pytest.fixture(autouse=True)
-def _compiled() -> None:
-    if native_library() is None:
-        pytest.skip("the router's compiled data plane could not be built here (no C compiler?)")
+pytestmark = pytest.mark.usefixtures("native_plane")  # skipped only without a C compiler (tests/conftest.py)
 
 
 @pytest.mark.parametrize("at_once", [True, False], ids=["at once", "in pieces"])

@@ -18,7 +18,7 @@ from bench.workloads import make_workload
 from runtime.config import ROUTER_POLICIES
 
 lib = native_library()
-pytestmark = pytest.mark.skipif(lib is None, reason="the compiled router data plane could not be built here (see api/native.py)")
+pytestmark = pytest.mark.usefixtures("native_plane")  # skipped only without a C compiler (tests/conftest.py)
 
 KEY_CAP = 4096  # what relay.c passes
 
