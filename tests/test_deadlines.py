@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-import time
 from typing import Any
 
 import pytest
 
+import actors.policy
 from actors.policy import BacklogRate, Policy, estimated_first_token_s
 from actors.policy_order import QueueOrderer
 from api.engine import Engine, InvalidRequest
@@ -85,10 +85,22 @@ def test_the_backlog_rate_counts_what_was_kept_while_the_queue_stays_backlogged(
     assert rate.per_s == before
 
 
-async def test_a_request_the_queue_would_make_late_is_refused_at_once():
+class _StoppedClock:
+    """actors.policy's `time` in a test: monotonic() stays where the test put it, so a slow
+    machine cannot make a request late between its arrival and the Policy's check."""
+
+    def __init__(self, now: float):
+        self.now = now
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+async def test_a_request_the_queue_would_make_late_is_refused_at_once(monkeypatch):
+    now = 1000.0
+    monkeypatch.setattr(actors.policy, "time", _StoppedClock(now))
     config = EngineConfig(model_path="unused", schedule_policy="edf", reject_infeasible=True)
     policy = Policy(config, RadixCache(TokenSlotAllocator(1024, 1)), inbox=Mailbox(), adder=Mailbox())
-    now = time.monotonic()
     policy.backlog_rate.per_s = 10.0  # as measured: 10 requests/s taken from a backlogged queue
     await policy.send(Pull(max_reqs=0, running_routing_keys={}, block=False, prefill_tokens_per_s=1e4))
     await handle_queued(policy)

@@ -43,6 +43,16 @@ async def _wait_queued(engine: Engine, n: int) -> None:
     raise AssertionError(f"{n} requests never queued: {(await engine.current_stats())}")
 
 
+async def _wait_steps(engine: Engine, n: int) -> None:
+    """Until the core has formed `n` more batches (scheduling rounds) than now."""
+    target = (await engine.current_stats())["steps"] + n
+    for _ in range(500):
+        if (await engine.current_stats())["steps"] >= target:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{n} more steps never came: {(await engine.current_stats())}")
+
+
 async def test_priority_order_and_queue_eviction(core_mode, model_path):
     engine = Engine(model_path=model_path, **core_mode, max_running_requests=1, max_queued_requests=3, enable_priority_scheduling=True)
     async with engine:
@@ -77,7 +87,7 @@ async def test_preemption_only_past_the_threshold(core_mode, model_path):
         # A difference of exactly the threshold does not preempt: it waits in the queue.
         equal = asyncio.create_task(engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=10))
         await _wait_queued(engine, 1)
-        await asyncio.sleep(0.05)
+        await _wait_steps(engine, 3)  # three batches formed with it waiting: each could have preempted
         assert (await engine.current_stats())["preemptions"] == 0 and not equal.done()
         # Strictly greater does, at once; the preempted request resumes with the same tokens.
         await engine.generate(input_ids=[9, 9], sampling_params={**GREEDY, "max_new_tokens": 1}, priority=11)

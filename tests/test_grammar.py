@@ -157,7 +157,10 @@ async def test_a_slow_compile_delays_no_other_request_and_can_be_aborted(model_p
     async with engine:
         slow = asyncio.ensure_future(engine.generate(input_ids=[5, 6], sampling_params=_params(0, regex="slow:[a-z]{3}")))
         doomed = asyncio.ensure_future(engine.generate(input_ids=[5, 7], sampling_params=_params(1, regex="slow:[0-9]{3}"), rid="doomed"))
-        await asyncio.sleep(0.2)
+        for _ in range(3000):  # until both compiles have begun (the bound only ends a hung test)
+            if (await engine.current_stats())["num_compiling"] == 2:
+                break
+            await asyncio.sleep(0.01)
         free = await engine.generate(input_ids=[9, 9], sampling_params={"max_new_tokens": 8, "temperature": 0})
         # Both compiles are still blocked (until released, or 30 s): `free` waited for neither.
         assert len(free.output_ids) == 8 and not slow.done()
