@@ -8,6 +8,14 @@ text of the body's token ids, prompt or chat messages), streaming
 included: the body's bytes pass unchanged as they arrive (api/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
 `/health` is 200 while one worker is healthy; `/get_server_info` lists the workers.
 
+Keys: with `api_key` every path but `/health` (open for load balancers) needs it, sent as
+`actorserve serve` takes it (`Authorization: Bearer <key>`, else `X-API-Key`), checked in constant
+time on both data planes before any worker is asked. Towards the workers, what a client asks
+(relays, broadcasts, `/v1/models`) carries the client's credentials unchanged, so one key shared by
+router and workers needs nothing more; with `worker_api_key` the router sends
+`Authorization: Bearer <worker_api_key>` instead, on those and on its health checks, so that clients
+never hold the workers' key.
+
 Generation requests are relayed by the compiled data plane (api/csrc/relay.c, on a thread; see
 api/native_plane.py) where it could be built, else by api/relay.py in Python: `--data-plane`.
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import hmac
 import logging
 import signal
 import socket
@@ -36,7 +45,7 @@ from api import relay
 from api.native import native_library
 from api.native_plane import NativePlane
 from api.openai_schema import error_body
-from api.relay import ClientConnection, Exchange, Request, UpstreamPool
+from api.relay import CREDENTIAL_HEADERS, ClientConnection, Exchange, Request, UpstreamPool
 from api.routing import NoHealthyReplica, Router, RouterConfig
 from runtime.config import ROUTER_POLICIES
 
@@ -45,6 +54,8 @@ log = logging.getLogger("actorserve.router")
 UNAVAILABLE = "worker_unavailable"
 GENERATION_PATHS = frozenset({b"/generate", b"/v1/completions", b"/v1/chat/completions"})
 DATA_PLANES = ("auto", "compiled", "python")  # auto: compiled where it could be built
+OPEN_PATH = b"/health"  # answered without a key: load balancers' probes carry none
+UNAUTHORIZED = "invalid or missing API key (send 'Authorization: Bearer <key>')"  # as `actorserve serve` says it
 
 Answer = tuple[int, dict[str, Any]]
 
@@ -58,10 +69,15 @@ class RouterSettings:
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 2.0
     data_plane: str = "auto"
+    api_key: str | None = None  # what clients must send; None: no check
+    worker_api_key: str | None = None  # what the router sends workers; None: the client's credentials pass on
 
     def __post_init__(self) -> None:
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane {self.data_plane!r} is unknown; choose one of {', '.join(DATA_PLANES)}")
+        for flag, key in (("--api-key", self.api_key), ("--worker-api-key", self.worker_api_key)):
+            if key is not None and not _is_header_value(key):
+                raise ValueError(f"{flag} must be non-empty printable ASCII without spaces (it travels in an HTTP header)")
 
 
 class HttpRouter:
@@ -78,7 +94,9 @@ class HttpRouter:
         self.router = Router(settings.routing, len(self.urls))
         self.down_reason: dict[int, str] = {}
         self.in_flight: list[set[Exchange]] = [set() for _ in self.urls]
-        self.pool = UpstreamPool(self.urls, settings.health_check_timeout_s, self._request_failed)
+        self.pool = UpstreamPool(self.urls, settings.health_check_timeout_s, self._request_failed, settings.worker_api_key)
+        self._api_key = None if settings.api_key is None else settings.api_key.encode()
+        self._worker_auth = None if settings.worker_api_key is None else {"Authorization": f"Bearer {settings.worker_api_key}"}
         self.native: NativePlane | None = None
         self.session: aiohttp.ClientSession | None = None
         self._server: asyncio.Server | None = None
@@ -109,7 +127,8 @@ class HttpRouter:
             raise RuntimeError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
         try:  # the private listener for what the compiled plane passes on
             self._server = await loop.create_server(serve, "127.0.0.1", 0)
-            self.native = NativePlane(library, self.urls, s.routing, s.health_check_timeout_s, relay.MAX_BODY, self._worker_failed)
+            self.native = NativePlane(library, self.urls, s.routing, s.health_check_timeout_s, relay.MAX_BODY, self._worker_failed,
+                                      s.api_key, s.worker_api_key)
             await self.native.start(listener, self._server.sockets[0].getsockname()[1])
         except BaseException:
             listener.close()
@@ -184,7 +203,8 @@ class HttpRouter:
         """None if the worker is healthy, else why not."""
         assert self.session is not None
         try:
-            async with self.session.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=self.settings.health_check_timeout_s)) as r:
+            timeout = aiohttp.ClientTimeout(total=self.settings.health_check_timeout_s)
+            async with self.session.get(f"{url}/health", timeout=timeout, headers=self._worker_auth) as r:
                 return None if r.status == 200 else f"/health answered {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             return f"/health failed: {exc!r}"
@@ -212,6 +232,9 @@ class HttpRouter:
     # --- requests -----------------------------------------------------------------------------
     def handle(self, request: Request, client: ClientConnection) -> None:
         path = request.path
+        if self._api_key is not None and path != OPEN_PATH and not hmac.compare_digest(client_key(request.headers), self._api_key):
+            client.respond(401, _error_body(401, UNAUTHORIZED, "invalid_api_key"), request.keep_alive)
+            return
         if path in GENERATION_PATHS and request.method == b"POST":
             self._relay(request, client)
             return
@@ -268,7 +291,7 @@ class HttpRouter:
             if i in self.down_reason:
                 continue
             try:
-                async with self.session.get(f"{url}/v1/models") as r:
+                async with self.session.get(f"{url}/v1/models", headers=self._credentials(request)) as r:
                     return r.status, await r.json()
             except (aiohttp.ClientError, ValueError) as exc:
                 self._mark_down(i, f"/v1/models failed: {exc!r}")
@@ -279,14 +302,21 @@ class HttpRouter:
         live = [i for i in range(len(self.urls)) if i not in self.down_reason]
         if not live:
             return 503, error_body(503, "no worker is available", code=UNAVAILABLE)
-        answers = await asyncio.gather(*(self._post(i, request.path.decode(), request.body) for i in live))
+        headers = {"content-type": "application/json", **self._credentials(request)}
+        answers = await asyncio.gather(*(self._post(i, request.path.decode(), request.body, headers) for i in live))
         status = 200 if all(code == 200 for code, _ in answers) else max(code for code, _ in answers)
         return status, {"workers": [{"url": self.urls[i], "status": code, "body": text} for i, (code, text) in zip(live, answers)]}
 
-    async def _post(self, worker: int, path: str, body: bytes) -> tuple[int, str]:
+    def _credentials(self, request: Request) -> dict[str, str]:
+        """What a request made to the workers for a client authenticates with: the router's own key, else the client's."""
+        if self._worker_auth is not None:
+            return self._worker_auth
+        return {name.decode("latin-1"): value.decode("latin-1") for name, value in request.headers if name in CREDENTIAL_HEADERS}
+
+    async def _post(self, worker: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, str]:
         assert self.session is not None
         try:
-            async with self.session.post(f"{self.urls[worker]}{path}", data=body, headers={"content-type": "application/json"}) as r:
+            async with self.session.post(f"{self.urls[worker]}{path}", data=body, headers=headers) as r:
                 return r.status, await r.text()
         except aiohttp.ClientError as exc:
             self._mark_down(worker, f"{path} failed: {exc!r}")
@@ -328,6 +358,21 @@ def _routing_of(body: bytes) -> tuple[bytes, str | None]:
     return bytes(prompt), routing_key
 
 
+def client_key(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The key a client sent, read as `actorserve serve` reads it: `Authorization: Bearer <key>`,
+    else `X-API-Key` (the first of each; b"" for none). httptools leaves a value's trailing
+    whitespace, which HTTP does not count as part of it."""
+    given = dict(reversed(headers))  # names are lower case; reversed: the first of each wins
+    authorization = given.get(b"authorization", b"").rstrip(b" \t")
+    if authorization[:7].lower() == b"bearer ":
+        return authorization[7:]
+    return given.get(b"x-api-key", b"").rstrip(b" \t")
+
+
+def _is_header_value(key: str) -> bool:
+    return key != "" and key.isascii() and key.isprintable() and " " not in key
+
+
 def _error_body(status: int, message: str, code: str) -> bytes:
     return orjson.dumps(error_body(status, message, code=code))
 
@@ -358,6 +403,9 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--health-check-timeout-s", type=float, default=2.0)
     p.add_argument("--data-plane", default="auto", choices=DATA_PLANES,
                    help="who relays generation requests: compiled C (api/csrc/relay.c), Python (api/relay.py), or auto: compiled where it could be built")
+    p.add_argument("--api-key", default=None, help="the key clients must send (Authorization: Bearer KEY, or X-API-Key); /health stays open")
+    p.add_argument("--worker-api-key", default=None,
+                   help="the key the router sends the workers (Authorization: Bearer) in place of the client's; unset: the client's credentials pass on")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(run=run)
 
@@ -373,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
     settings = RouterSettings(
         worker_urls=tuple(args.worker_urls), routing=routing, host=args.host, port=args.port,
         health_check_interval_s=args.health_check_interval_s, health_check_timeout_s=args.health_check_timeout_s,
-        data_plane=args.data_plane,
+        data_plane=args.data_plane, api_key=args.api_key, worker_api_key=args.worker_api_key,
     )
     return uvloop.run(serve_router(settings))
 

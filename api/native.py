@@ -75,6 +75,9 @@ class RelayConfig(ctypes.Structure):
         ("router", ctypes.c_void_p),
         ("connect_timeout_ms", ctypes.c_int),
         ("max_body", ctypes.c_int64),
+        ("api_key", ctypes.c_char_p),  # None: clients need no key
+        ("api_key_len", ctypes.c_size_t),
+        ("worker_credentials", ctypes.c_char_p),  # None, or the header line sent to workers instead of the client's
     ]
 
 

@@ -4,7 +4,7 @@ control socket between it and the Python router (api/http_router.py).
 The thread owns the public listening socket, its clients, the connections to the workers and the
 routing state (route.c); ctypes releases the GIL for as long as `relay_run` runs. The Python side
 keeps what is not per request: health checks, /get_server_info, broadcasts (relay.c passes every
-request but generation to the Python router's private listener). They talk in lines over a
+request but generation to the Python router's private listener, the client's key checked first). They talk in lines over a
 socketpair:
 
     Python -> C   "down <worker> <503 body>"   take the worker out, end its requests in flight
@@ -33,13 +33,16 @@ log = logging.getLogger("actorserve.router")
 
 class NativePlane:
     def __init__(self, library: ctypes.CDLL, urls: list[str], routing: RouterConfig, connect_timeout_s: float,
-                 max_body: int, on_failed: Callable[[int, str], None]):
+                 max_body: int, on_failed: Callable[[int, str], None], api_key: str | None = None,
+                 worker_api_key: str | None = None):
         self._library = library
         self._addresses = [host_port(url) for url in urls]
         self._routing = routing
         self._connect_timeout_ms = max(1, int(connect_timeout_s * 1000))
         self._max_body = max_body
         self._on_failed = on_failed
+        self._api_key = None if api_key is None else api_key.encode()
+        self._worker_credentials = None if worker_api_key is None else b"authorization: Bearer %s\r\n" % worker_api_key.encode()
         self._router = ctypes.c_void_p(library.route_new(
             ROUTER_POLICIES.index(routing.policy), len(urls), routing.cache_threshold, routing.balance_abs_threshold,
             routing.balance_rel_threshold, routing.max_tree_tokens,
@@ -65,7 +68,8 @@ class NativePlane:
         hosts = (ctypes.c_char_p * len(addresses))(*(host.encode() for host, _ in addresses))
         ports = (ctypes.c_int * len(addresses))(*(port for _, port in addresses))
         config = RelayConfig(listener.fileno(), theirs.fileno(), len(self._addresses), hosts, ports, self._router,
-                             self._connect_timeout_ms, self._max_body)
+                             self._connect_timeout_ms, self._max_body, self._api_key, len(self._api_key or b""),
+                             self._worker_credentials)
         self._keep = [hosts, ports, config]
         self._thread = threading.Thread(target=self._run, args=(config,), name="actorserve-relay", daemon=True)
         self._thread.start()

@@ -38,6 +38,8 @@ HOP_HEADERS = frozenset({
     b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"host", b"te", b"trailer",
     b"upgrade", b"proxy-connection", b"expect",
 })
+# A client's credentials: dropped when the router authenticates to the workers with its own key.
+CREDENTIAL_HEADERS = frozenset({b"authorization", b"x-api-key"})
 # Below aiohttp's server keep-alive (75 s): an idle connection is dropped here before a worker
 # could close it under a request just sent.
 UPSTREAM_IDLE_S = 30.0
@@ -394,11 +396,16 @@ class UpstreamConnection(asyncio.Protocol):
 
 class UpstreamPool:
     """Kept-alive connections to each worker. `on_lost(exchange, why)` is told when a worker's
-    connection fails under a request (the router marks the worker down and ends the exchange)."""
+    connection fails under a request (the router marks the worker down and ends the exchange).
+    With `worker_api_key`, requests carry it as `Authorization: Bearer` instead of the client's
+    credentials; without, the client's pass on."""
 
-    def __init__(self, urls: list[str], connect_timeout_s: float, on_lost: Callable[[Exchange, str], None]):
+    def __init__(self, urls: list[str], connect_timeout_s: float, on_lost: Callable[[Exchange, str], None],
+                 worker_api_key: str | None = None):
         self._addresses = [host_port(url) for url in urls]
-        self._host_headers = [b"host: %s:%d\r\n" % (host.encode(), port) for host, port in self._addresses]
+        credentials = b"" if worker_api_key is None else b"authorization: Bearer %s\r\n" % worker_api_key.encode()
+        self._own_headers = [b"host: %s:%d\r\n%s" % (host.encode(), port, credentials) for host, port in self._addresses]
+        self._dropped = HOP_HEADERS if worker_api_key is None else HOP_HEADERS | CREDENTIAL_HEADERS
         self._connect_timeout_s = connect_timeout_s
         self.on_lost = on_lost
         self._idle: list[list[UpstreamConnection]] = [[] for _ in urls]
@@ -437,8 +444,8 @@ class UpstreamPool:
             connection.send(exchange)
 
     def request_bytes(self, worker: int, request: Request) -> bytes:
-        lines = [b"%s %s HTTP/1.1\r\n" % (request.method, request.target), self._host_headers[worker]]
-        lines += [b"%s: %s\r\n" % (name, value) for name, value in request.headers if name not in HOP_HEADERS]
+        lines = [b"%s %s HTTP/1.1\r\n" % (request.method, request.target), self._own_headers[worker]]
+        lines += [b"%s: %s\r\n" % (name, value) for name, value in request.headers if name not in self._dropped]
         lines.append(b"content-length: %d\r\n\r\n" % len(request.body))
         lines.append(request.body)
         return b"".join(lines)

@@ -34,14 +34,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def workers(model_path: str, n: int) -> Iterator[list[tuple[subprocess.Popen, str]]]:
-    """n `actorserve serve` processes (inline core, one torch thread each), healthy on return."""
+def workers(model_path: str, n: int, extra: tuple[str, ...] = ()) -> Iterator[list[tuple[subprocess.Popen, str]]]:
+    """n `actorserve serve` processes (inline core, one torch thread each; `extra`: more flags), healthy on return."""
     procs = []
     try:
         for _ in range(n):
             port = _free_port()
             cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", model_path, "--port", str(port), "--inline-core",
-                   "--dtype", "float32", "--log-level", "warning"]
+                   "--dtype", "float32", "--log-level", "warning", *extra]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
             procs.append((subprocess.Popen(cmd, env=env), f"http://127.0.0.1:{port}"))
         for proc, url in procs:

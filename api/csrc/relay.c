@@ -6,7 +6,8 @@
  * router's private listener (the "control plane": health, server info, broadcasts), which answers
  * it as it does without this file. Worker health is the control plane's: it sends "down <worker>
  * <503 body>" and "up <worker>" lines on the control socket, and is told "failed <worker> <why>"
- * when a request's connection to a worker fails. Framing as in api/relay.py: requests go to workers
+ * when a request's connection to a worker fails. With an API key, every request but /health is
+ * checked here first (in constant time), as api/http_router.py checks it. Framing as in api/relay.py: requests go to workers
  * with a content-length; a response keeps the worker's content-length, or is sent chunked (one
  * chunk per piece received) so that an error event can always be appended at a chunk boundary.
  *
@@ -48,6 +49,9 @@ struct relay_config {
     route_router *router; /* the caller's; read by it only for load figures */
     int connect_timeout_ms;
     int64_t max_body;
+    const char *api_key; /* NULL: clients need none */
+    size_t api_key_len;
+    const char *worker_credentials; /* NULL, or "authorization: Bearer <key>\r\n": sent to workers instead of the client's */
 };
 
 /* ---- byte buffers ---------------------------------------------------------------------------- */
@@ -183,7 +187,7 @@ struct upstream {
 typedef struct {
     struct sockaddr_storage address;
     socklen_t address_len;
-    char *host_header;
+    char *host_header; /* and the router's own credentials, for a worker */
     int resolved;
     upstream *idle;
     exchange *in_flight;
@@ -290,6 +294,7 @@ static void free_retired(relay *r) {
 /* ---- error bodies: api/openai_schema.py's error_body ------------------------------------------ */
 static const char *error_type(int status) {
     switch (status) {
+    case 401: return "authentication_error";
     case 404: return "not_found_error";
     case 500: return "internal_server_error";
     case 503: return "service_unavailable_error";
@@ -302,6 +307,7 @@ static const char *reason_phrase(int status) {
     case 100: return "Continue";
     case 200: return "OK";
     case 400: return "Bad Request";
+    case 401: return "Unauthorized";
     case 404: return "Not Found";
     case 413: return "Request Entity Too Large";
     case 431: return "Request Header Fields Too Large";
@@ -452,11 +458,16 @@ static int is_hop_header(const header *h) {
     return 0;
 }
 
-/* The headers that describe the message, not the connection: what a relay passes on. */
-static int add_end_to_end_headers(buf *out, const head *h) {
+static int is_credential_header(const header *h) {
+    return is(h->name, h->name_len, "authorization") || is(h->name, h->name_len, "x-api-key");
+}
+
+/* The headers that describe the message, not the connection: what a relay passes on (without the
+ * client's credentials when the router sends its own). */
+static int add_end_to_end_headers(buf *out, const head *h, int drop_credentials) {
     for (int i = 0; i < h->num_headers; i++) {
         const header *k = &h->headers[i];
-        if (is_hop_header(k)) continue;
+        if (is_hop_header(k) || (drop_credentials && is_credential_header(k))) continue;
         if (buf_add(out, k->name, k->name_len) || ADD_TEXT(out, ": ") || buf_add(out, k->value, k->value_len) ||
             ADD_TEXT(out, "\r\n"))
             return -1;
@@ -681,7 +692,7 @@ static int response_head(relay *r, upstream *u, exchange *x, const head *h) {
     if (ADD_TEXT(out, "HTTP/1.1 ") || buf_add(out, line + 9, 3) || ADD_TEXT(out, " ") ||
         buf_add(out, reason, (size_t)reason_len) || ADD_TEXT(out, "\r\n"))
         return -1;
-    if (add_end_to_end_headers(out, h)) return -1;
+    if (add_end_to_end_headers(out, h, 0)) return -1;
     if (x->chunked ? ADD_TEXT(out, "transfer-encoding: chunked\r\n")
                    : (!x->no_body && (ADD_TEXT(out, "content-length: ") ||
                                       buf_number(out, (uint64_t)f.content_length, 10) || ADD_TEXT(out, "\r\n"))))
@@ -769,9 +780,11 @@ static void upstream_connected(relay *r, upstream *u) {
  * with a content-length. */
 static int request_bytes(relay *r, buf *out, int worker_index, const head *h, const char *body, size_t body_len) {
     const char *line = h->first_line, *version = memmem(line, h->first_line_len, " HTTP/1.", 8);
+    if (r->workers[worker_index].host_header == NULL) return -1;
     if (buf_add(out, line, (size_t)(version - line)) || ADD_TEXT(out, " HTTP/1.1\r\n")) return -1;
     if (buf_add(out, r->workers[worker_index].host_header, strlen(r->workers[worker_index].host_header))) return -1;
-    if (add_end_to_end_headers(out, h)) return -1;
+    int own_credentials = worker_index < r->config->num_workers && r->config->worker_credentials != NULL;
+    if (add_end_to_end_headers(out, h, own_credentials)) return -1;
     if (ADD_TEXT(out, "content-length: ") || buf_number(out, body_len, 10) || ADD_TEXT(out, "\r\n\r\n")) return -1;
     return buf_add(out, body, body_len);
 }
@@ -868,8 +881,43 @@ static void exchange_start(relay *r, client *cl, int worker_index, int64_t promp
 }
 
 /* ---- requests -------------------------------------------------------------------------------- */
+/* An error response to the current request; the connection stays as the client asked. */
+static void answer_error(relay *r, client *cl, int status, const char *message, const char *code, int keep_alive) {
+    buf body = {0};
+    if (add_error_body(&body, status, message, code) == 0) add_response(&cl->c.out, status, buf_at(&body), buf_len(&body), keep_alive);
+    buf_free(&body);
+    client_done(r, cl, keep_alive);
+}
+
 static int is_generation(const char *path, size_t len) {
     return is(path, len, "/generate") || is(path, len, "/v1/completions") || is(path, len, "/v1/chat/completions");
+}
+
+static const header *find_header(const head *h, const char *name) {
+    for (int i = 0; i < h->num_headers; i++)
+        if (is(h->headers[i].name, h->headers[i].name_len, name)) return &h->headers[i];
+    return NULL;
+}
+
+/* The client sent the router's key, read as api/http_router.py's client_key reads it
+ * (`authorization: Bearer <key>`, else `x-api-key`). The time taken depends on the key's length
+ * only, never on how much of it a client guessed right. */
+static int has_key(const relay *r, const head *h) {
+    const header *authorization = find_header(h, "authorization"), *x_api_key = find_header(h, "x-api-key");
+    const char *given = "";
+    size_t given_len = 0;
+    if (authorization != NULL && authorization->value_len >= 7 && strncasecmp(authorization->value, "bearer ", 7) == 0) {
+        given = authorization->value + 7;
+        given_len = authorization->value_len - 7;
+    } else if (x_api_key != NULL) {
+        given = x_api_key->value;
+        given_len = x_api_key->value_len;
+    }
+    const unsigned char *key = (const unsigned char *)r->config->api_key;
+    size_t key_len = r->config->api_key_len;
+    unsigned diff = given_len != key_len;
+    for (size_t i = 0; i < key_len; i++) diff |= key[i] ^ (i < given_len ? (unsigned char)given[i] : 0u);
+    return diff == 0;
 }
 
 static void dispatch(relay *r, client *cl, const head *h, const char *body, size_t body_len, int keep_alive) {
@@ -878,6 +926,10 @@ static void dispatch(relay *r, client *cl, const head *h, const char *body, size
     const char *path_end = memchr(target + 1, '?', (size_t)(target_end - target - 1));
     size_t path_len = (size_t)((path_end ? path_end : target_end) - target - 1);
     int control = r->config->num_workers;
+    if (r->config->api_key != NULL && !is(target + 1, path_len, "/health") && !has_key(r, h)) {
+        answer_error(r, cl, 401, "invalid or missing API key (send 'Authorization: Bearer <key>')", "invalid_api_key", keep_alive);
+        return;
+    }
     if (!(is(line, (size_t)(target - line), "POST") && is_generation(target + 1, path_len))) {
         exchange_start(r, cl, control, 0, keep_alive, h, body, body_len);
         return;
@@ -888,11 +940,7 @@ static void dispatch(relay *r, client *cl, const head *h, const char *body, size
     int has_key = route_fields((const uint8_t *)body, body_len, &prompt, &prompt_len, key, sizeof key, &key_len);
     int chosen = route_choose(r->config->router, prompt, prompt_len, key, key_len, has_key);
     if (chosen < 0) {
-        buf message = {0};
-        if (add_error_body(&message, 503, "no worker is available", "worker_unavailable") == 0)
-            add_response(&cl->c.out, 503, buf_at(&message), buf_len(&message), keep_alive);
-        buf_free(&message);
-        client_done(r, cl, keep_alive);
+        answer_error(r, cl, 503, "no worker is available", "worker_unavailable", keep_alive);
         return;
     }
     exchange_start(r, cl, chosen, (int64_t)prompt_len, keep_alive, h, body, body_len);
@@ -1114,10 +1162,11 @@ static void resolve_workers(relay *r) {
     int n = r->config->num_workers;
     for (int i = 0; i <= n; i++) {
         worker *w = &r->workers[i];
-        char port[16], host_header[512];
+        char port[16];
         snprintf(port, sizeof port, "%d", r->config->ports[i]);
-        snprintf(host_header, sizeof host_header, "host: %s:%d\r\n", r->config->hosts[i], r->config->ports[i]);
-        w->host_header = strdup(host_header);
+        const char *credentials = i < n && r->config->worker_credentials ? r->config->worker_credentials : "";
+        if (asprintf(&w->host_header, "host: %s:%d\r\n%s", r->config->hosts[i], r->config->ports[i], credentials) < 0)
+            w->host_header = NULL; /* request_bytes refuses: out of memory */
         struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM}, *found = NULL;
         if (getaddrinfo(r->config->hosts[i], port, &hints, &found) == 0 && found != NULL) {
             memcpy(&w->address, found->ai_addr, found->ai_addrlen);
