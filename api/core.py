@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import torch
 
 from actors.adder import Adder
 from actors.executor import Executor, ModelStepRunner, StepRunner
@@ -23,7 +24,8 @@ from actors.output import OutputProcessor
 from actors.policy import Policy
 from actors.receiver import ModelLimits
 from cache import ChunkCache, PrefixCache, RadixCache
-from gpu.loader import load_tokenizer, resolve_model_dir
+from api.launch import check_load_format, load_tokenizer
+from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tensor_parallel import TPLayout
@@ -106,11 +108,14 @@ def _named(function: str) -> Any:
 async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setup: CoreSetup | None = None) -> Core:
     """Load the model (in a thread: it takes seconds) and wire the core's actors (not started).
     `outbox`: in a process of its own, where the core's outputs go to the frontend."""
+    check_load_format(config.load_format, config.model_path)
+    if config.random_seed is not None:
+        torch.manual_seed(config.random_seed)  # requests without a seed draw from torch's generator
     if config.tp_size == 1:
         runner, tp_ranks = await asyncio.to_thread(ModelRunner, runner_config(config)), None
     else:
         runner, tp_ranks = await _load_tensor_parallel(config)
-    tokenizer = await asyncio.to_thread(load_tokenizer, runner.model_dir)
+    tokenizer = await asyncio.to_thread(load_tokenizer, config, runner.model_dir)
     cfg = msgspec.structs.replace(
         config, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
         max_running_requests=runner.req_to_token.max_requests,
@@ -177,6 +182,7 @@ def runner_config(cfg: EngineConfig) -> RunnerConfig:
         attention_backend=cfg.attention_backend,
         disable_cuda_graph=cfg.disable_cuda_graph,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs,
+        mem_fraction_static=cfg.mem_fraction_static,
     )
 
 

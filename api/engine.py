@@ -28,10 +28,11 @@ from actors.receiver import ModelLimits, Receiver
 from api.core import Core, CoreSetup, load_core
 from api.core_client import CoreClient
 from api.replicas import CoreLink, Replicas
-from gpu.loader import load_tokenizer, resolve_model_dir
+from api.launch import check_load_format, load_tokenizer
+from gpu.loader import resolve_model_dir
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
-from runtime.config import EngineConfig
+from runtime.config import DETERMINISTIC_SEED, EngineConfig
 from runtime.messages import AbortRequest, FlushCache, GenerateSpec, Submit
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
@@ -84,7 +85,7 @@ class Engine:
     def __init__(self, *, core_setup: CoreSetup | None = None, **kwargs: Any):
         """`kwargs`: EngineConfig fields. `core_setup`: changes to the core made where it is
         loaded (benchmarks: a simulated device as the Executor's step runner)."""
-        self.config = EngineConfig(**kwargs)
+        self.config = EngineConfig(**kwargs).resolved_deterministic()
         self.core_setup = core_setup
         self._actors: list[Actor] = []
         self._failure: str | None = None
@@ -134,8 +135,9 @@ class Engine:
         self._actors = [self.receiver, *core.actors]
 
     async def _start_core_process(self) -> None:
+        check_load_format(self.config.load_format, self.config.model_path)
         self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.model_dir)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config, self.model_dir)
         replicas = Replicas(self.config, self.tokenizer, self._core_failed, self.core_setup)
         ready = await replicas.start()
         # The config the first core resolved (limits, dtype), with the frontend's dp settings.
@@ -217,11 +219,15 @@ class Engine:
         logprobs from position `logprob_start_len` on (-1: none)."""
         if isinstance(sampling_params, SamplingParams):
             sampling_params = msgspec.structs.asdict(sampling_params)
+        # --preferred-sampling-params: under what the request gives, as SGLang merges them.
+        sampling = {**(self.config.preferred_sampling_params or {}), **(sampling_params or {})}
+        if self.config.enable_deterministic_inference and sampling.get("seed") is None:
+            sampling["seed"] = DETERMINISTIC_SEED
         spec = GenerateSpec(
             rid=rid or f"req-{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}",
             text=prompt,
             input_ids=input_ids,
-            sampling=dict(sampling_params or {}),
+            sampling=sampling,
             priority=priority,
             routing_key=routing_key,
             extra_key=extra_key,
@@ -288,6 +294,11 @@ class Engine:
                 msg.stream.finish("abort", error=f"the engine has failed: {self._failure}", status=500)
             else:
                 msg.stream.finish("abort", error="the engine has shut down", status=503, code=SHUTTING_DOWN)
+
+    def fail(self, reason: str) -> None:
+        """End the engine as a crash would (every request in flight gets a 500 naming `reason`):
+        for a supervisor that found the core hung."""
+        self._core_failed(reason)
 
     def _actor_exited(self, actor: Actor, error: BaseException | None) -> None:
         if error is not None:

@@ -13,7 +13,7 @@ OpenAI's order (choice index = prompt index * n + j).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -23,6 +23,9 @@ import orjson
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 128  # prompts x n in one request: a bound on the fan-out one client can cause
 MAX_TOP_LOGPROBS = 20
+# Chat sampling fields a request may leave out, with OpenAI's values: the last resort after the
+# model's generation_config.json defaults (SGLang's ChatCompletionRequest._DEFAULT_SAMPLING_PARAMS).
+OPENAI_SAMPLING_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -144,6 +147,12 @@ class ChatMessage(msgspec.Struct, kw_only=True):
 
 class ChatCompletionRequest(_Common, kw_only=True):
     messages: list[ChatMessage]
+    # None: left to the server (chat_calls puts in the model's defaults, else OpenAI's).
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -234,9 +243,13 @@ def completion_calls(req: CompletionRequest) -> tuple[str, list[EngineCall]]:
     return _fan_out(completion_prompts(req.prompt), req, sampling, logprob)
 
 
-def chat_calls(req: ChatCompletionRequest, input_ids: list[int]) -> tuple[str, list[EngineCall]]:
+def chat_calls(
+    req: ChatCompletionRequest, input_ids: list[int], model_defaults: Mapping[str, Any] | None = None
+) -> tuple[str, list[EngineCall]]:
     """The response id and the engine calls; `input_ids`: the messages rendered by the chat
-    template (see `chat_messages`)."""
+    template (see `chat_messages`); `model_defaults`: the model's sampling defaults
+    (generation_config.json), for the fields of OPENAI_SAMPLING_DEFAULTS the request leaves out."""
+    _fill_sampling_defaults(req, model_defaults or {})
     _check_common(req)
     _refuse_unsupported(tools=bool(req.tools))
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -247,6 +260,13 @@ def chat_calls(req: ChatCompletionRequest, input_ids: list[int]) -> tuple[str, l
     sampling = _sampling(req, max_tokens)
     logprob = {"return_logprob": req.logprobs, "top_logprobs_num": req.top_logprobs or 0}
     return _fan_out([(None, input_ids)], req, sampling, logprob)
+
+
+def _fill_sampling_defaults(req: ChatCompletionRequest, model_defaults: Mapping[str, Any]) -> None:
+    """Request values win, then the model's defaults, then OpenAI's (SGLang's order)."""
+    for name, openai_value in OPENAI_SAMPLING_DEFAULTS.items():
+        if getattr(req, name) is None:
+            setattr(req, name, model_defaults.get(name, openai_value))
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:

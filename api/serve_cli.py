@@ -8,13 +8,27 @@ the config: `actorserve --help` must not wait for torch.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import types
+from collections.abc import Callable
 from typing import Any, Union, get_args, get_origin
 
 import msgspec
 
-from runtime.config import ATTENTION_BACKENDS, DTYPES, EVICTION_POLICIES, FAIRNESS, ROUTER_POLICIES, SCHEDULE_POLICIES, EngineConfig
+from api.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED, Takes
+from runtime.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    EVICTION_POLICIES,
+    FAIRNESS,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    ROUTER_POLICIES,
+    SAMPLING_DEFAULTS,
+    SCHEDULE_POLICIES,
+    EngineConfig,
+)
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "schedule_policy": SCHEDULE_POLICIES,
@@ -23,7 +37,19 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "attention_backend": ATTENTION_BACKENDS,
     "dtype": DTYPES,
     "router_policy": ROUTER_POLICIES,
+    "sampling_defaults": SAMPLING_DEFAULTS,
 }
+# SGLang's other spellings of our flags.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "model_path": ("--model",),
+    "tp_size": ("--tensor-parallel-size",),
+    "dp_size": ("--data-parallel-size",),
+    "dist_init_addr": ("--nccl-init-addr",),
+    "dist_timeout_s": ("--dist-timeout",),
+}
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # SGLang's --dtype accepts these too
+# SGLang's --load-balance-method values that are one of our router policies.
+LOAD_BALANCE_METHODS = {"round_robin": "round_robin", "shortest_queue": "shortest_queue"}
 
 FIELD_HELP: dict[str, str] = {
     "model_path": "checkpoint directory or .gguf file (none: the default SmolLM2-135M-Instruct)",
@@ -72,6 +98,20 @@ FIELD_HELP: dict[str, str] = {
     "cold_lane_threshold": "a waiting request is cold while its cached prefix covers less than this share of its prompt",
     "stream_interval": "tokens per streamed chunk",
     "tokenize_off_loop_chars": "prompts longer than this are tokenized in a thread",
+    "tokenizer_path": "tokenizer directory (none: the model's)",
+    "trust_remote_code": "let a tokenizer run its own code (transformers' trust_remote_code)",
+    "chat_template": "chat template: a .jinja file or a built-in name (chatml, qwen, llama-3-instruct); none: the tokenizer's",
+    "skip_tokenizer_init": "load no tokenizer: prompts must be input_ids, answers carry output_ids and empty text",
+    "mem_fraction_static": "share of the memory available at start (GPU memory; RAM on a CPU) for weights + KV pool: "
+    "the pool gets fraction x available - weights, at most max_running_requests x context_length tokens "
+    "(none: 80%% of free GPU memory, or 2 GiB of RAM, after the weights)",
+    "kv_cache_dtype": "KV cache dtype: auto (the model's); bf16/bfloat16 with --dtype bfloat16; no fp8/fp4 KV",
+    "sampling_defaults": "defaults of chat requests that leave temperature/top_p/top_k/min_p/repetition_penalty out: "
+    "model (generation_config.json, then OpenAI's) or openai",
+    "preferred_sampling_params": "JSON object of sampling params under every request's own, e.g. '{\"temperature\": 0.7}'",
+    "load_format": "weights format: auto, safetensors (a checkpoint directory) or gguf (a .gguf file)",
+    "enable_deterministic_inference": "the same request gives the same output whatever runs beside it: one request per "
+    "batch (no batch-invariant kernels here, so a single stream's throughput), no prefix cache, seed 42 for requests without one",
 }
 
 
@@ -96,10 +136,111 @@ def add_parser(commands: Any) -> None:
     )
     server.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body in MiB (larger: 413)")
     server.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"), help="logging level")
+    server.add_argument("--log-requests", action="store_true", help="log each request when it arrives and when it ends")
+    server.add_argument(
+        "--log-requests-level", type=int, default=2, choices=(0, 1, 2, 3),
+        help="0: ids and counts; 1: + sampling params; 2: + input and output, cut to 2048 characters; 3: + all of them",
+    )
+    server.add_argument("--log-requests-format", default="text", choices=("text", "json"), help="request log lines as text or JSON")
+    server.add_argument(
+        "--watchdog-timeout", type=_converter(float, True), default=300.0, metavar="FLOAT|none",
+        help="seconds a replica may run requests without finishing a forward step before the server fails (exit 1)",
+    )
     engine = p.add_argument_group("engine", "EngineConfig fields, with SGLang's flag names")
     for field in msgspec.structs.fields(EngineConfig):
         _add_field(engine, field)
+    engine.add_argument(
+        "--load-balance-method", dest="router_policy", type=_load_balance_method, default=argparse.SUPPRESS, metavar="{" + ",".join(LOAD_BALANCE_METHODS) + "}",
+        help="SGLang's name for --router-policy round_robin or shortest_queue",
+    )
+    _add_sglang_compatibility(p)
     p.set_defaults(run=run)
+
+
+def _add_sglang_compatibility(p: argparse.ArgumentParser) -> None:
+    """SGLang's flags that are not ours (api/sglang_flags.py): accepted ones listed in --help,
+    refused ones hidden and answered by name."""
+    compat = p.add_argument_group("SGLang compatibility", "SGLang flags accepted because what they ask for is what actorserve does")
+    for flag, spec in COMPATIBLE.items():
+        _add_ignored(compat, flag, spec.takes, _parse_as(spec.takes), f"accepted: {spec.why}")
+    for flag, gate in DEFAULT_ONLY.items():
+        allowed = "|".join(gate.values)
+        _add_ignored(compat, flag, gate.takes, _only(flag, gate.takes, gate.values, gate.reason), f"accepted as {allowed} only: {gate.reason}")
+    for flag in REFUSED:
+        p.add_argument(flag, nargs="*", action=_Refuse, help=argparse.SUPPRESS)
+
+
+def _add_ignored(group: argparse._ArgumentGroup, flag: str, takes: Takes, parse: Callable[[str], Any], help_text: str) -> None:
+    dest = "sglang_" + flag.removeprefix("--").replace("-", "_")
+    if takes == "flag":
+        group.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS, help=help_text)
+    else:
+        group.add_argument(flag, dest=dest, type=parse, default=argparse.SUPPRESS, metavar=takes.upper(), help=help_text)
+
+
+class _Refuse(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        assert option_string is not None
+        parser.error(f"{option_string} is not supported: {REFUSED[option_string]}")
+
+
+def _parse_as(takes: Takes) -> Callable[[str], Any]:
+    return {"flag": str, "int": int, "float": float, "str": str}[takes]
+
+
+def _only(flag: str, takes: Takes, values: tuple[str, ...], reason: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        value = text
+        if takes == "int":
+            value = str(int(text))  # "01" is 1; a non-number is argparse's "invalid" error
+        if value not in values:
+            raise argparse.ArgumentTypeError(f"{text} is not supported: {reason} (accepted: {', '.join(values)})")
+        return value
+
+    check.__name__ = takes
+    return check
+
+
+def _load_balance_method(text: str) -> str:
+    if text not in LOAD_BALANCE_METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not supported: the router's policies are {', '.join(ROUTER_POLICIES)} (--router-policy); "
+            f"SGLang's names accepted here: {', '.join(LOAD_BALANCE_METHODS)}"
+        )
+    return LOAD_BALANCE_METHODS[text]
+
+
+def _dtype(text: str) -> str:
+    return DTYPE_ALIASES.get(text, text)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+def _one_of(allowed: tuple[str, ...], why: str) -> Callable[[str], str]:
+    def check(text: str) -> str:
+        if text not in allowed:
+            raise argparse.ArgumentTypeError(f"{text} is not supported: {why} (accepted: {', '.join(allowed)})")
+        return text
+
+    check.__name__ = "str"
+    return check
+
+
+# Engine flags whose text is converted (or refused with the reason) by more than its type.
+CONVERTERS: dict[str, Callable[[str], Any]] = {
+    "dtype": _dtype,
+    "preferred_sampling_params": _json_object,
+    "kv_cache_dtype": _one_of(KV_CACHE_DTYPES, "the KV pools hold the model's dtype, no backend here stores fp8/fp4 KV with scales"),
+    "load_format": _one_of(LOAD_FORMATS, "actorserve loads safetensors checkpoint directories and GGUF files, offline"),
+}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     EngineConfig(**kwargs)  # contradictions are reported before the model loads
     settings = ServerSettings(
+        log_requests=args.log_requests,
+        log_requests_level=args.log_requests_level,
+        log_requests_format=args.log_requests_format,
+        watchdog_timeout_s=args.watchdog_timeout,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
@@ -131,20 +276,21 @@ def served_model_names(given: list[str]) -> tuple[str, ...]:
 
 
 def _add_field(group: argparse._ArgumentGroup, field: msgspec.structs.FieldInfo) -> None:
-    flag = "--" + field.name.replace("_", "-")
+    flags = ("--" + field.name.replace("_", "-"), *ALIASES.get(field.name, ()))
     base, nullable = _unwrap_optional(field.type)
     help_text = FIELD_HELP.get(field.name, "engine setting")
     if base is bool:
         action = argparse.BooleanOptionalAction if field.default else "store_true"
-        group.add_argument(flag, dest=field.name, action=action, default=field.default, help=help_text)
+        group.add_argument(*flags, dest=field.name, action=action, default=field.default, help=help_text)
         return
+    choices = CHOICES.get(field.name)
     group.add_argument(
-        flag,
+        *flags,
         dest=field.name,
-        type=_converter(base, nullable),
+        type=CONVERTERS.get(field.name) or _converter(base, nullable),
         default=field.default,
-        choices=CHOICES.get(field.name),
-        metavar=_metavar(base, nullable) if field.name not in CHOICES else None,
+        choices=choices,
+        metavar=_metavar(base, nullable) if choices is None else None,
         help=help_text,
     )
 
@@ -168,5 +314,5 @@ def _converter(base: Any, nullable: bool) -> Any:
 
 
 def _metavar(base: Any, nullable: bool) -> str:
-    name = {int: "INT", float: "FLOAT", str: "STR"}.get(base, base.__name__.upper())
+    name = "JSON" if get_origin(base) is dict else {int: "INT", float: "FLOAT", str: "STR"}.get(base, base.__name__.upper())
     return f"{name}|none" if nullable else name

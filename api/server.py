@@ -1,8 +1,9 @@
 """The HTTP server: an aiohttp application over one `api.Engine`.
 
     OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, GET /v1/models
-    SGLang-native       POST /generate, GET /health, GET /health_generate, GET /get_server_info,
-                        GET /get_model_info, POST /flush_cache, POST /abort_request
+    SGLang-native       POST /generate, GET /health, GET /health_generate, GET /server_info,
+                        GET /model_info (and their older names /get_server_info, /get_model_info),
+                        GET /get_load, POST /flush_cache, POST /abort_request
     Prometheus          GET /metrics
 
 Every error is answered in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
@@ -27,13 +28,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import orjson
 from aiohttp import web
 
 from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from api.launch import generation_defaults
 from api.metrics import ServerMetrics
 from api.openai_response import (
     Choice,
@@ -61,6 +63,8 @@ from api.openai_schema import (
     generate_calls,
     invalid,
 )
+from api.request_log import RequestLog
+from api.watchdog import watch
 from runtime.service import ServiceClass
 from runtime.stream import Delta
 
@@ -85,6 +89,13 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 32 * 2**20
     health_timeout_s: float = 20.0
     shutdown_timeout_s: float = 5.0
+    # --log-requests (api/request_log.py)
+    log_requests: bool = False
+    log_requests_level: int = 2
+    log_requests_format: Literal["text", "json"] = "text"
+    # A replica running requests that finishes no forward step for this long fails the server
+    # (api/watchdog.py); None: no watchdog.
+    watchdog_timeout_s: float | None = 300.0
 
 
 class Server:
@@ -97,6 +108,8 @@ class Server:
         self.model_aliases = {*self.model_names, DEFAULT_ALIAS, engine.config.model_path or self.model_name}
         self.live: set[str] = set()  # rids of requests this server has in the engine
         self._token_texts: dict[int, str] = {}
+        self.chat_defaults = generation_defaults(engine.model_dir, engine.config.sampling_defaults)
+        self.request_log = RequestLog(settings.log_requests_level, settings.log_requests_format) if settings.log_requests else None
         self.app = self._make_app()
 
     def _make_app(self) -> web.Application:
@@ -111,6 +124,10 @@ class Server:
             get("/health_generate", self.health_generate),
             get("/get_server_info", self.server_info),
             get("/get_model_info", self.model_info),
+            # SGLang's current names, which SGLang's router asks first (it warns when it must fall back)
+            get("/server_info", self.server_info),
+            get("/model_info", self.model_info),
+            get("/get_load", self.load),
             get("/flush_cache", self.flush_cache),
             post("/flush_cache", self.flush_cache),
             post("/abort_request", self.abort_request),
@@ -187,7 +204,7 @@ class Server:
         req = _tenant_from_header(decode(await request.read(), ChatCompletionRequest), request)
         self._check_model(req.model)
         input_ids = await self._render_chat(chat_messages(req), req.chat_template_kwargs or {})
-        rid, calls = chat_calls(req, input_ids)
+        rid, calls = chat_calls(req, input_ids, self.chat_defaults)
         token_text = self._token_text if req.logprobs else None
         created = int(time.time())
         if not req.stream:
@@ -315,6 +332,11 @@ class Server:
         path = self.engine.config.model_path or self.model_name
         return _json({"model_path": path, "tokenizer_path": path, "is_generation": True, "served_model_name": self.model_name})
 
+    async def load(self, request: web.Request) -> web.Response:
+        """SGLang's /get_load: one entry per data-parallel rank, as SGLang's router's load monitor reads it."""
+        stats = await self.engine.current_stats()
+        return _json([_rank_load(rank, s) for rank, s in enumerate(stats.get("replicas") or [stats])])
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         if not await self.engine.flush_cache():
             raise ApiError(400, "the cache was not flushed: requests are running; retry when idle", code="requests_running")
@@ -372,17 +394,29 @@ class Server:
         if rid is not None:
             self.live.add(rid)
         stream = self.engine.stream(call.prompt, input_ids=call.input_ids, sampling_params=call.sampling, **call.options)
+        logged: list[Delta] | None = [] if self.request_log is not None else None
+        started = self.request_log.received(call) if self.request_log is not None else 0.0
+        error: str | None = "cancelled"
         try:
             async with contextlib.aclosing(stream) as deltas:
                 async for delta in deltas:
                     tracker.on_delta(delta)
+                    if logged is not None:
+                        logged.append(delta)
                     yield delta
-        except InvalidRequest:
+            error = None
+        except InvalidRequest as exc:
             tracker.refused()
+            error = str(exc)
+            raise
+        except (Rejected, EngineError) as exc:
+            error = str(exc)
             raise
         finally:
             tracker.on_exit()
             self.live.discard(rid)
+            if self.request_log is not None and logged is not None:
+                self.request_log.finished(call, logged, started, error)
 
     async def _merged(self, calls: Sequence[EngineCall]) -> AsyncIterator[tuple[EngineCall, Delta]]:
         """Several engine requests (n > 1, or a batch of prompts) as one stream, in arrival order.
@@ -443,6 +477,15 @@ def _tenant_from_header(req: R, request: web.Request) -> R:
     if req.tenant is None and "X-Tenant" in request.headers:
         req.tenant = request.headers["X-Tenant"]
     return req
+
+
+def _rank_load(rank: int, stats: dict[str, Any]) -> dict[str, int]:
+    """SGLang's GetLoadReqOutput fields: requests held (running + waiting) and KV slots held (not
+    free, not evictable: what /metrics calls num_used_tokens)."""
+    waiting = stats.get("num_waiting", 0)
+    pool = stats.get("kv_pool_size", 0)
+    held = pool - stats.get("kv_free", pool) - stats.get("kv_evictable", 0)
+    return {"dp_rank": rank, "num_reqs": stats.get("num_running", 0) + waiting, "num_waiting_reqs": waiting, "num_tokens": held}
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -538,9 +581,14 @@ async def serve(engine_kwargs: dict[str, Any], settings: ServerSettings) -> int:
         log.info("actorserve ready: http://%s:%d serving %s", settings.host, port, server.model_name)
         failure = asyncio.ensure_future(engine.wait_failure())
         stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait([failure, stopped], return_when=asyncio.FIRST_COMPLETED)
+        hung = asyncio.ensure_future(watch(engine, settings.watchdog_timeout_s) if settings.watchdog_timeout_s else asyncio.Event().wait())
+        await asyncio.wait([failure, stopped, hung], return_when=asyncio.FIRST_COMPLETED)
+        if hung.done() and not failure.done():
+            engine.fail(hung.result())  # in-flight requests end with a 500 naming the hang
+            await asyncio.wait([failure])
         stopped.cancel()
         failure.cancel()
+        hung.cancel()
         if failure.done() and not failure.cancelled():
             log.error("the engine failed: %s; the server exits", failure.result())
         else:

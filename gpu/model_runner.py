@@ -16,6 +16,7 @@ the pool size in tokens is the smallest any rank can hold, so one allocator serv
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,9 @@ class RunnerConfig:
     # they build), linear layers fused and packed for oneDNN (gpu/packed_linear.py). False keeps
     # the plain torch path.
     cpu_kernels: bool = True
+    # SGLang's mem_fraction_static: the share of the memory available at start (the device's; RAM
+    # on a CPU) that weights and KV pool may take together; None: the fixed budgets below.
+    mem_fraction_static: float | None = None
 
 
 class ModelRunner:
@@ -68,6 +72,7 @@ class ModelRunner:
             raise ValueError(unsplittable)
         self.layout = TPLayout(self.model_config, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        available_at_start = available_memory_bytes(self.device) if config.mem_fraction_static is not None else 0
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device, tp)
@@ -77,7 +82,7 @@ class ModelRunner:
         if self.cpu_kernels is not None:
             self.model.use_cpu_kernels(self.cpu_kernels)
         self.context_len = self._context_len()
-        pool_tokens = self._agreed(config.max_total_tokens or self._default_pool_tokens())
+        pool_tokens = self._agreed(config.max_total_tokens or self._default_pool_tokens(available_at_start))
         self.allocator = TokenSlotAllocator(pool_tokens, config.page_size, self.device)
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device, record_writes=tp.size > 1)
         self.kv = KVBuffers.allocate(
@@ -181,11 +186,39 @@ class ModelRunner:
             raise ValueError(f"context_length {wanted} exceeds the model's max_position_embeddings {model_max}")
         return wanted
 
-    def _default_pool_tokens(self) -> int:
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.8)
-        else:
-            budget = CPU_KV_BUDGET_BYTES
-        by_budget = budget // self.kv_bytes_per_token()
-        return max(self.config.page_size, min(by_budget, self.config.max_running_requests * self.context_len))
+    def _default_pool_tokens(self, available_at_start: int) -> int:
+        by_budget = self._kv_budget_bytes(available_at_start) // self.kv_bytes_per_token()
+        if by_budget < self.config.page_size:
+            raise ValueError(
+                f"mem_fraction_static {self.config.mem_fraction_static} leaves no room for the KV pool "
+                f"({available_at_start / 2**30:.2f} GiB available at start, weights {self.weight_bytes() / 2**30:.2f} GiB): raise it"
+            )
+        return min(by_budget, self.config.max_running_requests * self.context_len)
+
+    def _kv_budget_bytes(self, available_at_start: int) -> int:
+        """KV pool bytes. With mem_fraction_static f, SGLang's rule: what is available now, less
+        the (1 - f) share of what was available at start; on a CPU, whose available RAM moves with
+        every other process, now = at start - the weights' bytes, so the pool is f x start - weights."""
+        fraction = self.config.mem_fraction_static
+        if fraction is None:
+            return int(torch.cuda.mem_get_info(self.device)[0] * 0.8) if self.device.type == "cuda" else CPU_KV_BUDGET_BYTES
+        now = available_memory_bytes(self.device) if self.device.type == "cuda" else available_at_start - self.weight_bytes()
+        return int(now - available_at_start * (1.0 - fraction))
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (and buffers) as loaded."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    """Memory a new allocation can take: free device memory on CUDA; on a CPU, the kernel's
+    MemAvailable (what SGLang reads there too, through psutil)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

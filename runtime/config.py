@@ -8,8 +8,11 @@ The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-poli
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
+from runtime.sampling_params import SamplingParams
 from runtime.service import parse_tenant_weights
 
 SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf", "edf")
@@ -18,9 +21,15 @@ EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
+SAMPLING_DEFAULTS = ("model", "openai")
+LOAD_FORMATS = ("auto", "safetensors", "gguf")
+# SGLang's kv_cache_dtype values whose KV layout the pools here can hold: the model's dtype only
+# (no backend here stores fp8 or fp4 KV with scales).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
 FAIRNESS = ("none", "vtc")
 # sjf without --priority-aging-s ages at this rate: shortest-first alone starves long prompts.
 SJF_DEFAULT_AGING_S = 5.0
+DETERMINISTIC_SEED = 42  # the sampling seed of requests without one, in deterministic mode (SGLang's)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -95,6 +104,25 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stream_interval: int = 1
     tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
 
+    # SGLang launch flags (api/sglang_flags.py lists what each of SGLang's flags does here).
+    tokenizer_path: str | None = None  # None: the model's directory
+    trust_remote_code: bool = False  # let transformers run a tokenizer's own code
+    chat_template: str | None = None  # a Jinja file or a known name (api/tokenizers.py); None: the tokenizer's
+    skip_tokenizer_init: bool = False  # no tokenizer: requests give input_ids, answers carry output_ids
+    # Share of the device's memory (RAM on a CPU) for weights + KV pool, as SGLang's; None: the
+    # fixed budget (gpu/model_runner.py). max_total_tokens, when given, wins.
+    mem_fraction_static: float | None = None
+    kv_cache_dtype: str = "auto"  # the KV pool holds the model's dtype; see KV_CACHE_DTYPES
+    # Sampling defaults of chat requests that leave them out: "model" reads generation_config.json
+    # (SGLang's default), "openai" keeps temperature 1, top_p 1, ...
+    sampling_defaults: str = "model"
+    preferred_sampling_params: dict[str, Any] | None = None  # under every request's own values, as SGLang's
+    load_format: str = "auto"
+    # The same request gives the same output whatever runs beside it. With no batch-invariant
+    # kernels here, every batch holds one request (see `resolved_deterministic`); requests without
+    # a seed sample with DETERMINISTIC_SEED, as SGLang's deterministic mode does.
+    enable_deterministic_inference: bool = False
+
     def __post_init__(self) -> None:
         error = self.validation_error()
         if error:
@@ -122,8 +150,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return "fcfs"
         return self.schedule_policy
 
+    def resolved_deterministic(self) -> EngineConfig:
+        """With enable_deterministic_inference: one request per batch, no prefix cache (a cached
+        prefix would change how the rest of a prompt is computed), no mixed batches."""
+        if not self.enable_deterministic_inference:
+            return self
+        return msgspec.structs.replace(self, max_running_requests=1, disable_radix_cache=True, enable_mixed_chunk=False)
+
     def validation_error(self) -> str | None:
         weights_error = _weights_error(self.tenant_weights)
+        preferred_error = _sampling_error(self.preferred_sampling_params)
         checks = [
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy {self.schedule_policy!r} is unknown; choose one of {', '.join(SCHEDULE_POLICIES)}"),
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
@@ -167,6 +203,19 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.balance_rel_threshold >= 1.0, f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"),
             (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
             (
+                self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
+            ),
+            (self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES and self.dtype == "bfloat16", _kv_cache_dtype_error(self.kv_cache_dtype)),
+            (self.sampling_defaults in SAMPLING_DEFAULTS, f"sampling_defaults {self.sampling_defaults!r} is unknown; choose one of {', '.join(SAMPLING_DEFAULTS)}"),
+            (self.load_format in LOAD_FORMATS, _load_format_error(self.load_format)),
+            (preferred_error is None, f"preferred_sampling_params: {preferred_error}"),
+            (
+                not self.enable_deterministic_inference or self.max_running_requests in (None, 1),
+                f"enable_deterministic_inference runs one request per batch: drop max_running_requests (got {self.max_running_requests})",
+            ),
+            (not self.enable_deterministic_inference or not self.enable_mixed_chunk, "enable_deterministic_inference runs one request per batch: drop enable_mixed_chunk"),
+            (
                 not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be at least page_size ({self.page_size})",
             ),
@@ -183,6 +232,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             if not ok:
                 return message
         return None
+
+
+def _kv_cache_dtype_error(name: str) -> str:
+    if name in KV_CACHE_DTYPES:
+        return f"kv_cache_dtype {name} needs dtype bfloat16: the KV cache holds the model's dtype"
+    return f"kv_cache_dtype {name!r} is not supported: the KV pools here hold the model's dtype, no fp8/fp4 KV with scales (use auto)"
+
+
+def _load_format_error(name: str) -> str:
+    return f"load_format {name!r} is not supported: actorserve loads safetensors checkpoint directories and GGUF files ({', '.join(LOAD_FORMATS)})"
+
+
+def _sampling_error(params: dict[str, Any] | None) -> str | None:
+    """Why these are not sampling params (unknown names, out of range), or None."""
+    try:
+        return msgspec.convert(params or {}, SamplingParams).validation_error()
+    except msgspec.ValidationError as exc:
+        return str(exc)
 
 
 def _weights_error(text: str | None) -> str | None:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import openai
@@ -22,8 +23,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
-    lines: list[str] = []
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float, lines: list[str] | None = None) -> str:
+    """The first stderr line with `needle`; `lines` (if given) keeps collecting every line."""
+    lines = [] if lines is None else lines
     found = threading.Event()
 
     def read() -> None:
@@ -90,6 +92,39 @@ def test_serve_exits_non_zero_when_the_core_process_dies(tiny_llama: Path) -> No
         assert rest[-1] == b"data: [DONE]" and b"engine core process exited" in rest[-2]
         assert proc.wait(timeout=15) == 1
         assert not Path(f"/proc/{core}").exists() or b"Z" in Path(f"/proc/{core}/stat").read_bytes().split(b") ")[1][:1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_an_sglang_launch_line_starts_and_serves(tiny_llama: Path) -> None:
+    """The flags SGLang's documentation puts in a launch command, as written there."""
+    from transformers import AutoTokenizer
+
+    port = _free_port()
+    cmd = [sys.executable, "-m", "api.cli", "serve", "--model-path", str(tiny_llama), "--host", "127.0.0.1", "--port", str(port),
+           "--mem-fraction-static", "0.8", "--chat-template", "chatml", "--trust-remote-code", "--enable-metrics",
+           "--log-requests", "--watchdog-timeout", "300", "--kv-cache-dtype", "auto"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).parent.parent)
+    lines: list[str] = []
+    try:
+        _wait_for_line(proc, "ready", 120, lines)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        out = client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        chatml = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        assert out.usage.prompt_tokens == len(AutoTokenizer.from_pretrained(str(tiny_llama)).encode(chatml, add_special_tokens=False))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/metrics")
+        assert conn.getresponse().status == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0  # a bound on hanging, not a timing
+        for _ in range(100):  # the reader thread may still be at the pipe's last lines
+            if "shutting down" in "".join(lines):
+                break
+            time.sleep(0.05)
+        logged = "".join(lines)
+        assert f"Receive: rid='{out.id}'" in logged and f"Finish: rid='{out.id}', finish_reason='length'" in logged
     finally:
         if proc.poll() is None:
             proc.kill()
