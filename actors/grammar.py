@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from gpu.cuda_streams import host_to_device
+
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
 
@@ -115,16 +117,20 @@ def mask_logits(logits: torch.Tensor, rows: list[int], constraints: list[Constra
     live = [i for i, c in enumerate(constraints) if not c.matcher.is_terminated()]
     for i in live:
         constraints[i].matcher.fill_next_token_bitmask(bitmask, i)
-    selected = logits[rows]
-    xgr.apply_token_bitmask_inplace(selected, bitmask.to(logits.device))
-    never = constraints[0].never.to(logits.device)  # one compiler per core: one tensor for every row
+    # Host values reach the device by host_to_device: a list index or a blocking `.to(device)`
+    # copies from pageable memory, which synchronizes the forward stream (waits for the step in flight).
+    device = logits.device
+    index = host_to_device(torch.tensor(rows, dtype=torch.int64), device)
+    selected = logits[index]
+    xgr.apply_token_bitmask_inplace(selected, host_to_device(bitmask, device))
+    never = host_to_device(constraints[0].never, device)  # one compiler per core: one tensor for every row
     selected[:, never] = float("-inf")
     for i in sorted(set(range(len(constraints))) - set(live)):
-        eos = constraints[i].eos.to(logits.device)
+        eos = host_to_device(constraints[i].eos, device)
         kept = selected[i, eos].clone()
         selected[i] = float("-inf")
         selected[i, eos] = kept
-    logits[rows] = selected
+    logits[index] = selected
 
 
 def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None:
