@@ -20,6 +20,16 @@ host (plan() reads them on the host anyway: device tensors would add a sync). No
 synchronizes the stream (step N+1 is planned while step N runs); only `PlanFence` waits, so that
 with two steps in flight the host never overwrites a schedule the GPU has not read yet.
 
+Kernels: FlashInfer compiles each kernel family (per dtype and head_dim) with nvcc at first use,
+minutes on a first run, unless its precompiled kernels are installed (`flashinfer
+install-jit-cache-wheel`). So the backend is refused at startup where neither is available
+(`kernels_unavailable`), and `warm_up` runs every wrapper once before serving: the compile happens
+then, behind a log line, not inside a client's first request or a graph capture.
+
+Memory: the float workspace (128 MiB) is shared; each wrapper also allocates FlashInfer's own
+8 MiB device and 8 MiB pinned host int workspace (its plan), so 3 eager wrappers and one per graph
+bucket (36 buckets at cuda_graph_max_bs 256) hold about 312 MiB of each.
+
 The KV pool is `[slots, kv_heads, head_dim]` per layer with slot = page * page_size + offset, so a
 `[pages, page_size, kv_heads, head_dim]` view of it is FlashInfer's "NHD" paged layout, no copy.
 """
@@ -27,6 +37,13 @@ The KV pool is `[slots, kv_heads, head_dim]` per layer with slot = page * page_s
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import subprocess
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,7 +55,7 @@ import torch
 from gpu.attention import AttentionBackend
 from gpu.cuda_streams import host_to_device
 from gpu.forward_batch import ForwardBatch
-from gpu.graph_runner import GraphDecodeAttention
+from gpu.graph_runner import DUMMY_ROW, DUMMY_SLOT, GraphDecodeAttention
 from gpu.kv_pool import KVBuffers
 from runtime.forward_mode import ForwardMode
 
@@ -48,6 +65,11 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer ships kernels for
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 KV_LAYOUT = "NHD"
 INSTALL_HINT = "pip install 'actorserve[gpu]' (flashinfer-python==0.7.2.post1)"
+# FlashInfer takes its Hopper (fa3) prefill kernels on compute capability 9.x; nvcc builds them from 12.3.
+FA3_MIN_NVCC = (12, 3)
+PRECOMPILED_HINT = "`flashinfer install-jit-cache-wheel` installs FlashInfer's precompiled kernels for this CUDA"
+
+log = logging.getLogger(__name__)
 
 
 def import_flashinfer() -> ModuleType:
@@ -70,7 +92,46 @@ def flashinfer_unavailable(device: torch.device, dtype: torch.dtype, head_dim: i
         import_flashinfer()
     except ImportError as exc:
         return str(exc)
+    return kernels_unavailable(torch.cuda.get_device_capability(device))
+
+
+def kernels_unavailable(capability: tuple[int, int]) -> str | None:
+    """Why FlashInfer can neither load nor build its kernels here, or None: it loads them from
+    its precompiled package (flashinfer-jit-cache) or builds them with nvcc, found as FlashInfer
+    finds it (CUDA_HOME, CUDA_PATH, PATH, /usr/local/cuda)."""
+    if importlib.util.find_spec("flashinfer_jit_cache") is not None:
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        return (
+            "FlashInfer compiles its attention kernels with nvcc at first use and finds none "
+            f"(set CUDA_HOME or put nvcc on PATH), or {PRECOMPILED_HINT}"
+        )
+    version = nvcc_version(nvcc)
+    if version is None:
+        return f"FlashInfer compiles its attention kernels with nvcc, and `{nvcc} --version` names no release"
+    if capability[0] == 9 and version < FA3_MIN_NVCC:
+        need = ".".join(map(str, FA3_MIN_NVCC))
+        return (
+            f"FlashInfer's prefill kernels for this GPU (compute capability 9.x) need CUDA >= {need} and "
+            f"{nvcc} is {version[0]}.{version[1]}; install a newer CUDA toolkit, or {PRECOMPILED_HINT}"
+        )
     return None
+
+
+def find_nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else [shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"]
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def nvcc_version(nvcc: str) -> tuple[int, int] | None:
+    try:
+        text = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", text)
+    return (int(found[1]), int(found[2])) if found else None
 
 
 def resolve_attention_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -85,6 +146,8 @@ def resolve_attention_backend(requested: str, device: torch.device, dtype: torch
         return "flashinfer"
     if requested == "flashinfer":
         raise ValueError(f"--attention-backend flashinfer cannot be used: {reason}. Use --attention-backend torch or auto.")
+    if device.type == "cuda":
+        log.warning("attention backend: torch, without CUDA graphs (%s)", reason)
     return "torch"
 
 
@@ -124,7 +187,8 @@ class PlanFence:
             return
         event = self._events.get(id(wrapper))
         if event is None:
-            event = self._events[id(wrapper)] = torch.cuda.Event()
+            # blocking: the host thread sleeps in synchronize() instead of spinning a core.
+            event = self._events[id(wrapper)] = torch.cuda.Event(blocking=True)
         event.synchronize()  # returns at once for a never-recorded event (the first plan)
         yield
         event.record()  # on the current stream, right after the plan's host-to-device copy
@@ -167,6 +231,35 @@ class FlashInferAttention(AttentionBackend, GraphDecodeAttention):
         self.pages = [(self._paged(k), self._paged(v)) for k, v in zip(kv.k, kv.v)]
         self.graph_decode: dict[int, Any] = {}
         self._plan: _Plan | None = None
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run each path once (decode, prefill from scratch, prefill over a prefix) on the dummy
+        row, which writes only the reserved slot: FlashInfer loads its kernels now, or on a first
+        run compiles them, before any request waits for it."""
+        s = self.shape
+        log.info(
+            "FlashInfer: loading attention kernels (%s, head_dim %d, %d query / %d kv heads); "
+            "a first run compiles them with nvcc, which takes minutes",
+            str(self.dtype).removeprefix("torch."), s.head_dim, s.num_heads, s.num_kv_heads,
+        )
+        started = time.perf_counter()
+        for mode, prefix in ((ForwardMode.DECODE, 1), (ForwardMode.EXTEND, 0), (ForwardMode.EXTEND, 1)):
+            batch = self._dummy_batch(mode, prefix)
+            self.init_forward_metadata(batch)
+            q = torch.zeros((1, s.num_heads, s.head_dim), dtype=self.dtype, device=self.device)
+            kv = torch.zeros((1, s.num_kv_heads, s.head_dim), dtype=self.dtype, device=self.device)
+            self.forward(q, kv, kv, 0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("FlashInfer: attention kernels ready in %.1f s", time.perf_counter() - started)
+
+    def _dummy_batch(self, mode: ForwardMode, prefix: int) -> ForwardBatch:
+        one = torch.tensor([DUMMY_SLOT], dtype=torch.int64, device=self.device)
+        return ForwardBatch(
+            mode=mode, input_ids=torch.zeros_like(one), positions=one.new_tensor([prefix]), out_cache_loc=one,
+            req_rows=one.new_tensor([DUMMY_ROW]), prefix_lens=[prefix], extend_lens=[1],
+        )
 
     def _paged(self, buf: torch.Tensor) -> torch.Tensor:
         slots, heads, dim = buf.shape

@@ -20,15 +20,54 @@ In graph mode `run()` reads the page table from the caller's buffers at run time
 kernel does, so a plan that left stale values there produces wrong attention here too. The CPU
 tests install it as `sys.modules["flashinfer"]`; it proves our glue follows the API, not that
 FlashInfer's kernels compute what we expect (tests/test_cuda.py does that on a GPU).
+
+`strict_module()` is the same API with the kernels' own limits on (`KernelLimits`): half
+precision, the head sizes and GQA groups kernels are compiled for, K and V caches with equal
+strides and a contiguous last dimension, every tensor on the (CUDA) workspace device. Without it
+the fake computes in float32 on anything, which the real kernels refuse.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
-plans: list[tuple[str, int]] = []  # (wrapper kind, batch size) of every plan() call
+plans: list[tuple[str, int]] = []  # (kernel path, batch size) of every plan() call
+
+
+@dataclass(frozen=True, slots=True)
+class KernelLimits:
+    """What FlashInfer 0.7.2.post1's attention kernels accept (include/flashinfer/utils.cuh's
+    DISPATCH_HEAD_DIM and DISPATCH_GQA_GROUP_SIZE, the wrappers' dtype checks)."""
+
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    head_dims: tuple[int, ...] = (64, 128, 256)
+    # The CUDA-core decode kernel is compiled per group size; the tensor-core (prefill) kernels
+    # take any group at run time.
+    cuda_core_decode_groups: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 16)
+    # The CPU tests stand the CPU in for the GPU: tensors must still all be on the workspace's device.
+    cpu_stands_for_cuda: bool = False
+
+    def check_device(self, device: torch.device) -> None:
+        assert device.type == "cuda" or (self.cpu_stands_for_cuda and device.type == "cpu"), (
+            f"FlashInfer's kernels run on CUDA tensors, got {device}"
+        )
+
+    def check_plan(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, group: int | None) -> None:
+        assert q_dtype in self.dtypes and kv_dtype in self.dtypes, f"no kernels for {q_dtype} / {kv_dtype}: float16 or bfloat16"
+        assert head_dim in self.head_dims, f"no kernels for head_dim {head_dim}: {self.head_dims}"
+        if group is not None:
+            assert group in self.cuda_core_decode_groups, (
+                f"Unsupported group_size: {group} (the CUDA-core decode kernel has {self.cuda_core_decode_groups}; use_tensor_cores=True takes any)"
+            )
+
+    def check_run(self, device: torch.device, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            assert t.device == device, f"a {tuple(t.shape)} tensor is on {t.device}, the workspace on {device}"
+            assert t.stride(-1) == 1, "the last (head_dim) dimension must be contiguous"
 
 # Keyword arguments of each plan() after its required ones, with the real defaults
 # (decode.py BatchDecodeWithPagedKVCacheWrapper._plan_impl, prefill.py ...Wrapper.plan).
@@ -122,12 +161,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, cau
 
 class _Wrapper:
     kind = "?"
+    limits: ClassVar[KernelLimits | None] = None  # set by strict_module()
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str, use_cuda_graph: bool):
         assert kv_layout in ("NHD", "HND"), f"Invalid kv_layout {kv_layout}"
         assert kv_layout == "NHD", "the fake models the NHD layout only"
         assert float_workspace_buffer.dtype == torch.uint8
         self.device = float_workspace_buffer.device
+        if self.limits is not None:
+            self.limits.check_device(self.device)
         self.use_cuda_graph = use_cuda_graph
         self.buffers: dict[str, torch.Tensor] = {}
         self.planned: dict[str, Any] | None = None
@@ -140,18 +182,31 @@ class _Wrapper:
             q_dtype = o["data_type"] if q_dtype is None else q_dtype
             kv_dtype = o["data_type"] if kv_dtype is None else kv_dtype
         q_dtype = _dtype(q_dtype)
+        kv_dtype = q_dtype if kv_dtype is None else _dtype(kv_dtype)
+        if self.limits is not None:
+            group = num_qo_heads // num_kv_heads if self.path == "decode" else None
+            self.limits.check_plan(q_dtype, kv_dtype, head_dim, group)
         self.planned = dict(
             heads=(num_qo_heads, num_kv_heads, head_dim),
             page_size=page_size,
             q_dtype=q_dtype,
-            kv_dtype=q_dtype if kv_dtype is None else _dtype(kv_dtype),
+            kv_dtype=kv_dtype,
             scale=head_dim**-0.5 if o["sm_scale"] is None else o["sm_scale"],
             causal=o.get("causal", False),
         )
 
-    def _check_run(self, q: torch.Tensor, k: torch.Tensor) -> dict[str, Any]:
+    @property
+    def path(self) -> str:
+        """Which kernels plan() and run() use (the decode wrapper has two kinds)."""
+        return self.kind
+
+    def _check_run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, Any]:
         p = self.planned
         assert p is not None, "plan() must run before run()"
+        if self.limits is not None:
+            self.limits.check_run(self.device, q, k, v)
+            # One stride set serves both (the kernels' same_kv_strides path; others are lazily built variants).
+            assert k.stride() == v.stride(), f"K and V strides differ: {k.stride()} and {v.stride()}"
         # flashinfer.utils._check_cached_qkv_data_type
         assert q.dtype == p["q_dtype"] and k.dtype == p["kv_dtype"], "run() dtypes differ from the plan"
         num_qo_heads, num_kv_heads, head_dim = p["heads"]
@@ -211,13 +266,17 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin):
                 raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
             self.buffers = bufs
 
+    @property
+    def path(self) -> str:
+        return "tensor_core_decode" if self.use_tensor_cores else "decode"
+
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *deprecated, **kwargs) -> None:
         assert not deprecated, "optional plan() arguments positionally are deprecated in 0.7; pass them by keyword"
         o = _options("BatchDecodeWithPagedKVCacheWrapper.plan", kwargs, _DECODE_PLAN)
         _check_csr(indptr, indices, last_page_len, page_size)
         self._plan_common(num_qo_heads, num_kv_heads, head_dim, page_size, o)
         self._store_csr(indptr, indices, last_page_len)
-        plans.append((self.kind, last_page_len.numel()))
+        plans.append((self.path, last_page_len.numel()))
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert not args, "extra positional run() arguments are for custom (jit_args) kernels"
@@ -225,7 +284,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin):
         p = self.planned
         assert p is not None, "plan() must run before run()"
         k_cache, v_cache = self._unpack_paged(paged_kv_cache, p["page_size"])
-        p = self._check_run(q, k_cache)
+        p = self._check_run(q, k_cache, v_cache)
         indptr, indices, last = self.csr
         assert q.shape[0] == last.numel(), "decode: one query per request (q_len_per_req 1)"
         cache = (k_cache, v_cache)
@@ -274,7 +333,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin):
         p = self.planned
         assert p is not None, "plan() must run before run()"
         cache = self._unpack_paged(paged_kv_cache, p["page_size"])
-        p = self._check_run(q, cache[0])
+        p = self._check_run(q, *cache)
         indptr, indices, last = self.csr
         qo = self.qo_indptr
         assert q.shape[0] == int(qo[-1]), "q is [qo_indptr[-1], num_qo_heads, head_dim]"
@@ -319,7 +378,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert not args, "extra positional run() arguments are for custom (jit_args) kernels"
         _options("BatchPrefillWithRaggedKVCacheWrapper.run", kwargs, _RAGGED_PREFILL_RUN)
-        p = self._check_run(q, k)
+        p = self._check_run(q, k, v)
         assert v.shape == k.shape and v.dtype == k.dtype
         qo, kv = self.indptrs
         assert q.shape[0] == int(qo[-1]) and k.shape[0] == int(kv[-1])
@@ -328,3 +387,23 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             ks, ke = int(kv[i]), int(kv[i + 1])
             outs.append(_attend(q[int(qo[i]) : int(qo[i + 1])], k[ks:ke], v[ks:ke], p["scale"], p["causal"]))
         return torch.cat(outs)
+
+
+def strict_module(limits: KernelLimits = KernelLimits()) -> ModuleType:
+    """A `flashinfer` stand-in whose wrappers refuse what the real kernels refuse (`limits`)."""
+    chosen = limits
+
+    class StrictDecode(BatchDecodeWithPagedKVCacheWrapper):
+        limits = chosen
+
+    class StrictPagedPrefill(BatchPrefillWithPagedKVCacheWrapper):
+        limits = chosen
+
+    class StrictRaggedPrefill(BatchPrefillWithRaggedKVCacheWrapper):
+        limits = chosen
+
+    module = ModuleType("flashinfer", "fake_flashinfer with the kernels' limits")
+    module.BatchDecodeWithPagedKVCacheWrapper = StrictDecode  # type: ignore[attr-defined]
+    module.BatchPrefillWithPagedKVCacheWrapper = StrictPagedPrefill  # type: ignore[attr-defined]
+    module.BatchPrefillWithRaggedKVCacheWrapper = StrictRaggedPrefill  # type: ignore[attr-defined]
+    return module
