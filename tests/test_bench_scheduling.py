@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench import scheduling
-from bench.device_model import DEVICE_MODELS
-from bench.scheduling import Job, Outcome, Setting, fairness, overtaken_from_outside_window
+from bench.scheduling import Job, Outcome, fairness, overtaken_from_outside_window
 from bench.workloads import Request
 
 
@@ -59,11 +58,6 @@ def test_a_small_lpm_run_compares_the_cold_lane_with_plain_lpm(capsys):
     # The summary compares each setting with plain lpm: lpm's own row is the reference.
     reference = next(line for line in out.splitlines() if line.startswith("| lpm |") and "x |" in line)
     assert "| +0.0 |" in reference and "| 1.0x |" in reference
-
-
-def test_settings_and_presets_are_plain_data():
-    assert Setting("x", {"fairness": "vtc"}).config == {"fairness": "vtc"}
-    assert "h100-qwen3-8b" in DEVICE_MODELS
 
 
 def test_the_slo_needs_both_ttft_and_tpot():

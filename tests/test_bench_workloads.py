@@ -105,8 +105,10 @@ def test_arrival_offsets_burstiness_keeps_the_mean_gap() -> None:
     rng = np.random.default_rng(1)
     times = arrival_offsets(rng, 4001, rate=10.0, burstiness=0.5)
     assert times[-1] / 4000 == pytest.approx(0.1, rel=0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rate and burstiness must be positive, got 0.0, 1.0"):
         arrival_offsets(rng, 3, rate=0.0)
+    with pytest.raises(ValueError, match="rate and burstiness must be positive, got 10.0, 0.0"):
+        arrival_offsets(rng, 3, rate=10.0, burstiness=0.0)
 
 
 def test_w4_conversations() -> None:

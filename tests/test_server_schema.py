@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import msgspec
 import pytest
@@ -249,9 +250,21 @@ def _serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def test_every_engine_field_is_a_flag_with_its_default() -> None:
-    args = _serve_parser().parse_args(["serve"])
-    assert serve_cli.engine_kwargs(args) == msgspec.structs.asdict(EngineConfig())
+def test_every_engine_field_is_a_flag_and_the_defaults_are_sglangs() -> None:
+    parser = argparse.ArgumentParser()
+    commands = parser.add_subparsers()
+    serve_cli.add_parser(commands)
+    listed = set(re.findall(r"--[a-z0-9-]+", commands.choices["serve"].format_help()))
+    wanted = ["--" + f.name.replace("_", "-") for f in msgspec.structs.fields(EngineConfig)]
+    assert [flag for flag in wanted if flag not in listed] == []
+    args = parser.parse_args(["serve"])
+    # SGLang's values (/work/shared/reference/sglang-behaviour.md, "Constants"), not read from EngineConfig.
+    sglang = {
+        "schedule_policy": "fcfs", "max_prefill_tokens": 16384, "priority_scheduling_preemption_threshold": 10,
+        "lpm_fallback_queue_len": 128, "schedule_conservativeness": 1.0, "page_size": 1,
+        "enable_priority_scheduling": False, "disable_radix_cache": False,
+    }
+    assert {name: getattr(args, name) for name in sglang} == sglang
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 30000, None)
 
 
