@@ -1,8 +1,8 @@
 """The frontend's side of the engine core process: starting it, talking to it, noticing its death.
 
-`CoreClient` spawns api/core_process.py, owns the two IPC sockets and the requests the core
-holds, detokenizes the token ids of each `CoreOutputs` and hands every delta to its stream, all
-of a step in one pass. api/replicas.py holds one per data-parallel replica.
+`CoreClient` starts api/core_process.py in a fresh interpreter (`CoreProcess`), owns the two IPC
+sockets and the requests the core holds, detokenizes the token ids of each `CoreOutputs` and hands
+every delta to its stream, all of a step in one pass. api/replicas.py holds one per data-parallel replica.
 
 Bounded both ways: at most `max_in_core` requests are in the core at once (a credit returned
 with each final delta: its running batch, its queue limit and `core_backlog` more); later ones
@@ -12,18 +12,21 @@ wait here, in arrival order, and an abort takes one out at once. Nothing here wa
 from __future__ import annotations
 
 import asyncio
+import codecs
 import itertools
-import multiprocessing
 import os
+import subprocess
+import sys
+import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from api import core_process
 from api.core import CoreSetup
 from runtime.config import EngineConfig
 from runtime.ipc import (
@@ -31,11 +34,13 @@ from runtime.ipc import (
     CoreFailed,
     CoreFlush,
     CoreFlushed,
+    CoreHello,
     CoreOutputs,
     CoreReady,
     CoreRequest,
     CoreShutdown,
     CoreSockets,
+    CoreStart,
     CoreStats,
     CoreStatsQuery,
     FromCore,
@@ -47,6 +52,9 @@ from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # from the core's CoreHello until the frontend's socket sees its connection
+OUTPUT_TAIL_BYTES = 4096  # how much of the core's last output an error message quotes
+OUTPUT_TAIL_LINES = 20
 
 
 class CoreClient:
@@ -77,14 +85,15 @@ class CoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(FromCore)
         self._sockets = CoreSockets.create()
-        # A process that exits without close() still removes the directory (the core, a daemon, is killed then).
+        # A process that exits without close() still removes the directory (the core then sees its
+        # parent gone and exits).
         weakref.finalize(self, self._sockets.remove)
         self._ctx = zmq.asyncio.Context()
         # A plain socket: a send never waits (no high-water mark), so it can happen anywhere.
         self._send_ctx = zmq.Context()
         self._to_core = self._send_ctx.socket(zmq.PUSH)
         self._from_core = self._ctx.socket(zmq.PULL)
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: CoreProcess | None = None
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
@@ -94,23 +103,21 @@ class CoreClient:
         return self._process.pid if self._process is not None else None
 
     async def start(self) -> CoreReady:
-        """Spawn the core and wait until its model is loaded; raises RuntimeError if it cannot."""
+        """Start the core and wait until its model is loaded; raises RuntimeError (with the core's
+        reason: its message, or the end of its output) if it cannot."""
         self._to_core.setsockopt(zmq.SNDHWM, 0)
         self._to_core.bind(self._sockets.to_core)
         self._from_core.bind(self._sockets.from_core)
-        spawn = multiprocessing.get_context("spawn")
-        setup = None if self.setup is None else msgspec.msgpack.encode(self.setup)
-        args = (msgspec.msgpack.encode(self.config), self._sockets.directory, os.getpid(), setup)
         try:
-            self._process = spawn.Process(target=core_process.main, args=args, name="actorserve-core", daemon=True)
-            self._process.start()
-            first = await self._first_message()
+            self._process = CoreProcess(self._sockets)
+            first = await self._handshake()
         except BaseException:
             await self.close()
             raise
         if not isinstance(first, CoreReady):
             await self.close()
             raise RuntimeError(first.message if isinstance(first, CoreFailed) else f"unexpected first message {first!r}")
+        self._process.output.mark()  # a later death quotes only what the core wrote after this
         cfg = first.config
         assert cfg.max_running_requests is not None
         # Room for the core's running batch, its queue limit, and requests it is about to refuse.
@@ -121,7 +128,7 @@ class CoreClient:
             await self.close()
             raise
         self._reader = asyncio.create_task(self._read(), name="core-client.read")
-        asyncio.get_running_loop().add_reader(self._process.sentinel, self._process_exited)
+        asyncio.get_running_loop().add_reader(self._process.exit_fd, self._process_exited)
         return first
 
     def send(self, msg: ToCore) -> None:
@@ -175,12 +182,10 @@ class CoreClient:
         self._closing = True
         process = self._process
         if process is not None:
-            if process.pid is not None:  # it was started
-                asyncio.get_running_loop().remove_reader(process.sentinel)
-                if process.is_alive():
-                    await self._ask_to_exit(process)
-                process.join(0)
-            process.close()
+            asyncio.get_running_loop().remove_reader(process.exit_fd)
+            if process.exitcode is None:
+                await self._ask_to_exit(process)
+            await process.release()
             self._process = None
         if self._reader is not None:
             self._reader.cancel()
@@ -193,38 +198,56 @@ class CoreClient:
         self._sockets.remove()
 
     # --- internals ----------------------------------------------------------------------------
-    async def _first_message(self) -> FromCore:
+    async def _handshake(self) -> FromCore:
+        """CoreHello, then tell the core what to load; its answer (CoreReady or CoreFailed)."""
+        hello = await self._next_while_starting()
+        if not isinstance(hello, CoreHello):
+            return hello
+        setup = None if self.setup is None else msgspec.msgpack.encode(self.setup)
+        await self._send_start(self._encoder.encode(CoreStart(self.config, setup, list(sys.path))))
+        return await self._next_while_starting()
+
+    async def _send_start(self, start: bytes) -> None:
+        """The core connected before its hello, but this socket's side of that connection may
+        attach a moment later; until it does, a send finds no peer."""
+        assert self._process is not None
+        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                return self._to_core.send(start, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                if self._process.exitcode is not None:
+                    raise RuntimeError(f"the engine core process {self._process.exit_message()} while starting") from None
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"the engine core did not connect within {CONNECT_TIMEOUT_S:.0f} s") from None
+                await asyncio.sleep(0.001)
+
+    async def _next_while_starting(self) -> FromCore:
+        """The core's next message; RuntimeError if it exits or says nothing for too long first."""
         assert self._process is not None
         recv = asyncio.ensure_future(self._from_core.recv())
-        exited = await _wait_exit_or(self._process, recv, STARTUP_TIMEOUT_S)
+        exited = await self._process.wait_exit_or(recv, STARTUP_TIMEOUT_S)
         if recv.done():
             return self._decoder.decode(recv.result())
         recv.cancel()
         if not exited:
-            raise RuntimeError(f"the engine core did not start within {STARTUP_TIMEOUT_S:.0f} s")
-        raise RuntimeError(f"the engine core process exited with code {self._process.exitcode} while starting")
+            raise RuntimeError(f"the engine core sent nothing for {STARTUP_TIMEOUT_S:.0f} s while starting")
+        raise RuntimeError(f"the engine core process {self._process.exit_message()} while starting")
 
     async def _first_stats(self) -> dict[str, Any]:
         """The core publishes its counters right after CoreReady; stats() has them from the start."""
-        assert self._process is not None
         while True:
-            recv = asyncio.ensure_future(self._from_core.recv())
-            exited = not recv.done() and await _wait_exit_or(self._process, recv, STARTUP_TIMEOUT_S)
-            if not recv.done():
-                recv.cancel()
-                why = f"exited with code {self._process.exitcode}" if exited else f"sent nothing for {STARTUP_TIMEOUT_S:.0f} s"
-                raise RuntimeError(f"the engine core process {why} while starting")
-            msg = self._decoder.decode(await recv)
+            msg = await self._next_while_starting()
             if isinstance(msg, CoreFailed):
                 raise RuntimeError(msg.message)
             if isinstance(msg, CoreStats):
                 return msg.stats
 
-    async def _ask_to_exit(self, process: multiprocessing.process.BaseProcess) -> None:
+    async def _ask_to_exit(self, process: CoreProcess) -> None:
         self.send(CoreShutdown())
-        if not await _wait_exit_or(process, None, EXIT_TIMEOUT_S):
+        if not await process.wait_exit_or(None, EXIT_TIMEOUT_S):
             process.kill()
-            await _wait_exit_or(process, None, EXIT_TIMEOUT_S)
+            await process.wait_exit_or(None, EXIT_TIMEOUT_S)
 
     async def _read(self) -> None:
         while True:
@@ -317,10 +340,9 @@ class CoreClient:
 
     def _process_exited(self) -> None:
         assert self._process is not None
-        asyncio.get_running_loop().remove_reader(self._process.sentinel)
-        self._process.join(1.0)  # the sentinel closes a moment before the exit can be reaped
+        asyncio.get_running_loop().remove_reader(self._process.exit_fd)
         if not self._closing:
-            self._fail(f"the engine core process exited with code {self._process.exitcode}")
+            self._fail(f"the engine core process {self._process.exit_message()}")
 
     def _fail(self, message: str) -> None:
         if self._closing:
@@ -336,18 +358,113 @@ class CoreClient:
         self.on_failure(message)
 
 
-async def _wait_exit_or(process: multiprocessing.process.BaseProcess, other: asyncio.Future[Any] | None, timeout: float) -> bool:
-    """Wait until the process exits, `other` completes or the timeout passes; True if it exited.
-    The process's sentinel is watched by the loop: no thread is left blocked in a join."""
-    loop = asyncio.get_running_loop()
-    exited = loop.create_future()
-    loop.add_reader(process.sentinel, lambda: exited.done() or exited.set_result(None))
+class CoreProcess:
+    """The engine core's interpreter: `python -P -m api.core_process` (never the caller's main
+    module; -P keeps the working directory's modules from shadowing ours), its exit watched on the
+    loop through a pidfd, its stdout and stderr copied to this process's stderr by `OutputTail`
+    (the caller's stdout stays the caller's)."""
+
+    __slots__ = ("popen", "exit_fd", "output")
+
+    def __init__(self, sockets: CoreSockets):
+        read_fd, write_fd = os.pipe()
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-P", "-m", "api.core_process", sockets.directory, str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, env=_core_env(),
+            )
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
+        self.output = OutputTail(read_fd)
+        self.exit_fd = os.pidfd_open(self.popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while it runs; -N if signal N ended it."""
+        return self.popen.poll()
+
+    def exit_message(self) -> str:
+        """'exited with code N', and the end of what it wrote since `output.mark()`, if anything."""
+        self.popen.wait()  # the pidfd said it exited: this reaps it at once
+        tail = self.output.tail()
+        return f"exited with code {self.popen.returncode}" + (f"; its last output:\n{tail}" if tail else "")
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    async def wait_exit_or(self, other: asyncio.Future[Any] | None, timeout: float) -> bool:
+        """Wait until the process exits, `other` completes or the timeout passes; True if it exited.
+        The pidfd is watched by the loop: no thread is left blocked in a wait."""
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+        loop.add_reader(self.exit_fd, lambda: exited.done() or exited.set_result(None))
+        try:
+            await asyncio.wait([exited] if other is None else [exited, other], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            loop.remove_reader(self.exit_fd)
+            exited.cancel()
+        return self.exitcode is not None
+
+    async def release(self) -> None:
+        """After it exited: reap it, close the pidfd, let the output copier see the end."""
+        self.popen.wait()
+        os.close(self.exit_fd)
+        await asyncio.to_thread(self.output.join, EXIT_TIMEOUT_S)
+
+
+class OutputTail:
+    """Copies a pipe to this process's stderr as it comes (a thread: a busy loop never makes the
+    core wait on its own logging) and keeps the last `OUTPUT_TAIL_BYTES` for error messages."""
+
+    __slots__ = ("_tail", "_thread")
+
+    def __init__(self, read_fd: int):
+        self._tail = bytearray()
+        self._thread = threading.Thread(target=self._copy, args=(read_fd,), name="actorserve-core-output", daemon=True)
+        self._thread.start()
+
+    def mark(self) -> None:
+        """Forget what came so far: `tail` quotes what comes after."""
+        self._tail = bytearray()
+
+    def tail(self) -> str:
+        """The last lines copied since `mark`. Called once the core exited: its last words may
+        still be in the pipe, so this waits (a second at most) for the copy to reach the end."""
+        self._thread.join(1.0)
+        lines = bytes(self._tail).decode(errors="replace").strip().splitlines()
+        return "\n".join(lines[-OUTPUT_TAIL_LINES:])
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def _copy(self, read_fd: int) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        with open(read_fd, "rb", buffering=0) as pipe:
+            while chunk := pipe.read(65536):
+                self._tail += chunk
+                del self._tail[:-OUTPUT_TAIL_BYTES]
+                _write_stderr(decoder.decode(chunk))
+
+
+def _write_stderr(text: str) -> None:
+    """Our stderr may be gone (closed, or None under pythonw): the copy must go on regardless,
+    or the core would block on a full pipe."""
     try:
-        await asyncio.wait([exited] if other is None else [exited, other], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        loop.remove_reader(process.sentinel)
-        exited.cancel()
-    if exited.done() and not exited.cancelled() or process.exitcode is not None:
-        process.join()
-        return True
-    return False
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):
+        pass
+
+
+def _core_env() -> dict[str, str]:
+    """This environment, with our packages importable wherever the caller runs from."""
+    root = str(Path(__file__).resolve().parents[1])
+    paths = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

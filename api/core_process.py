@@ -1,10 +1,14 @@
-"""The engine core in a process of its own: `main` is the process's entry point.
+"""The engine core in a process of its own: `python -m api.core_process SOCKETS_DIR PARENT_PID`.
 
-The frontend (api/core_client.py) binds both IPC sockets and spawns this process, which connects
-to them, loads the model and answers `CoreReady` (or `CoreFailed`). Then `CoreServer` turns
-`CoreRequest`s into `Req`s for the Policy and sends back every delta the core's actors push, one
-`CoreOutputs` per loop iteration. It exits when told to, when an actor crashes (after saying
-`CoreFailed`), or when the frontend process is gone (no orphan holds the model's memory).
+The frontend (api/core_client.py) binds both IPC sockets and starts this module in a fresh
+interpreter, so the caller's main module is never imported here (a script without a
+`__main__` guard, a notebook or `python -c` all work). It connects, says `CoreHello`, is told
+what to load by a `CoreStart`, loads the model and answers `CoreReady` (or `CoreFailed`). Then
+`CoreServer` turns `CoreRequest`s into `Req`s for the Policy and sends back every delta the core's
+actors push, one `CoreOutputs` per loop iteration. It exits when told to, when an actor crashes
+(after saying `CoreFailed`), or when the frontend process is gone (no orphan holds the model's
+memory). Anything it cannot say over the socket (an interpreter that fails to start, a crash
+before connecting) goes to its stderr, which the frontend shows when it exits early.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 
 import msgspec
@@ -28,11 +33,13 @@ from runtime.ipc import (
     CoreFailed,
     CoreFlush,
     CoreFlushed,
+    CoreHello,
     CoreOutputs,
     CoreReady,
     CoreRequest,
     CoreShutdown,
     CoreSockets,
+    CoreStart,
     CoreStats,
     CoreStatsQuery,
     FromCore,
@@ -48,26 +55,22 @@ STATS_PERIOD_S = 0.05  # how often the frontend's view of the core's counters is
 PARENT_CHECK_PERIOD_S = 0.2
 
 
-def main(config_bytes: bytes, sockets_dir: str, parent_pid: int, setup_bytes: bytes | None = None) -> None:
-    """Process entry point (spawned: nothing is inherited but these arguments)."""
+def main(argv: list[str]) -> None:
+    """Process entry point: `argv` is [SOCKETS_DIR, PARENT_PID]; the rest comes in `CoreStart`."""
     import uvloop
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
-    if config.core_threads:
-        import torch
-
-        torch.set_num_threads(config.core_threads)
-    setup = None if setup_bytes is None else msgspec.msgpack.decode(setup_bytes, type=CoreSetup)
-    uvloop.run(_run(config, CoreSockets(sockets_dir), parent_pid, setup))
-    if config.tp_size > 1:
+    sockets_dir, parent_pid = argv
+    config = uvloop.run(_run(CoreSockets(sockets_dir), int(parent_pid)))
+    if config is not None and config.tp_size > 1:
         # Everything is sent and the other ranks are stopped; a thread may still be blocked in a
         # collective with a rank that died, and the interpreter would join it before exiting.
         logging.shutdown()
         os._exit(0)
 
 
-async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setup: CoreSetup | None) -> None:
+async def _run(sockets: CoreSockets, parent_pid: int) -> EngineConfig | None:
+    """Serve the frontend at `sockets`; the config it started with (None: it left before that)."""
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.connect(sockets.to_core)
@@ -80,21 +83,52 @@ async def _run(config: EngineConfig, sockets: CoreSockets, parent_pid: int, setu
     encoder = msgspec.msgpack.Encoder()
     outputs = StepOutbox(lambda rids, tokens, deltas: outbox.send(encoder.encode(CoreOutputs(rids, tokens, deltas))))
     try:
+        outbox.send(encoder.encode(CoreHello()))
+        start = await _start_message(inbox, parent_pid)
+        if start is None:
+            sockets.remove()  # the frontend that owned the socket files cannot remove them now
+            return None
+        config, setup = _apply_start(start)
         try:
             core = await load_core(config, outputs, setup)
         except Exception as exc:  # the frontend shows this line instead of a bare exit code
             outbox.send(encoder.encode(CoreFailed(f"the engine core could not start: {exc}")))
-            return
+            return config
         runner = core.runner
         outbox.send(encoder.encode(CoreReady(core.config, runner.vocab_size, list(runner.model_config.eos_token_ids))))
         orphaned = await CoreServer(core, inbox, outbox, encoder, outputs).run(parent_pid)
         if orphaned:
-            sockets.remove()  # the frontend that owned the socket files cannot remove them now
+            sockets.remove()
+        return config
     finally:
         inbox.close(linger=0)
         outbox.close(linger=1000)  # the last outputs and a CoreFailed still reach the frontend
         ctx.term()
         sync_ctx.term()
+
+
+async def _start_message(inbox: zmq.asyncio.Socket, parent_pid: int) -> CoreStart | None:
+    """The frontend's `CoreStart`, or None if the frontend process is gone before sending it."""
+    recv = asyncio.ensure_future(inbox.recv())
+    parent_gone = asyncio.create_task(_parent_gone(parent_pid))
+    await asyncio.wait([recv, parent_gone], return_when=asyncio.FIRST_COMPLETED)
+    for task in (recv, parent_gone):
+        task.cancel()
+    await asyncio.gather(recv, parent_gone, return_exceptions=True)
+    if recv.cancelled():  # it had not come when the parent was found gone
+        return None
+    return msgspec.msgpack.decode(recv.result(), type=CoreStart)
+
+
+def _apply_start(start: CoreStart) -> tuple[EngineConfig, CoreSetup | None]:
+    sys.path.extend(path for path in start.sys_path if path not in sys.path)
+    config = start.config
+    if config.core_threads:
+        import torch
+
+        torch.set_num_threads(config.core_threads)
+    setup = None if start.setup is None else msgspec.msgpack.decode(start.setup, type=CoreSetup)
+    return config, setup
 
 
 class CoreServer:
@@ -223,3 +257,7 @@ async def _parent_gone(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_CHECK_PERIOD_S)
     log.warning("the frontend process %d is gone: the engine core exits", parent_pid)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -4,6 +4,10 @@ Plain data only (ids, sampling fields, deltas, counters): msgspec Structs encode
 over ZMQ IPC sockets in a private temporary directory. Two one-way channels, each a PUSH/PULL
 pair: requests and aborts go to the core; the core answers with at most one `CoreOutputs` per
 loop iteration, carrying every request's part of that step.
+
+Starting: the core process is a fresh interpreter (`python -m api.core_process DIR PID`) that
+connects, says `CoreHello`, and is told what to load by one `CoreStart`; then `CoreReady` or
+`CoreFailed`.
 """
 
 from __future__ import annotations
@@ -20,6 +24,16 @@ from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from runtime.stream import Delta
+
+
+class CoreStart(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The first message to a core process: what to load. `setup`: an encoded `api.core.CoreSetup`
+    (runtime imports nothing of api); `sys_path`: the frontend's, so that the functions a setup
+    names ("module:name") import in the core as they would in the frontend."""
+
+    config: EngineConfig
+    setup: bytes | None
+    sys_path: list[str]
 
 
 class CoreRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
@@ -61,6 +75,10 @@ class CoreShutdown(msgspec.Struct, frozen=True, tag=True, array_like=True):
 ToCore = CoreRequest | CoreAbort | CoreFlush | CoreStatsQuery | CoreShutdown
 
 
+class CoreHello(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    """The core process is up and connected: it waits for its `CoreStart`."""
+
+
 class CoreReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The model is loaded: the settings resolved against it, and the limits the Receiver checks."""
 
@@ -94,7 +112,7 @@ class CoreFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     done: bool
 
 
-FromCore = CoreReady | CoreFailed | CoreOutputs | CoreStats | CoreFlushed
+FromCore = CoreHello | CoreReady | CoreFailed | CoreOutputs | CoreStats | CoreFlushed
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -164,8 +165,74 @@ async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_pat
         await engine.start()
     assert not engine._started
     assert set(Path(tempfile.gettempdir()).glob("actorserve-*")) <= socket_dirs  # its socket files are gone
+    assert not _core_children()
+
+
+def _core_children() -> list[str]:
+    """This process's children that run the engine core (zombies too: an unreaped one leaks)."""
     children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
-    assert not [c for c in children if "actorserve-core" in Path(f"/proc/{c}/cmdline").read_text(errors="ignore")]
+    return [c for c in children if "api.core_process" in _read(f"/proc/{c}/cmdline") or _read(f"/proc/{c}/stat").endswith(" Z")]
+
+
+def _read(path: str) -> str:
+    """A /proc file's text ('' once the process is gone); a stat file up to its state field."""
+    try:
+        text = Path(path).read_text(errors="ignore")
+    except OSError:
+        return ""
+    return text[: text.rfind(")") + 3] if path.endswith("/stat") else text
+
+
+def _cores_running_in(directory: Path) -> list[str]:
+    """Engine core processes (anyone's children) whose working directory is `directory`."""
+    pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]
+    return [pid for pid in pids if "api.core_process" in _read(f"/proc/{pid}/cmdline") and _cwd(pid) == directory]
+
+
+def _cwd(pid: str) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
+
+
+def die_loudly(core) -> None:
+    """A CoreSetup function: the core writes its reason and exits while starting, before it can
+    say anything over its socket."""
+    print("the device caught fire", file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model_path):
+    from api.core import CoreSetup
+
+    engine = Engine(model_path=model_path, inline_core=False, core_setup=CoreSetup("tests.test_core_process:die_loudly"))
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*the device caught fire"):
+        await engine.start()
+    assert not engine._started and not _core_children()
+
+
+def _readme_embedded_example(model_path: str) -> str:
+    """README's embedded example as written, with the tiny model in place of the default one."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from api.engine import Engine" in b]
+    assert "__main__" not in block  # run as most people write a script: unguarded
+    return block.replace("Engine(", f"Engine(model_path={model_path!r}, ", 1)
+
+
+@pytest.mark.parametrize("how", ["script", "python -c"])
+def test_readme_embedded_example_runs_unguarded_from_another_directory(model_path, tmp_path, how):
+    """The core's interpreter never imports the caller's main module (multiprocessing's spawn did,
+    and an unguarded script then failed while starting)."""
+    example = _readme_embedded_example(model_path)
+    (tmp_path / "embed.py").write_text(example)
+    command = [sys.executable, "embed.py"] if how == "script" else [sys.executable, "-c", example]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}  # this tree's code, wherever it is
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    printed = done.stdout.strip().splitlines()
+    assert len(printed) >= 1 and printed[-1].endswith("]") and "None" in printed[-1], done.stdout
+    assert not _cores_running_in(tmp_path)  # the Engine's close ended its core
 
 
 def test_the_core_exits_when_its_frontend_is_killed(model_path, tmp_path):
