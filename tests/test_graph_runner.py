@@ -2,7 +2,8 @@
 
 Everything here runs on a CPU. The graph runner runs its real bucket / padding / static-buffer
 logic with a plain forward instead of a graph replay; the FlashInfer backend runs against
-tests/fake_flashinfer.py, a pure-torch stand-in that follows FlashInfer's documented API.
+tests/fake_flashinfer.py, a pure-torch stand-in that follows FlashInfer's documented API, in its
+strict mode (the kernels' dtypes, head sizes, GQA groups and strides) on models of real shapes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import tests.fake_flashinfer as fake_flashinfer
 from gpu.attention import TorchAttention
 from gpu.cuda_streams import HostResult, StepStreams
-from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, paged_kv_plan_args, resolve_attention_backend
+from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, PlanFence, paged_kv_plan_args, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import (
     DUMMY_ROW,
@@ -35,6 +36,20 @@ from runtime.sampling_params import SamplingParams
 
 MAX_BS = 20  # buckets [1, 2, 4, 8, 12, 16, 20]
 BUCKETS = [1, 2, 4, 8, 12, 16, 20]
+# Attention shapes of real models, which FlashInfer has kernels for: GQA group 2 takes the CUDA-core
+# decode kernel, groups 4 and 8 the tensor-core one.
+REAL_SHAPES = {
+    "gqa2-d64": dict(num_heads=4, num_kv_heads=2, head_dim=64),
+    "gqa4-d64": dict(num_heads=8, num_kv_heads=2, head_dim=64),
+    "gqa8-d128": dict(num_heads=8, num_kv_heads=1, head_dim=128),
+}
+# bf16 keeps 8 significant bits: FlashInfer's (here the fake's) and torch's attention round apart
+# by a few units in the last place, which moves a row of logits by well under 2% of its norm (a
+# wrong mask or page moves it by tens of percent); a greedy token may change only at a near-tie.
+HALF_REL_ERROR = 0.04
+NEAR_TIE = 0.25
+# Each shape once, page sizes 1 and 4 among them (the layout does not depend on the group).
+GLUE_CASES = [("gqa2-d64", 1), ("gqa2-d64", 4), ("gqa4-d64", 4), ("gqa8-d128", 1)]
 
 
 # --- buckets --------------------------------------------------------------------------------------
@@ -80,8 +95,8 @@ class Seq:
     next_token: int
 
 
-def _runner(path, page_size: int = 1) -> ModelRunner:
-    config = RunnerConfig(model_path=str(path), dtype="float32", max_total_tokens=8192, max_running_requests=32, page_size=page_size, cuda_graph_max_bs=MAX_BS)
+def _runner(path, page_size: int = 1, dtype: str = "float32") -> ModelRunner:
+    config = RunnerConfig(model_path=str(path), dtype=dtype, max_total_tokens=8192, max_running_requests=32, page_size=page_size, cuda_graph_max_bs=MAX_BS)
     return ModelRunner(config)
 
 
@@ -131,9 +146,28 @@ def _assert_same(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(out.argmax(-1), ref.argmax(-1))
 
 
+def _assert_close_half(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """Half-precision logits: each row close to the reference's, and the same greedy token
+    wherever the reference's top two are not a near-tie."""
+    out, ref = out.float(), ref.float()
+    assert out.shape == ref.shape
+    error = ((out - ref).norm(dim=-1) / ref.norm(dim=-1)).max()
+    assert error <= HALF_REL_ERROR, f"logits differ by {float(error):.1%} of their norm"
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE
+    assert torch.equal(out.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
 @pytest.fixture(scope="module")
 def tiny_path(tiny_model_factory):
     return tiny_model_factory("qwen3", max_position_embeddings=512)
+
+
+def _real_shape(tiny_model_factory, name: str):
+    """(model path, GQA group) of a model shaped as REAL_SHAPES[name]."""
+    sizes = REAL_SHAPES[name]
+    path = tiny_model_factory("qwen3", hidden_size=256, max_position_embeddings=512, **sizes)
+    return path, sizes["num_heads"] // sizes["num_kv_heads"]
 
 
 # --- eager replay ----------------------------------------------------------------------------------
@@ -236,6 +270,14 @@ def fake_fi(monkeypatch):
     return fake_flashinfer
 
 
+@pytest.fixture
+def strict_fi(monkeypatch):
+    """The fake with the kernels' limits; the CPU stands in for the GPU."""
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer.strict_module(fake_flashinfer.KernelLimits(cpu_stands_for_cuda=True)))
+    fake_flashinfer.plans.clear()
+    return fake_flashinfer
+
+
 def _fi_attn(runner: ModelRunner) -> FlashInferAttention:
     mc = runner.model_config
     shape = AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim, runner.config.page_size, mc.head_dim**-0.5)
@@ -261,10 +303,15 @@ def test_paged_kv_plan_args_match_the_table(page_size):
     assert indptr.dtype == last.dtype == torch.int32 and indptr.device.type == "cpu"
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_flashinfer_paths_match_torch(tiny_path, fake_fi, page_size):
-    runner = _runner(tiny_path, page_size)
+@pytest.mark.parametrize("shape, page_size", GLUE_CASES)
+def test_flashinfer_paths_match_torch(tiny_model_factory, strict_fi, shape, page_size):
+    path, group = _real_shape(tiny_model_factory, shape)
+    runner = _runner(path, page_size, dtype="bfloat16")
     fi = _fi_attn(runner)
+    assert fi.use_tensor_cores == (group >= 4)
+    decode_path = "tensor_core_decode" if group >= 4 else "decode"
+    # The warm-up ran every path once, on the dummy row only.
+    assert [kind for kind, _ in strict_fi.plans] == [decode_path, "ragged_prefill", "paged_prefill"]
     rng = random.Random(10 + page_size)
     seqs = _prefill(runner, 4, rng)  # KV written by the torch backend
     # EXTEND from scratch (ragged) for fresh requests, compared with torch on the same pool.
@@ -274,8 +321,8 @@ def test_flashinfer_paths_match_torch(tiny_path, fake_fi, page_size):
     for r, s in zip(rows, slots):
         runner.req_to_token.write(r, 0, s)
     batch = ForwardBatch.build(prompts, rows, [0] * 3, torch.cat(slots), return_all_logits=True)
-    _assert_same(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
-    assert fake_fi.plans[-1] == ("ragged_prefill", 3)
+    _assert_close_half(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
+    assert strict_fi.plans[-1] == ("ragged_prefill", 3)
     # EXTEND over cached prefixes (paged prefill), then MIXED (one extends, the rest decode).
     for lens in ([5, 3, 9, 2], [1, 6, 1, 1]):
         new = [[rng.randrange(3, 500) for _ in range(n)] for n in lens]
@@ -285,23 +332,26 @@ def test_flashinfer_paths_match_torch(tiny_path, fake_fi, page_size):
             s.slots = torch.cat([s.slots, more])
         out_loc = torch.cat([s.slots[s.length : s.length + n] for s, n in zip(seqs, lens)])
         batch = ForwardBatch.build(new, [s.row for s in seqs], [s.length for s in seqs], out_loc, return_all_logits=True)
-        _assert_same(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
-        assert fake_fi.plans[-1] == ("paged_prefill", 4)
+        _assert_close_half(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
+        assert strict_fi.plans[-1] == ("paged_prefill", 4)
         for s, n, ids in zip(seqs, lens, new):
             s.length += n
             s.next_token = ids[-1]
     # DECODE (eager decode wrapper).
     batch = _decode_batch(runner, seqs)
-    _assert_same(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
-    assert fake_fi.plans[-1] == ("decode", 4)
+    _assert_close_half(runner.model(batch, fi), runner.model(batch, _torch_attn(runner)))
+    assert strict_fi.plans[-1] == (decode_path, 4)
 
 
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_flashinfer_graph_decode_plans_into_static_buffers(tiny_path, fake_fi, page_size):
-    runner = _runner(tiny_path, page_size)
+@pytest.mark.parametrize("shape, page_size", GLUE_CASES)
+def test_flashinfer_graph_decode_plans_into_static_buffers(tiny_model_factory, strict_fi, shape, page_size):
+    path, group = _real_shape(tiny_model_factory, shape)
+    runner = _runner(path, page_size, dtype="bfloat16")
     runner.attn = _fi_attn(runner)
     graph = runner.init_graph_runner(capture=False)
     assert sorted(runner.attn.graph_decode) == BUCKETS
+    assert all(w.use_tensor_cores == (group >= 4) for w in runner.attn.graph_decode.values())
+    decode_path = "tensor_core_decode" if group >= 4 else "decode"
     rng = random.Random(20 + page_size)
     live = _prefill(runner, 24, rng)
     for n in (1, 8, 9, 20, 13, 3, 16, 17, 2):
@@ -309,9 +359,9 @@ def test_flashinfer_graph_decode_plans_into_static_buffers(tiny_path, fake_fi, p
         batch = _decode_batch(runner, seqs)
         ref = runner.model(batch, _torch_attn(runner))
         out = runner.forward(batch)
-        _assert_same(out, ref)
+        _assert_close_half(out, ref)
         bucket = graph.bucket_for(n)
-        assert fake_fi.plans[-1] == ("decode", bucket)  # the bucket's graph-mode wrapper
+        assert strict_fi.plans[-1] == (decode_path, bucket)  # the bucket's graph-mode wrapper
         # Padded rows: one page each (page 0, the reserved slot's), holding one token.
         indptr, indices, last = runner.attn.graph_decode[bucket].csr
         assert indptr.numel() == bucket + 1 and last.numel() == bucket
@@ -340,8 +390,73 @@ def test_fake_flashinfer_refuses_what_flashinfer_0_7_refuses():
         ragged.plan(indptr, indptr, 4, 2, 8, 1)
 
 
+def test_strict_fake_refuses_what_the_kernels_refuse():
+    """Strict mode: the inputs FlashInfer 0.7.2's kernels have no instance for, or reject."""
+    cpu = fake_flashinfer.KernelLimits(cpu_stands_for_cuda=True)
+    fi = fake_flashinfer.strict_module(cpu)
+    ws = torch.zeros(16, dtype=torch.uint8)
+    indptr, indices, last = (torch.tensor(v, dtype=torch.int32) for v in ([0, 2], [3, 4], [1]))
+    half = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    with pytest.raises(AssertionError, match="CUDA tensors"):
+        fake_flashinfer.strict_module().BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    decode = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    with pytest.raises(AssertionError, match="float16 or bfloat16"):
+        decode.plan(indptr, indices, last, 4, 2, 64, 1, q_data_type=torch.float32, kv_data_type=torch.float32)
+    with pytest.raises(AssertionError, match="head_dim 96"):
+        decode.plan(indptr, indices, last, 4, 2, 96, 1, **half)
+    with pytest.raises(AssertionError, match="group_size: 5"):  # no CUDA-core decode kernel for a group of 5
+        decode.plan(indptr, indices, last, 10, 2, 64, 1, **half)
+    tensor_cores = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    tensor_cores.plan(indptr, indices, last, 10, 2, 64, 1, **half)  # any group on tensor cores
+    assert fake_flashinfer.plans[-1] == ("tensor_core_decode", 1)
+    decode.plan(indptr, indices, last, 4, 2, 64, 1, **half)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    pages = torch.zeros(8, 1, 2, 64, dtype=torch.bfloat16)
+    assert decode.run(q, (pages, pages.clone())).shape == (1, 4, 64)
+    with pytest.raises(AssertionError, match="strides differ"):
+        decode.run(q, (pages, torch.zeros(8, 1, 2, 128, dtype=torch.bfloat16)[..., :64]))
+    with pytest.raises(AssertionError, match="contiguous"):
+        decode.run(torch.zeros(1, 64, 4, dtype=torch.bfloat16).transpose(1, 2), (pages, pages))
+    with pytest.raises(AssertionError, match="the workspace on cpu"):
+        decode.run(q.to("meta"), (pages, pages))
+    ragged = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
+    qo = torch.tensor([0, 2], dtype=torch.int32)
+    ragged.plan(qo, qo, 10, 2, 64, causal=True, **half)  # prefill kernels take any group
+    kv = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="strides differ"):
+        ragged.run(torch.zeros(2, 10, 64, dtype=torch.bfloat16), kv, torch.zeros(2, 4, 64, dtype=torch.bfloat16)[:, ::2])
+
+
+def test_plan_fence_waits_on_a_blocking_event(monkeypatch):
+    """The fence sleeps in a blocking event's synchronize (a default event spins a core), one
+    event per wrapper, waited on before each plan and recorded after it."""
+    calls: list[tuple[str, int]] = []
+
+    class Event:
+        made = 0
+
+        def __init__(self, blocking: bool = False):
+            assert blocking, "a non-blocking event's synchronize() spins"
+            Event.made += 1
+            self.id = Event.made
+
+        def synchronize(self) -> None:
+            calls.append(("wait", self.id))
+
+        def record(self) -> None:
+            calls.append(("record", self.id))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    fence = PlanFence(torch.device("cuda"))
+    first, second = object(), object()
+    for wrapper in (first, second, first):
+        with fence.guard(wrapper):
+            calls.append(("plan", 0))
+    assert calls == [("wait", 1), ("plan", 0), ("record", 1), ("wait", 2), ("plan", 0), ("record", 2), ("wait", 1), ("plan", 0), ("record", 1)]
+
+
 # --- backend selection ----------------------------------------------------------------------------
-def test_backend_resolution(monkeypatch):
+def test_backend_resolution(monkeypatch, tmp_path):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_attention_backend("torch", cpu, torch.float32, 16) == "torch"
     assert resolve_attention_backend("auto", cpu, torch.float32, 64) == "torch"
@@ -356,8 +471,38 @@ def test_backend_resolution(monkeypatch):
     with pytest.raises(ValueError, match="actorserve\\[gpu\\]"):
         resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 64)
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setenv("CUDA_HOME", str(_fake_cuda_home(tmp_path, "13.0")))
     assert resolve_attention_backend("auto", cuda, torch.bfloat16, 128) == "flashinfer"
     assert resolve_attention_backend("auto", cuda, torch.float16, 16) == "torch"
+
+
+def _fake_cuda_home(root, release: str | None):
+    """A CUDA_HOME whose bin/nvcc prints `nvcc --version` of `release` (None: no nvcc there)."""
+    home = root / f"cuda-{release}"
+    (home / "bin").mkdir(parents=True)
+    if release is not None:
+        nvcc = home / "bin" / "nvcc"
+        nvcc.write_text(f"#!/bin/sh\necho 'Cuda compilation tools, release {release}, V{release}.88'\n")
+        nvcc.chmod(0o755)
+    return home
+
+
+def test_flashinfer_needs_nvcc_or_its_precompiled_kernels(monkeypatch, tmp_path):
+    """FlashInfer compiles its kernels at first use: without a suitable nvcc (or its precompiled
+    kernels) an explicit flashinfer is refused at startup, and auto takes torch."""
+    cuda = torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
+    monkeypatch.setenv("CUDA_HOME", str(_fake_cuda_home(tmp_path, None)))
+    with pytest.raises(ValueError, match="compiles its attention kernels with nvcc.*finds none.*install-jit-cache-wheel"):
+        resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 64)
+    assert resolve_attention_backend("auto", cuda, torch.bfloat16, 64) == "torch"
+    monkeypatch.setenv("CUDA_HOME", str(_fake_cuda_home(tmp_path, "12.2")))  # too old for Hopper's fa3 prefill
+    with pytest.raises(ValueError, match="need CUDA >= 12.3.*is 12.2"):
+        resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 64)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))  # an A100 builds fa2 only
+    assert resolve_attention_backend("flashinfer", cuda, torch.bfloat16, 64) == "flashinfer"
 
 
 def test_flashinfer_on_cpu_fails_at_startup(tiny_path):
