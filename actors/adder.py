@@ -25,6 +25,7 @@ from actors.kv_ledger import KVLedger
 from actors.priority import PriorityRule
 from actors.running_set import RunningSet
 from actors.prefill_adder import (
+    RETRACT_DECODE_STEPS,
     AddResult,
     Admission,
     NewTokenRatio,
@@ -75,10 +76,15 @@ class Adder(Actor[AdderMsg]):
         self._queue_empty = True  # the Policy's last answer said nothing else waits
         self._candidates: list[Req] | None = None  # an answer (maybe empty) not yet used by a round
         self._stalled = False  # the last round launched nothing: wait for a StepDone
+        # SGLang's batch_is_full: set when a prefill round ran out of KV (NO_TOKEN) or rows, cleared
+        # when a request leaves the running set; while set, rounds take no new request. With
+        # priority scheduling SGLang clears it at every round, to try preemption.
+        self._batch_full = False
         self._to_requeue: list[Req] = []  # retracted / preempted, released, not yet sent back
         self.counters: Counter[str] = Counter()
         self.scheduler_s = 0.0
         self.prefill_tokens_per_s: float | None = None  # EWMA over recent prefill steps
+        self.decode_step_s: float | None = None  # EWMA over recent decode-only steps
         # With fairness: tokens each launched step generates per tenant, reported when it is done.
         self._generating: dict[int, Counter[str]] = {}
 
@@ -99,6 +105,7 @@ class Adder(Actor[AdderMsg]):
             self._leave_all(msg.finished, "finish")
             self._release_done()
             self._measure_prefill(msg)
+            self._measure_decode(msg)
             generated = self._generating.pop(msg.step, None)
             if generated:
                 await self.policy.send(Served(dict(generated)))
@@ -130,7 +137,7 @@ class Adder(Actor[AdderMsg]):
                     return
 
     async def _pull(self) -> None:
-        rows = self.kv.rows_free()
+        rows = 0 if self._latched() and self.chunked is None else self.kv.rows_free()
         preempt_priority = self._least_important_running() if rows == 0 else None
         if preempt_priority is not None:
             rows = 1  # the best waiting request, if it may preempt a running one
@@ -139,7 +146,23 @@ class Adder(Actor[AdderMsg]):
         await self.policy.send(Pull(
             max_reqs=rows, running_routing_keys=self._routing_keys(), block=block, preempt_priority=preempt_priority,
             prefill_tokens_per_s=self.prefill_tokens_per_s,
+            kv_free=self.kv.free_slots() + self.kv.cache.evictable_size(), first_exit_s=self._first_exit_s(),
         ))
+
+    def _first_exit_s(self) -> float | None:
+        rounds = self.running.rounds_to_first_exit()
+        if rounds is None or self.decode_step_s is None:
+            return None
+        return max(rounds, 0) * self.decode_step_s
+
+    def _measure_decode(self, done: StepDone) -> None:
+        if done.prefill_tokens or done.forward_s <= 0:
+            return
+        last = self.decode_step_s
+        self.decode_step_s = done.forward_s if last is None else 0.8 * last + 0.2 * done.forward_s
+
+    def _latched(self) -> bool:
+        return self._batch_full and not self.config.enable_priority_scheduling
 
     def _measure_prefill(self, done: StepDone) -> None:
         # Steps of a few prompt tokens are mostly launch and decode time: they would understate
@@ -172,8 +195,9 @@ class Adder(Actor[AdderMsg]):
         batch, leftover = self._form_prefill(candidates)
         if batch is None and leftover and self._idle():
             # Nothing runs and the best candidate still does not fit: it never will. Refuse it
-            # instead of pulling it again forever.
-            self._finish_with_error(leftover.pop(0), "the request does not fit in the KV pool")
+            # instead of pulling it again forever. (The Receiver's clamp makes this unreachable
+            # for a request alone; it stays as the guard against pulling forever.)
+            self._refuse_unfittable(leftover.pop(0))
         if leftover:
             await self._requeue(leftover, front=True)
         if batch is None:
@@ -182,6 +206,7 @@ class Adder(Actor[AdderMsg]):
             self._stalled = True
             if self._idle():
                 self.ratio.reset()
+                self._batch_full = False
             return False
         self._stalled = False
         await self._launch(batch)
@@ -213,7 +238,7 @@ class Adder(Actor[AdderMsg]):
         if not candidates and self.chunked is None:
             return None, []
         self._cache_chunked_prefix()
-        mixed = self._mixed_decode()
+        mixed = self.config.enable_mixed_chunk and self.config.chunking_enabled and bool(self.running)
         adder = PrefillAdder(
             page_size=self.page_size,
             cache=self.kv.cache,
@@ -223,47 +248,63 @@ class Adder(Actor[AdderMsg]):
             max_prefill_tokens=self.config.max_prefill_tokens,
             chunked_prefill_size=self.config.chunked_prefill_size if self.config.chunking_enabled else None,
             mixed_decode_tokens=len(self.running) if mixed else 0,
+            prefill_max_requests=self.config.prefill_max_requests,
         )
         if self.chunked is not None:
             adder.add_chunked_req(self.chunked)
         leftover = self._admit_candidates(adder, candidates)
         if not adder.admitted:
             return None, leftover
+        # As SGLang: the decodes join only when neither they nor the new requests want logprobs.
+        mixed = mixed and not any(r.return_logprob for r in [*self.running, *adder.can_run])
         return self._prefill_batch(adder, mixed), leftover
 
     def _admit_candidates(self, adder: PrefillAdder, candidates: list[Req]) -> list[Req]:
+        """SGLang's admission loop: with every row taken, a candidate may only preempt; a
+        NO_TOKEN result (KV short) sets the batch-full latch and ends the round."""
+        if self._latched():
+            return candidates  # the chunked request alone goes on
         rows_left = self.kv.rows_free()
         for i, req in enumerate(candidates):
-            if adder.budget_state() != AddResult.CONTINUE:
-                return candidates[i:]
             match = match_for_admission(self.kv.cache, req)
             if rows_left == 0:
-                self._try_preempt(adder, req, match)
-                return candidates[i:]  # victims free their rows after their last step
+                self._batch_full = True
+                rows_left = self._preempt_for(adder, req, match)
+                if rows_left == 0:
+                    return candidates[i:]
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted
             if result != AddResult.CONTINUE:
-                if not admitted and result == AddResult.NO_TOKEN:
-                    self._try_preempt(adder, req, match)
+                if result == AddResult.NO_TOKEN:
+                    self._batch_full = True
                 return candidates[i + admitted :]
         return []
 
-    def _try_preempt(self, adder: PrefillAdder, req: Req, match) -> None:
-        """Priority preemption: running requests less important by more than the threshold leave
-        (and are requeued) so that `req` fits next round."""
-        cfg = self.config
-        if not cfg.enable_priority_scheduling or any(e.kind in ("preempt", "retract") for e in self.ending):
-            return  # while earlier victims still hold KV, preempting more would over-preempt
-        victims = select_preemption_victims(
-            req, adder.running, adder.preemption_need(req, match), self.priority_rule, adder.reserved_tokens,
-        )
-        for victim in victims or []:
+    def _preempt_for(self, adder: PrefillAdder, req: Req, match) -> int:
+        """Priority preemption (SGLang's `preempt_to_schedule`): running requests less important
+        than `req` by more than the threshold leave and are requeued. Victims with no step in
+        flight give their row and KV back now, so `req` is admitted in this same round, as in
+        SGLang; a victim in an in-flight step keeps them until that step is done (the Adder's
+        release rule), and `req` waits for that. Returns the rows freed now."""
+        if not self.config.enable_priority_scheduling or any(e.kind in ("preempt", "retract") for e in self.ending):
+            return 0  # while earlier victims still hold KV, preempting more would over-preempt
+        need = adder.preemption_need(req, match)
+        victims = select_preemption_victims(req, adder.running, need, self.priority_rule, adder.reserved_tokens)
+        if not victims:
+            return 0
+        survivors = len(adder.running)
+        rows_before = self.kv.rows_free()
+        for victim in victims:
+            free_before = self.kv.free_slots()
             self._leave(victim, "preempt")
-            adder.remove_running([victim])
-            self.counters["preemptions"] += 1
-        if victims:
             self._release_done()
+            survivors -= 1
+            if victim.sched.req_row is None:  # released now: SGLang evicts for the survivors' decodes
+                self.kv.make_room(survivors * RETRACT_DECODE_STEPS)
+            adder.remove_running([victim], freed_slots=self.kv.free_slots() - free_before)
+            self.counters["preemptions"] += 1
+        return self.kv.rows_free() - rows_before
 
     def _cache_chunked_prefix(self) -> None:
         """Reference step 1: the computed part of the chunked request goes into the prefix cache."""
@@ -275,10 +316,6 @@ class Adder(Actor[AdderMsg]):
         match them before it finishes."""
         assert req.sched.req_row is not None
         self.kv.cache_prefix(req.sched.req_row, prefix_tokens(req, length), req.extra_key)
-
-    def _mixed_decode(self) -> bool:
-        cfg = self.config
-        return cfg.enable_mixed_chunk and cfg.chunking_enabled and bool(self.running) and not any(r.return_logprob for r in self.running)
 
     def _prefill_batch(self, adder: PrefillAdder, mixed: bool) -> Batch:
         step = self.next_step
@@ -342,44 +379,53 @@ class Adder(Actor[AdderMsg]):
     def _form_decode(self) -> Batch | None:
         """One token for every running request (each still needs one: a request leaves the
         running set when its last token is launched)."""
+        retractions = self.counters["retractions"]
         if not self.running or not self._ensure_decode_memory() or not self.running:
             return None
+        retracted = self.counters["retractions"] > retractions
         running = self.running
         n = len(running)
         slots = self.kv.extend_decode(self.running.rows, self.running.positions)
         prefix_lens = running.positions.tolist()
         reqs, rows = running.reqs, running.rows_list
         done = running.advance(self.next_step)
-        self.ratio.decay()
+        if not retracted:
+            self.ratio.decay()  # SGLang sets the ratio on a retracting step and decays it otherwise
         return self._batch(ForwardMode.DECODE, reqs, rows, prefix_lens, [1] * n, [None] * n, [slots], [True] * n, done)
 
     def _ensure_decode_memory(self) -> bool:
-        """Make room for one more token per request: evict cache, else retract (never the last)."""
-        need = self._decode_slots_needed()
-        if self.kv.make_room(need) >= need:
+        """Make room for one more token per request: evict cache, else retract as SGLang's
+        `retract_decode` does, one victim at a time until the next decode step fits (never the
+        last request)."""
+        if self._decode_fits():
             return True
         if self.in_flight > 0 or self.ending:
             return False  # memory comes back when in-flight steps report; wait for them
-        victims, new_ratio = select_retraction_victims(self.running.synced(), self._reclaimable)
-        self._leave_all(victims, "retract")
+
+        def release_and_check(victims: list[Req], stays: list[Req]) -> bool:
+            self._leave(victims[-1], "retract")
+            self._release_done()  # nothing is in flight: the victim's KV is free now
+            self.kv.make_room(len(stays) * RETRACT_DECODE_STEPS)  # as SGLang's release_req
+            return self._decode_fits()
+
+        victims, new_ratio = select_retraction_victims(self.running.synced(), release_and_check)
         self.counters["retractions"] += len(victims)
         if victims:
             self.ratio.set(new_ratio)
-            self._release_done()
-        need = self._decode_slots_needed()
-        if self.kv.make_room(need) >= need:
+        if self._decode_fits():
             return True
-        # One request alone cannot fit: it cannot finish, so it ends now (SGLang aborts it too).
+        # One request alone cannot fit: it cannot finish, so it ends now (SGLang raises instead).
         for req in list(self.running):
             self._finish_with_error(req, "the KV pool is too small for this request to continue")
         self._release_done()
         return False
 
+    def _decode_fits(self) -> bool:
+        need = self._decode_slots_needed()
+        return self.kv.make_room(need) >= need
+
     def _decode_slots_needed(self) -> int:
         return self.kv.decode_slots_needed(self.running.positions)
-
-    def _reclaimable(self, victims: list[Req]) -> int:
-        return self.kv.reclaimable(r.sched.req_row for r in victims if r.sched.req_row is not None)
 
     def _batch(
         self,
@@ -415,6 +461,8 @@ class Adder(Actor[AdderMsg]):
         if not reqs:
             return
         left = self.running.remove(reqs)
+        if left:
+            self._batch_full = False  # SGLang clears batch_is_full when the batch shrinks
         leaving = {e.req for e in self.ending}
         for req in reqs:
             if req in left:
@@ -475,6 +523,14 @@ class Adder(Actor[AdderMsg]):
             else:
                 keep.append(req)
         return keep
+
+    def _refuse_unfittable(self, req: Req) -> None:
+        pool = self.kv.allocator.size
+        self._abort(req, FinishReason(
+            "abort", status=400, code="invalid_request_error", param="max_new_tokens",
+            message=f"the request needs {len(req.fill_ids)} prompt tokens and up to {req.max_new_tokens} new tokens "
+            f"of KV, which an idle engine with a KV pool of {pool} tokens cannot hold",
+        ))
 
     def _finish_with_error(self, req: Req, message: str) -> None:
         if req.sched.req_row is not None:

@@ -19,7 +19,9 @@ With `--reject-infeasible` (edf), a request whose first token is due before the 
 it and its own prefill could be done is refused at once, 503 `deadline_infeasible`, instead of
 running late: the estimate is the larger of (requests ahead / the rate the Adder took requests
 while the queue stayed backlogged) and (their prompt tokens / the measured prefill rate), plus its
-own prompt at that rate. Until both rates are measured nothing is refused.
+own prompt at that rate, plus, when every row is taken (and its priority may not preempt) or the
+KV cannot hold it, the time until the first running request leaves (the Adder's Pull reports it
+from the measured decode step). Until something is measured nothing is refused.
 
 A constrained request (json_schema, regex, ebnf) whose grammar is not compiled yet waits in the
 grammar queue (`compiling`), as in SGLang, while a worker thread compiles it (actors/grammar.py);
@@ -70,6 +72,7 @@ class Policy(Actor[PolicyMsg]):
         self.backlog_rate = BacklogRate()
         self.fairness = VirtualTokenCounter(parse_tenant_weights(config.tenant_weights)) if config.fairness == "vtc" else None
         self.prefill_tokens_per_s: float | None = None  # the Adder's measure, from its Pulls
+        self._capacity: Pull | None = None  # the last Pull: rows, KV and the first exit it reported
 
     def start(self, on_exit) -> None:
         super().start(on_exit)
@@ -84,7 +87,7 @@ class Policy(Actor[PolicyMsg]):
         elif isinstance(msg, Requeue):
             self._requeue(msg)
         elif isinstance(msg, Pull):
-            self._parked = msg
+            self._parked = self._capacity = msg
             self.prefill_tokens_per_s = msg.prefill_tokens_per_s or self.prefill_tokens_per_s
         elif isinstance(msg, Served) and self.fairness is not None:
             self.fairness.charge_outputs(msg.tokens)
@@ -173,7 +176,10 @@ class Policy(Actor[PolicyMsg]):
                     queued.add(tenant_of(req))
         if msg.front:
             self.backlog_rate.gave_back(len(msg.reqs))
-        self.waiting = msg.reqs + self.waiting if msg.front else self.waiting + msg.reqs
+            self.waiting = msg.reqs + self.waiting
+            return
+        for req in msg.reqs:  # as SGLang: a retracted or preempted request meets the queue limit as an arrival
+            self._join_queue(req)
 
     def _charge(self, given: list[Req]) -> None:
         """VTC: prompts handed out are service received; a tenant with nothing left queued left."""
@@ -193,6 +199,11 @@ class Policy(Actor[PolicyMsg]):
             return
         if self.fairness is not None:
             self.fairness.arrived(tenant_of(req), self._queued_tenants())
+        self._join_queue(req)
+
+    def _join_queue(self, req: Req) -> None:
+        """SGLang's `_abort_on_queued_limit`: past `max_queued_requests`, a strictly better
+        request (priority scheduling) evicts the worst queued one, else it is refused."""
         limit = self.config.max_queued_requests
         if limit is None or len(self.waiting) < limit:
             self.waiting.append(req)
@@ -217,7 +228,23 @@ class Policy(Actor[PolicyMsg]):
             len(ahead), sum(len(w.origin_input_ids) for w in ahead), len(req.origin_input_ids),
             self.backlog_rate.per_s, self.prefill_tokens_per_s,
         )
-        return wait is not None and time.monotonic() + wait > due
+        blocked = self._blocked_s(req)
+        if wait is None and blocked is None:
+            return False
+        return time.monotonic() + (wait or 0.0) + (blocked or 0.0) > due
+
+    def _blocked_s(self, req: Req) -> float | None:
+        """How long the running batch keeps `req` out at least: with every row taken (and no
+        preemption its priority allows), or too little KV for its prompt and output, until the
+        first running request leaves."""
+        pull = self._capacity
+        if pull is None or pull.first_exit_s is None:
+            return None
+        rows_full = pull.max_reqs == 0 and not (
+            pull.preempt_priority is not None and self.priority_rule.may_preempt(req.priority, pull.preempt_priority)
+        )
+        kv_short = len(req.origin_input_ids) + req.max_new_tokens > pull.kv_free
+        return pull.first_exit_s if rows_full or kv_short else None
 
     def _worst_waiting(self) -> Req | None:
         if not self.waiting:

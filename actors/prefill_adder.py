@@ -57,6 +57,10 @@ def remaining_new_tokens(req: Req) -> int:
     return min(max(req.max_new_tokens - generated_tokens(req), 0), CLIP_MAX_NEW_TOKENS)
 
 
+def clipped_max_new_tokens(req: Req) -> int:
+    return min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+
+
 def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:
     """The cached prefix of `req`, leaving at least one token to compute (its logits sample the next token)."""
     return cache.match_prefix(match_key(req), req.extra_key)
@@ -124,8 +128,10 @@ class Admission:
 @dataclass(slots=True)
 class _Candidate:
     extend: int  # tokens to compute if admitted whole
-    paged: int  # extend rounded up to whole pages: what its KV costs
-    new_tokens: int  # clipped decode tokens still to come
+    paged: int  # extend rounded up to whole pages: what the input budgets are charged
+    new_tokens: int  # clipped decode tokens still to come: what the admission test asks for
+    charged_new: int  # clipped max_new_tokens, in full: what admission charges (SGLang charges a
+    # re-admitted request as if it had generated nothing)
 
 
 class PrefillAdder:
@@ -151,6 +157,7 @@ class PrefillAdder:
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         mixed_decode_tokens: int = 0,
+        prefill_max_requests: int | None = None,
     ) -> None:
         if page_size != cache.page_size:
             raise ValueError(f"page_size {page_size} differs from the cache's {cache.page_size}")
@@ -166,6 +173,7 @@ class PrefillAdder:
         # What this round's extends take from the pool: the ignore_eos simulation's "free" is real
         # KV, without the running requests' estimates.
         self.extend_charged = mixed_decode_tokens
+        self.prefill_max_requests = prefill_max_requests
         self.admitted: list[Admission] = []
         self.new_chunked_req: Req | None = None
         # Prefix caching off: ignore_eos requests get the worst-case simulation instead of the ratio.
@@ -192,13 +200,16 @@ class PrefillAdder:
         return AddResult.CONTINUE
 
     def tokens_needed(self, req: Req, match: MatchResult) -> int:
-        """What admitting `req` whole costs the total budget (its paged extend plus its decode tokens)."""
+        """What the admission test asks of the total budget for `req` (its extend, not rounded up
+        to pages, plus its remaining decode tokens)."""
         cand = self._candidate(req, match)
-        return cand.paged + cand.new_tokens
+        return cand.extend + cand.new_tokens
 
     def preemption_need(self, req: Req, match: MatchResult) -> float:
-        """Tokens that preempted requests must give back before `req` fits (<= 0: it fits already)."""
-        return self.tokens_needed(req, match) - self.rem_total_tokens
+        """Tokens that preempted requests must give back before `req` fits (<= 0: it fits already):
+        its extend plus its clipped max_new_tokens, as SGLang's `preempt_to_schedule` counts."""
+        cand = self._candidate(req, match)
+        return cand.extend + cand.charged_new - self.rem_total_tokens
 
     def remove_running(self, victims: Sequence[Req], freed_slots: int = 0) -> None:
         """Preempted `victims` stop counting; `freed_slots` is 0 when their release waits for an
@@ -222,7 +233,7 @@ class PrefillAdder:
     def _candidate(self, req: Req, match: MatchResult) -> _Candidate:
         extend = len(req.origin_input_ids) + len(req.out.output_ids) - match.length
         assert extend > 0, f"request {req.rid} has nothing to compute (match the prefix without its last token)"
-        return _Candidate(extend, self._ceil_pages(extend), remaining_new_tokens(req))
+        return _Candidate(extend, self._ceil_pages(extend), remaining_new_tokens(req), clipped_max_new_tokens(req))
 
 
     def add_chunked_req(self, req: Req) -> Req | None:
@@ -242,7 +253,7 @@ class PrefillAdder:
             take = self.page_size  # mixed decode tokens ate the whole chunk budget
         truncated = left > take
         extend = self._page_aligned_cut(start, take) if truncated else left
-        self._charge(extend, 0 if truncated else remaining_new_tokens(req))
+        self._charge(extend, 0 if truncated else clipped_max_new_tokens(req))
         self.admitted.append(Admission(req, start, extend, truncated, None))
         self.new_chunked_req = req if truncated else None
         return self.new_chunked_req
@@ -255,6 +266,8 @@ class PrefillAdder:
     def add_one_req(self, req: Req, match: MatchResult, has_chunked_req: bool) -> AddResult:
         """Admit `req` with its cached prefix `match`: on admission it holds a lock on
         `match.last_node`; on refusal nothing changed."""
+        if self.prefill_max_requests is not None and len(self.admitted) >= self.prefill_max_requests:
+            return AddResult.OTHER
         cand = self._candidate(req, match)
         refused = self._memory_refusal(req, cand)
         if refused is not None:
@@ -275,18 +288,18 @@ class PrefillAdder:
             if cand.paged > min(cur_rem, self.rem_total_tokens) or not self._ignore_eos_safe(req, cur_rem - cand.paged):
                 return AddResult.NO_TOKEN
             return None
-        if cand.paged + cand.new_tokens >= self.rem_total_tokens:
+        if cand.extend + cand.new_tokens >= self.rem_total_tokens:
             return AddResult.NO_TOKEN
         return None
 
     def _admit_locked(self, req: Req, match: MatchResult, cand: _Candidate, has_chunked_req: bool) -> AddResult | None:
         """Admit whole or cut to the chunk budget; None on success, else why not."""
         if not (self.simulate_ignore_eos and req.sampling.ignore_eos):
-            if cand.paged + cand.new_tokens >= self.rem_total_tokens:
+            if cand.extend + cand.new_tokens >= self.rem_total_tokens:
                 return AddResult.NO_TOKEN
         if self.rem_chunk_tokens is None or cand.paged <= self.rem_chunk_tokens:
             self._record_new(req, match, cand.extend, truncated=False)
-            self._charge(cand.extend, cand.new_tokens)
+            self._charge(cand.extend, cand.charged_new)
             return None
         if has_chunked_req or self.new_chunked_req is not None:
             return AddResult.OTHER  # one chunked request at a time
@@ -360,26 +373,28 @@ def select_preemption_victims(
 
 
 
-def retraction_order(running: Sequence[Req]) -> list[Req]:
-    """Victims first: fewest generated tokens (least work lost), then the longest prompt."""
-    return sorted(running, key=lambda r: (generated_tokens(r), -len(r.origin_input_ids)))
+def retraction_stack(running: Sequence[Req]) -> list[Req]:
+    """The running requests with the next retraction victim last (pop() takes it): fewest
+    generated tokens (least work lost), then the longest prompt, then the one admitted last. As
+    SGLang: a stable sort in reverse, popped from the end."""
+    return sorted(running, key=lambda r: (generated_tokens(r), -len(r.origin_input_ids)), reverse=True)
 
 
 def select_retraction_victims(
     running: Sequence[Req],
-    available_after: Callable[[Sequence[Req]], float],
+    fits_after: Callable[[list[Req], list[Req]], bool],
     reserve_steps: int = RETRACT_DECODE_STEPS,
 ) -> tuple[list[Req], float]:
     """Requests to retract because decode memory is short, and the new new_token_ratio.
 
-    Retracts at least one, then more until `available_after(victims)` (free + evictable + what the
-    victims give back) covers `reserve_steps` tokens for every request that stays. Never the last
-    request: if it still does not fit, the caller aborts it.
+    SGLang's `retract_decode`: retract one, then one more while `fits_after(victims, stays)` says
+    the next decode step of `stays` does not fit yet (the caller frees the newest victim's KV
+    before answering). Never the last request: if it still does not fit, the caller aborts it.
     """
-    stays = retraction_order(running)[::-1]  # the next victim is last: pop() is O(1)
+    stays = retraction_stack(running)
     victims: list[Req] = []
-    while len(stays) > 1:
-        victims.append(stays.pop())
-        if available_after(victims) >= reserve_steps * len(stays):
+    while not victims or not fits_after(victims, stays):
+        if len(stays) == 1:
             break
+        victims.append(stays.pop())
     return victims, ratio_after_retraction(stays, reserve_steps)

@@ -193,13 +193,17 @@ class Receiver(Actor[Submit | AbortRequest]):
                 "(the prompt must leave room for at least one new token)",
                 "input_ids",
             )
-        # A request must fit the KV pool on its own, with pages to spare for rounding and the
-        # admission rules' slack (so an idle engine can always admit it).
-        pool_room = limits.kv_pool_size - 2 * limits.page_size - 2 - prompt_len
-        if pool_room < 1:
+        # SGLang's scheduler: max_req_len = min(context - 1, pool - 1); a prompt of max_req_len - 5
+        # or more is refused, max_new_tokens is clamped to max_req_len - prompt - 1. A request
+        # alone then always fits the pool (its last token's KV is never written).
+        max_req_len = min(limits.context_len - 1, limits.kv_pool_size - 1)
+        if prompt_len >= max_req_len - 5:
             raise InvalidInput(
-                f"the prompt has {prompt_len} tokens, but the KV pool holds only {limits.kv_pool_size} tokens", "input_ids"
+                f"the prompt has {prompt_len} tokens, but at most {max_req_len - 6} fit a request here "
+                f"(context length {limits.context_len}, KV pool {limits.kv_pool_size} tokens)",
+                "input_ids",
             )
+        pool_room = max_req_len - prompt_len - 1
         context_room = limits.context_len - prompt_len
         if not up_to_context and sampling.max_new_tokens > context_room:
             raise InvalidInput(

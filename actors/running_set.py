@@ -106,6 +106,11 @@ class RunningSet:
                 done.append(req)
         return done
 
+    def rounds_to_first_exit(self) -> int | None:
+        """Decode rounds until the first member's last token is launched (a lower bound: entries
+        of requests that left are not pruned)."""
+        return min(self._ending_at) - self._round if self._ending_at else None
+
     def sync(self, req: Req) -> None:
         behind = self._round - self._synced_round[req]
         if behind:

@@ -72,6 +72,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     schedule_policy: str = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
     max_prefill_tokens: int = 16384
+    prefill_max_requests: int | None = None  # at most this many requests in one prefill batch
     chunked_prefill_size: int | None = 8192  # None or -1: no chunking
     enable_mixed_chunk: bool = False
     schedule_conservativeness: float = 1.0
@@ -167,6 +168,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}"),
             (self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
             (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
+            (_positive_or_none(self.prefill_max_requests), f"prefill_max_requests must be positive, got {self.prefill_max_requests}"),
             (_positive_or_none(self.max_total_tokens), f"max_total_tokens must be positive, got {self.max_total_tokens}"),
             (_positive_or_none(self.max_running_requests), f"max_running_requests must be positive, got {self.max_running_requests}"),
             (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),

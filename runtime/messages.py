@@ -69,6 +69,11 @@ class Pull(msgspec.Struct, frozen=True, tag=True):
     # Prompt tokens per second the device prefills (measured on recent prefill steps; None
     # until one ran): the Policy's deadline feasibility estimate.
     prefill_tokens_per_s: float | None = None
+    # Also for that estimate: KV slots free or evictable now, and seconds until the first running
+    # request is expected to leave (its remaining steps at the measured decode step time; None
+    # until a decode step was timed or while nothing runs).
+    kv_free: int = 0
+    first_exit_s: float | None = None
 
 
 class Served(msgspec.Struct, frozen=True, tag=True):

@@ -296,8 +296,8 @@ async def test_a_request_too_large_for_an_idle_pool_is_refused_not_pulled_foreve
     await rig.start()
     req = _req("a", list(range(1, 15)), max_new=8)
     assert await rig.send(Ranked(reqs=[req], num_waiting=0)) == []
-    assert req.out.finish_reason.kind == "abort" and req.out.finish_reason.status == 500
-    assert "does not fit in the KV pool" in req.out.finish_reason.message
+    assert req.out.finish_reason.kind == "abort" and req.out.finish_reason.status == 400
+    assert "14 prompt tokens" in req.out.finish_reason.message and "16 tokens" in req.out.finish_reason.message
     assert rig.requeues() == []
 
 

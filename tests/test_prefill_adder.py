@@ -14,7 +14,7 @@ from actors.prefill_adder import (
     PrefillAdder,
     match_for_admission,
     ratio_after_retraction,
-    retraction_order,
+    retraction_stack,
     select_preemption_victims,
     select_retraction_victims,
 )
@@ -71,8 +71,10 @@ def adder(
     max_prefill: int = 1000,
     chunk: int | None = None,
     mixed: int = 0,
+    prefill_max_requests: int | None = None,
 ) -> PrefillAdder:
     return PrefillAdder(
+        prefill_max_requests=prefill_max_requests,
         page_size=cache.page_size,
         cache=cache,
         free_slots=free,
@@ -140,13 +142,35 @@ def test_new_requests_are_charged_without_the_ratio_and_decode_clipped():
     assert a.total_offset == (10 + 100) + (10 + CLIP_MAX_NEW_TOKENS)
 
 
-def test_retracted_request_needs_only_its_remaining_tokens():
+def test_readmitted_request_is_tested_on_what_remains_but_charged_its_full_max_new_tokens():
+    """SGLang's add_one_req tests extend + (max_new - generated) but its _update_prefill_budget
+    charges min(max_new, CLIP) whole, as if the request had generated nothing."""
     cache, _ = radix()
     a = adder(cache, free=100)
     r = req(20, max_new=100, output=40)  # re-prefills 60 tokens and may decode 60 more
     assert a.tokens_needed(r, match_for_admission(cache, r)) == 120
-    assert add(a, r) is AddResult.NO_TOKEN
-    assert add(adder(cache, free=121), r) is AddResult.CONTINUE
+    assert add(a, r) is AddResult.NO_TOKEN and a.can_run == []
+    a = adder(cache, free=121)
+    add(a, r)
+    assert a.can_run == [r]
+    assert a.total_offset == 60 + 100
+
+
+def test_admission_test_does_not_round_the_extend_up_to_pages():
+    """SGLang's add_one_req compares extend + new tokens, unrounded, with the budget (it charges
+    whole pages once admitted): 70 + 50 < 128 fits a pool of 128 with pages of 16."""
+    cache, _ = radix(page_size=16)
+    a = adder(cache, free=128)
+    r = req(70, max_new=50)
+    assert add(a, r) is AddResult.NO_TOKEN  # admitted; 80 + 50 charged leave nothing
+    assert a.can_run == [r] and a.total_offset == 80 + 50
+
+
+def test_prefill_max_requests_caps_one_batch():
+    cache, _ = radix()
+    a = adder(cache, free=1000, prefill_max_requests=2)
+    assert [add(a, req(5)) for _ in range(3)] == [AddResult.CONTINUE, AddResult.CONTINUE, AddResult.OTHER]
+    assert len(a.can_run) == 2
 
 
 def test_first_request_may_exceed_the_input_cap_but_a_second_may_not():
@@ -442,28 +466,45 @@ def test_preemption_with_the_adder_budget():
 
 def test_retraction_order_fewest_generated_then_longest_prompt():
     a, b, c, d = req(10, output=5), req(10, output=2), req(30, output=2), req(1, output=9)
-    assert retraction_order([a, b, c, d]) == [c, b, a, d]
+    assert retraction_stack([a, b, c, d])[::-1] == [c, b, a, d]
 
 
-def test_retraction_stops_when_the_remaining_fit():
+def test_retraction_tie_goes_to_the_request_admitted_last():
+    """SGLang sorts stably in reverse and pops from the end: of equal progress and prompt, the
+    request admitted last is retracted first."""
+    first, second, third = req(10, output=2), req(10, output=2), req(10, output=2)
+    assert retraction_stack([first, second, third])[-1] is third
+    victims, _ = select_retraction_victims([first, second, third], lambda vs, stays: True)
+    assert victims == [third]
+
+
+def test_retraction_stops_as_soon_as_the_next_decode_fits():
+    """SGLang's retract_decode asks check_decode_mem after each victim; no 20-token reserve per
+    survivor: one victim whose KV covers the next step is enough."""
     a, b, c, d = req(10, max_new=100, output=5), req(10, output=2), req(30, output=2), req(1, max_new=100, output=9)
-    # The victims' KV comes back: c 32, then b 12. 32 < 20 * 3; 44 >= 20 * 2.
-    victims, ratio = select_retraction_victims([a, b, c, d], lambda vs: sum(v.seq_len for v in vs))
-    assert victims == [c, b]
-    assert ratio == pytest.approx((5 + 9 + 20 * 2) / (100 + 100 + 1))
+    freed = 0
+
+    def fits_after(victims, stays):
+        nonlocal freed
+        freed += victims[-1].seq_len  # the newest victim gives its KV back
+        return freed >= len(stays)  # one slot per surviving request
+
+    victims, ratio = select_retraction_victims([a, b, c, d], fits_after)
+    assert victims == [c]
+    assert ratio == pytest.approx((5 + 2 + 9 + 20 * 3) / (100 + 16 + 100 + 1))
 
 
 def test_retraction_never_takes_the_last_request():
     reqs = [req(10, max_new=100, output=i) for i in range(4)]
-    victims, ratio = select_retraction_victims(reqs, lambda vs: 0)
+    victims, ratio = select_retraction_victims(reqs, lambda vs, stays: False)
     assert victims == reqs[:3]
     assert ratio == pytest.approx((3 + 20) / (100 + 1))
-    assert select_retraction_victims(reqs[:1], lambda vs: 0)[0] == []
+    assert select_retraction_victims(reqs[:1], lambda vs, stays: False)[0] == []
 
 
 def test_retraction_takes_at_least_one_when_called():
     reqs = [req(10, output=1), req(10, output=2)]
-    assert select_retraction_victims(reqs, lambda vs: 10**6)[0] == [reqs[0]]
+    assert select_retraction_victims(reqs, lambda vs, stays: True)[0] == [reqs[0]]
 
 
 def test_ratio_after_retraction_formula():
