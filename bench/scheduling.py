@@ -7,7 +7,9 @@ The real actors (Receiver, Policy, Adder, Executor, OutputProcessor) run with a 
 of requests at GPU rates run on a CPU. An open-loop client sends each request at its arrival time
 and reads its stream; per request: queue time (arrival to admission, from the engine), TTFT,
 end-to-end latency and when each token came, split by class. Capacity is measured, not assumed:
-the same requests sent at once, requests per second to finish them all.
+the same requests sent at once, requests per second to finish them all. `--plot out.png|.svg|.pdf`
+draws each workload's TTFT CDFs, a panel per class and a line per setting (bench/serving_plot.py;
+with --workload all, one file per workload: out-w5.png, ...).
 
 Workloads:
 - w5: W5-priority-overload (shared/bench-workloads.md) at GPU scale (`--w5-requests`, prompts
@@ -37,8 +39,9 @@ import asyncio
 import bisect
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,7 @@ import numpy as np
 from api.engine import Engine, Rejected
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.overhead import Probe, micro_model_dir, start_engine, stop_engine
+from bench.serving_plot import class_figure, plot_problem, save
 from bench.workloads import W5_HIGH_PRIORITY, W5_REQUESTS, Request, arrival_offsets, make_workload
 
 VOCAB = 512  # the micro model's
@@ -211,7 +215,20 @@ def w5_requests(n: int, seed: int) -> list[Request]:
     return [replace(r, index=i) for i, r in enumerate(out[:n])]
 
 
-async def w5(args: argparse.Namespace, device: DeviceModel) -> None:
+Results = dict[str, list[Outcome]]  # by setting name (and load, where a workload runs several)
+
+
+def ttfts_by_class(results: Results) -> dict[str, dict[str, list[float]]]:
+    """TTFTs (s) of the served requests, by setting then class: what the plot draws."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for setting, outs in results.items():
+        for o in outs:
+            if not o.refused:
+                by.setdefault(setting, {}).setdefault(o.job.klass, []).append(o.ttft_s)
+    return by
+
+
+async def w5(args: argparse.Namespace, device: DeviceModel) -> Results:
     base = w5_requests(args.w5_requests, args.seed)
     common = {"enable_priority_scheduling": True, "max_running_requests": args.max_running}
     plain = Setting("fcfs + priority", common)
@@ -233,6 +250,7 @@ async def w5(args: argparse.Namespace, device: DeviceModel) -> None:
         aging_s = setting.config.get("priority_aging_s")
         ratio = f"{worst_wait_over_bound(outs, aging_s, W5_HIGH_PRIORITY, cap):.3f}" if aging_s else "no bound"
         print(f"| {setting.name} | " + " | ".join(str(c) for c in counts) + f" | {ratio} |")
+    return results
 
 
 # --- lpm starvation ----------------------------------------------------------------------------------
@@ -249,7 +267,7 @@ def lpm_starvation_requests(n: int, seed: int, prefix_len: int = 1024, suffix_le
     return out
 
 
-async def lpm_starvation(args: argparse.Namespace, device: DeviceModel) -> None:
+async def lpm_starvation(args: argparse.Namespace, device: DeviceModel) -> Results:
     base = lpm_starvation_requests(args.lpm_requests, args.seed)
     common = {"schedule_policy": "lpm", "lpm_fallback_queue_len": NO_FALLBACK, "max_running_requests": args.max_running}
     plain = Setting("lpm", common)
@@ -275,6 +293,7 @@ async def lpm_starvation(args: argparse.Namespace, device: DeviceModel) -> None:
         cold, hot, hit = _p(_ttfts(outs, "cold"), 0.99), _ttfts(outs, "hot"), hit_rate(outs)
         print(f"| {name} | {hit:.1f} | {hit - base_hit:+.1f} | {cold:.0f} | {base_cold / cold:.1f}x | "
               f"{statistics.median(hot):.0f} / {_p(hot, 0.99):.0f} | {tokens_per_s(outs):.0f} |")
+    return results
 
 
 def _ttfts(outs: Sequence[Outcome], klass: str) -> list[float]:
@@ -302,7 +321,7 @@ def attainment(outs: Sequence[Outcome]) -> tuple[float, float, float]:
     return len(met) / max(1, len(admitted)), len(met) / len(outs), sum(o.output_tokens for o in met) / wall
 
 
-async def slo(args: argparse.Namespace, device: DeviceModel) -> None:
+async def slo(args: argparse.Namespace, device: DeviceModel) -> Results:
     base = [replace(r, priority=None) for r in w5_requests(args.slo_requests, args.seed)]
     fcfs = Setting("fcfs", {"max_running_requests": args.max_running})
     edf = Setting("edf + reject-infeasible", {"max_running_requests": args.max_running, "schedule_policy": "edf", "reject_infeasible": True})
@@ -310,8 +329,10 @@ async def slo(args: argparse.Namespace, device: DeviceModel) -> None:
     print(f"\nSLO goodput (TTFT <= {SLO_TTFT_MS:g} ms, TPOT <= {SLO_TPOT_MS:g} ms), {len(base)} W5-sized requests on {device.name}: capacity {cap:.1f} req/s")
     print("| load x capacity | setting | admitted meeting SLO % | all meeting SLO % | refused | goodput tok/s |\n| --- | --- | --- | --- | --- | --- |")
 
+    results: Results = {}
+
     async def fcfs_at(load: float) -> float:
-        outs = await run(slo_jobs(base, load * cap, args.seed), fcfs, device, args.pool_tokens)
+        results[f"fcfs @ {load:.3f}x"] = outs = await run(slo_jobs(base, load * cap, args.seed), fcfs, device, args.pool_tokens)
         admitted_share, share, goodput = attainment(outs)
         print(f"| {load:.3f} | fcfs | {100 * admitted_share:.1f} | {100 * share:.1f} | 0 | {goodput:.0f} |")
         return share
@@ -324,10 +345,11 @@ async def slo(args: argparse.Namespace, device: DeviceModel) -> None:
         met, missed = (load, missed) if await fcfs_at(load) >= 0.9 else (met, load)
     # fcfs meets 90% between these two loads: edf must meet >= 99% of what it admits at both.
     for load in (met, missed):
-        outs = await run(slo_jobs(base, load * cap, args.seed), edf, device, args.pool_tokens)
+        results[f"{edf.name} @ {load:.3f}x"] = outs = await run(slo_jobs(base, load * cap, args.seed), edf, device, args.pool_tokens)
         admitted_share, share, goodput = attainment(outs)
         refused = sum(o.refused for o in outs)
         print(f"| {load:.3f} | {edf.name} | {100 * admitted_share:.1f} | {100 * share:.1f} | {refused} | {goodput:.0f} |")
+    return results
 
 
 # --- tenants -----------------------------------------------------------------------------------------
@@ -379,7 +401,7 @@ def _at(series: tuple[list[float], np.ndarray], now: float) -> float:
     return float(series[1][i - 1]) if i else 0.0
 
 
-async def tenants(args: argparse.Namespace, device: DeviceModel) -> None:
+async def tenants(args: argparse.Namespace, device: DeviceModel) -> Results:
     base = [replace(r, priority=None) for r in w5_requests(args.tenant_requests, args.seed)]
     lpm = Setting("lpm", {"schedule_policy": "lpm", "max_running_requests": args.max_running})
     vtc = Setting("lpm + vtc", {**lpm.config, "fairness": "vtc"})
@@ -392,10 +414,12 @@ async def tenants(args: argparse.Namespace, device: DeviceModel) -> None:
     print(f"\nTwo tenants, {len(jobs)} requests (a sends 4x b's) on {device.name}: capacity {cap:.1f} req/s, arrivals at {rate:.1f} req/s")
     print(f"VTC's bound on the gap: 2 max(L, 2 M) = {bound} (L the longest prompt, M = {held} tokens the running batch can hold)")
     print("| setting | largest service gap while both wait | Jain's index while both wait | output tok/s |\n| --- | --- | --- | --- |")
+    results: Results = {}
     for setting in (lpm, vtc):
-        outs = await run(jobs, setting, device, args.pool_tokens)
+        results[setting.name] = outs = await run(jobs, setting, device, args.pool_tokens)
         measured = fairness(outs)
         print(f"| {setting.name} | {measured.gap:.0f} | {measured.jain:.3f} | {tokens_per_s(outs):.0f} |")
+    return results
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -424,14 +448,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slo-search-steps", type=int, default=4)
     p.add_argument("--tenant-requests", type=int, default=3000)
     p.add_argument("--tenant-load", type=float, default=3.0, help="x capacity: b alone then sends more than half of it")
+    p.add_argument("--plot", type=Path, default=None, help="TTFT CDFs per class and setting to this .png, .svg or .pdf (needs matplotlib)")
+    p.add_argument("--plot-log-x", action="store_true", help="the CDFs on a log-scaled x axis")
     args = p.parse_args(argv)
+    if args.plot is not None and (problem := plot_problem(args.plot)):
+        p.error(problem)
     device = DEVICE_MODELS[args.device_model]
-    workloads: dict[str, Callable[[argparse.Namespace, DeviceModel], Any]] = {"w5": w5, "lpm": lpm_starvation, "slo": slo, "tenants": tenants}
+    workloads: dict[str, Callable[[argparse.Namespace, DeviceModel], Awaitable[Results]]] = {
+        "w5": w5, "lpm": lpm_starvation, "slo": slo, "tenants": tenants,
+    }
 
     async def go() -> None:
         for name, workload in workloads.items():
             if args.workload in (name, "all"):
-                await workload(args, device)
+                results = await workload(args, device)
+                if args.plot is not None:
+                    out = args.plot if args.workload == name else args.plot.with_stem(f"{args.plot.stem}-{name}")
+                    save(class_figure(f"{name}: TTFT by class", ttfts_by_class(results), args.plot_log_x), out)
+                    print(f"plot: {out}")
 
     asyncio.run(go())
 

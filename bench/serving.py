@@ -42,7 +42,8 @@ stream_options.include_usage (openai), the engine's completion_tokens (engine). 
 likewise, which gives the cache hit rate. Metric definitions: bench/serving_metrics.py.
 
 Results: a progress bar on stderr, a table on stdout, one JSON line per run appended to
-`--output-file`, `--plot out.png` (bench/serving_plot.py: latency CDFs, throughput over time).
+`--output-file`, `--plot out.png|.svg|.pdf` (bench/serving_plot.py, matplotlib: latency CDFs,
+throughput over time; `--plot-log-x` for log-scaled latency axes).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ from bench.serving_datasets import (
     workload_dataset,
 )
 from bench.serving_metrics import LATENCIES, RequestOutput, compute_metrics, distserve_goodput, format_rate, metrics_by_class
+from bench.serving_plot import plot_problem
 from bench.workloads import ID_MARGIN, WORKLOADS
 from runtime.config import EngineConfig
 
@@ -417,7 +419,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     o.add_argument("--output-file", type=Path, default=None, help="append one JSON line per run here")
     o.add_argument("--output-details", action="store_true", help="per-request lengths and latencies in the JSON line")
     o.add_argument("--tag", default=None, help="free text stored in the JSON line")
-    o.add_argument("--plot", type=Path, default=None, help="write latency CDFs and throughput over time to this PNG")
+    o.add_argument("--plot", type=Path, default=None, help="write latency CDFs and throughput over time to this .png, .svg or .pdf (needs matplotlib)")
+    o.add_argument("--plot-log-x", action="store_true", help="latency CDFs on a log-scaled x axis (the whole tail shows)")
     o.add_argument("--disable-tqdm", action="store_true")
     e = p.add_argument_group("engine", "EngineConfig fields, as for actorserve serve (--engine only; --model-path also names the tokenizer)")
     for f in msgspec.structs.fields(EngineConfig):
@@ -429,6 +432,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--burstiness must be positive")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error("--max-concurrency must be at least 1")
+    if args.plot is not None and (problem := plot_problem(args.plot)):
+        p.error(problem)  # before the run, not after it
     return args
 
 
@@ -634,7 +639,7 @@ async def _run_all(args: argparse.Namespace, backend: Backend, info: ModelInfo, 
         from bench.serving_plot import plot_runs
 
         labels = [f"{format_rate(r.rate)} req/s" for r in results] if sweep else [f"{name} {backend.name}"]
-        path = plot_runs(args.plot, list(zip(labels, [r.outputs for r in results])))
+        path = plot_runs(args.plot, list(zip(labels, [r.outputs for r in results])), log_x=args.plot_log_x)
         print(f"plot: {path}", file=sys.stderr)
     return results
 

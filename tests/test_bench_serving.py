@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
-import zlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,10 +34,11 @@ from bench.serving_datasets import (
     workload_dataset,
 )
 from bench.serving_metrics import RequestOutput, compute_metrics, distserve_goodput, metrics_by_class, summarize, throughput_over_time
-from bench.serving_plot import plot_runs
+from bench.serving_plot import SERVING_TITLES
 from bench.workloads import make_workload
 from runtime.service import ServiceClass, service_error
 from runtime.stream import Delta
+from tests.test_bench_plot import check_png, svg_panels
 from tests.test_server import ServerThread
 
 API_KEY = "sk-bench"
@@ -487,24 +486,6 @@ def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def _check_png(path: Path) -> None:
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
-        chunks[kind] = body
-        pos += 12 + length
-    width, height, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
-    assert (depth, color) == (8, 2) and b"IEND" in chunks
-    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert (raw[:, 0] == 0).all()
-    assert (raw[:, 1:] < 128).sum() > 1000  # axes, text and lines were drawn
-
-
 @pytest.mark.parametrize("backend", ["native", "openai-completions", "openai-chat"])
 def test_http_backends_end_to_end(server: ServerThread, backend: str, tmp_path: Path) -> None:
     out_file = tmp_path / "runs.jsonl"
@@ -513,7 +494,7 @@ def test_http_backends_end_to_end(server: ServerThread, backend: str, tmp_path: 
             "--max-concurrency", "3", "--output-file", str(out_file), "--disable-tqdm", "--slo-ttft-ms", "60000",
             "--slo-tpot-ms", "60000"]
     if backend == "native":
-        argv += ["--plot", str(tmp_path / "run.png")]
+        argv += ["--plot", str(tmp_path / "run.png"), "--plot-log-x"]
     [result] = serving.main(argv)
     [record] = _records(out_file)
     assert RECORD_KEYS <= record.keys() and {"goodput", "slo_attained"} <= record.keys()
@@ -527,7 +508,7 @@ def test_http_backends_end_to_end(server: ServerThread, backend: str, tmp_path: 
     assert all(o.ttft > 0 and len(o.itl) >= 1 and o.e2e >= o.ttft for o in result.outputs)
     assert 0 < record["concurrency"] <= 3.0 + 1e-6
     if backend == "native":
-        _check_png(tmp_path / "run.png")
+        check_png(tmp_path / "run.png")
 
 
 def test_http_run_splits_by_tenant_and_slo_class(server: ServerThread, tmp_path: Path) -> None:
@@ -583,7 +564,7 @@ def test_http_failures_are_counted(server: ServerThread, tmp_path: Path) -> None
 def test_engine_mode_and_rate_sweep(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "runs.jsonl"
     results = serving.main(["--engine", "--model-path", str(tiny_llama), "--rate-sweep", "40,inf", "--num-prompts", "3",
-                            "--output-file", str(out_file), "--disable-tqdm", "--plot", str(tmp_path / "sweep.png"),
+                            "--output-file", str(out_file), "--disable-tqdm", "--plot", str(tmp_path / "sweep.svg"),
                             "--max-running-requests", "8", "--slo-ttft-ms", "60000", "--tenants", "a,b"])
     records = _records(out_file)
     assert [r["request_rate"] for r in records] == ["40", "inf"] and len(results) == 2
@@ -600,7 +581,7 @@ def test_engine_mode_and_rate_sweep(tiny_llama: Path, tmp_path: Path, capsys: py
         assert all("p99_queue_ms" in c for c in record["by_class"].values()) and record["median_queue_ms"] >= 0
     stdout = capsys.readouterr().out
     assert "| 40 | 3 | 0 |" in stdout and "| inf | 3 | 0 |" in stdout and "DistServe goodput" in stdout
-    _check_png(tmp_path / "sweep.png")
+    assert svg_panels(tmp_path / "sweep.svg") == {title: 2 for title in SERVING_TITLES}  # a line per rate
 
 
 def test_engine_mode_shared_prefix_hits_the_cache(tiny_llama: Path, tmp_path: Path) -> None:
@@ -615,12 +596,6 @@ def test_engine_mode_shared_prefix_hits_the_cache(tiny_llama: Path, tmp_path: Pa
     assert cached["total_output_tokens"] == 24
     assert cached["cache_hit_rate"] > 0.5 and uncached["cache_hit_rate"] == 0.0
     assert uncached["engine_config"]["disable_radix_cache"] is True
-
-
-def test_plot_draws_a_valid_png(tmp_path: Path) -> None:
-    outs = [RequestOutput(success=True, output_len=3, ttft=0.01 * i, e2e=0.05 * i + 0.1, itl=[0.01, 0.02], start=0.1 * i,
-                          chunk_times=[0.1 * i + 0.01, 0.1 * i + 0.02]) for i in range(1, 20)]
-    _check_png(plot_runs(tmp_path / "p.png", [("a", outs), ("b", outs[:5]), ("empty", [])]))
 
 
 def test_device_busy_comes_from_the_servers_forward_time() -> None:
