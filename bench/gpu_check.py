@@ -1,7 +1,7 @@
 """The one command for a machine with a GPU: run the CUDA tests, then measure the GPU path.
 
-    python -m bench.gpu_check [--out bench/results_gpu.md] [--quick] [--skip-tests]
-        [--models tiny-llama,tiny-qwen3,smollm2] [--batches 1,8,32,64,128,256]
+    python -m bench.gpu_check [--out bench/results_gpu.md] [--quick] [--skip-tests] [--skip-engine]
+        [--models tiny-llama,tiny-qwen3,tiny-qwen3-gqa8,smollm2] [--batches 1,8,32,64,128,256]
 
 1. Runs tests/test_cuda.py and tests/test_graph_runner.py with pytest and records the outcome.
 2. Decode step table, straight on a `ModelRunner`: for each model, each batch size, and each of
@@ -9,7 +9,10 @@
    CONTEXT tokens of context (random KV, as in bench.forward; the content does not change the
    cost), and whether the greedy tokens of that step agree with torch eager on the same KV.
    Steps are launched back to back with no host sync in between; the clock stops after a
-   synchronize, so this is GPU + launch time, not host post-processing.
+   synchronize, so this is GPU + launch time, not host post-processing. Checked: each FlashInfer
+   runner took the decode kernel its GQA group calls for (tensor cores from group 4: the tiny
+   models are groups 4, 4 and 8, SmolLM2 3), and its greedy tokens agree with torch eager's on
+   at least MIN_AGREEMENT of all rows.
 3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
    submitted at t=0 through `api.Engine`, with graphs on / off and overlap on / off, flashinfer
    and torch: output tokens per second from the first submit to the last answer.
@@ -18,7 +21,8 @@
    whether every greedy answer equals tp_size=1's.
 
 Writes a Markdown report to --out and prints it. Without CUDA it says so and exits with status 2;
-it exits 1 when the tests failed, 0 otherwise. bfloat16 throughout (FlashInfer needs half types).
+it exits 1 when the tests or the decode checks failed, 0 otherwise. bfloat16 throughout
+(FlashInfer needs half types).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from gpu.flashinfer_backend import FlashInferAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
 from runtime.forward_mode import ForwardMode
@@ -50,6 +55,13 @@ DTYPE = "bfloat16"
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 256, 128, 128
 CONCURRENCY = (1, 16, 64, 256)
 TEST_FILES = ("tests/test_cuda.py", "tests/test_graph_runner.py")
+# Random KV puts some rows at near-ties, where bf16 kernels may pick either token.
+MIN_AGREEMENT = 0.95
+TINY_MODELS = {  # name: (arch, query heads, kv heads), head_dim 64 (a size FlashInfer has kernels for)
+    "tiny-llama": ("llama", 8, 2),
+    "tiny-qwen3": ("qwen3", 8, 2),
+    "tiny-qwen3-gqa8": ("qwen3", 8, 1),
+}
 DEVICE = "cuda"  # a module constant so the measuring code can be smoke-run on a CPU
 
 
@@ -60,6 +72,14 @@ class Variant:
     graphs: bool
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRuns:
+    steps: dict[int, tuple[float, torch.Tensor]]  # batch size: (median ms per step, greedy tokens)
+    gqa_group: int
+    tensor_cores: bool | None  # FlashInfer's decode kernel; None for torch attention
+
+
+Measured = dict[str, dict[str, DecodeRuns]]  # model: variant name: its runs
 RUNNER_VARIANTS = (Variant("flashinfer+graphs", "flashinfer", True), Variant("flashinfer", "flashinfer", False), Variant("torch", "torch", False))
 
 
@@ -74,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         tests_ok, text = _run_tests()
         sections.append(text)
     models = {name: _model_dir(name) for name in args.models}
-    sections.append(_decode_table({k: v for k, v in models.items() if v}, args.batches, _variants()))
-    sections.append(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(), args.requests))
+    measured = _measure_decode({k: v for k, v in models.items() if v}, args.batches, _variants())
+    failures = _decode_failures(measured)
+    sections += [_render_decode(measured, args.batches), _checks_section(failures)]
+    if not args.skip_engine:
+        sections.append(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(), args.requests))
     if args.tp_size > 1:
         sections.append(_tp_table({k: v for k, v in models.items() if v}, args.tp_size, args.requests))
     missing = [k for k, v in models.items() if v is None]
@@ -85,15 +108,16 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(report)
     print(report)
     print(f"written to {args.out}")
-    return 0 if tests_ok else 1
+    return 0 if tests_ok and not failures else 1
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results_gpu.md")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--skip-engine", action="store_true", help="no engine throughput table (section 3)")
     p.add_argument("--quick", action="store_true", help="fewer batch sizes and requests (a smoke run)")
-    p.add_argument("--models", type=_csv, default=["tiny-llama", "tiny-qwen3", "smollm2"])
+    p.add_argument("--models", type=_csv, default=[*TINY_MODELS, "smollm2"])
     p.add_argument("--batches", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8, 16, 32, 64, 128, 256])
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     p.add_argument("--tp-size", type=int, default=2 if two_gpus else 1, help="tensor-parallel ranks for section 4 (1: skip it)")
@@ -141,22 +165,62 @@ def _run_tests() -> tuple[bool, str]:
 
 
 def _decode_table(models: dict[str, str], batches: list[int], variants: tuple[Variant, ...]) -> str:
+    return _render_decode(_measure_decode(models, batches, variants), batches)
+
+
+def _measure_decode(models: dict[str, str], batches: list[int], variants: tuple[Variant, ...]) -> Measured:
+    return {name: {v.name: _decode_runs(path, v, batches) for v in variants} for name, path in models.items()}
+
+
+def _render_decode(measured: Measured, batches: list[int]) -> str:
+    variants = list(next(iter(measured.values()), {}))
     lines = [
         "## Decode step (ModelRunner)\n",
-        "ms per decode step; `agree` = share of rows whose greedy token equals torch eager's on the same KV.\n",
-        "| model | batch | " + " | ".join(f"{v.name} ms" for v in variants) + " | " + " | ".join(f"{v.name} tok/s" for v in variants) + " | agree |",
-        "| --- | --- | " + " | ".join("---" for _ in range(2 * len(variants))) + " | --- |",
+        "ms per decode step; `agree` = share of rows whose greedy token equals torch eager's on the same KV; "
+        "`decode kernel` = FlashInfer's for the model's GQA group.\n",
+        "| model | batch | " + " | ".join(f"{v} ms" for v in variants) + " | " + " | ".join(f"{v} tok/s" for v in variants)
+        + " | agree | GQA group | decode kernel |",
+        "| --- | --- | " + " | ".join("---" for _ in range(2 * len(variants))) + " | --- | --- | --- |",
     ]
-    for name, path in models.items():
-        results = {v.name: _decode_runs(path, v, batches) for v in variants}
+    for name, runs in measured.items():
+        group = next(iter(runs.values())).gqa_group
         for bs in batches:
-            ms = [results[v.name][bs][0] for v in variants]
-            agree = [_agreement(results[v.name][bs][1], results["torch"][bs][1]) for v in variants if v.name != "torch"]
+            ms = [runs[v].steps[bs][0] for v in variants]
+            agree = [_agreement(runs[v].steps[bs][1], runs["torch"].steps[bs][1]) for v in variants if v != "torch"]
             lines.append(
                 f"| {name} | {bs} | " + " | ".join(f"{m:.3f}" for m in ms) + " | "
-                + " | ".join(f"{bs / m * 1e3:,.0f}" for m in ms) + f" | {min(agree, default=1.0):.0%} |"
+                + " | ".join(f"{bs / m * 1e3:,.0f}" for m in ms) + f" | {min(agree, default=1.0):.0%} | {group} | {_kernel(runs)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _kernel(runs: dict[str, DecodeRuns]) -> str:
+    kernels = {r.tensor_cores for r in runs.values() if r.tensor_cores is not None}
+    if not kernels:
+        return "-"
+    return "mixed" if len(kernels) > 1 else "tensor cores" if kernels == {True} else "CUDA cores"
+
+
+def _decode_failures(measured: Measured) -> list[str]:
+    """What fails the checks of section 2 (see the module doc)."""
+    failures = []
+    for name, runs in measured.items():
+        group = next(iter(runs.values())).gqa_group
+        kernel = _kernel(runs)
+        if kernel != "-" and kernel != ("tensor cores" if group >= 4 else "CUDA cores"):
+            failures.append(f"{name}: GQA group {group} took the {kernel} decode kernel")
+        reference = torch.cat([tokens for _, tokens in runs["torch"].steps.values()])
+        for variant, run in runs.items():
+            agree = _agreement(torch.cat([tokens for _, tokens in run.steps.values()]), reference)
+            if agree < MIN_AGREEMENT:
+                failures.append(f"{name}: {variant} agrees with torch eager on {agree:.1%} of rows (< {MIN_AGREEMENT:.0%})")
+    return failures
+
+
+def _checks_section(failures: list[str]) -> str:
+    if not failures:
+        return "## Decode checks: passed\n\nEvery FlashInfer runner took its GQA group's decode kernel and agreed with torch eager.\n"
+    return "## Decode checks: FAILED\n\n" + "\n".join(f"- {f}" for f in failures) + "\n"
 
 
 def _engine_table(models: dict[str, str], concurrency: tuple[int, ...], variants: tuple[Variant, ...], requests: int) -> str:
@@ -194,7 +258,7 @@ def _tp_table(models: dict[str, str], tp_size: int, requests: int) -> str:
 
 
 # --- measurements ---------------------------------------------------------------------------------
-def _decode_runs(path: str, variant: Variant, batches: list[int]) -> dict[int, tuple[float, torch.Tensor]]:
+def _decode_runs(path: str, variant: Variant, batches: list[int]) -> DecodeRuns:
     max_bs = max(batches)
     runner = ModelRunner(
         RunnerConfig(
@@ -203,7 +267,10 @@ def _decode_runs(path: str, variant: Variant, batches: list[int]) -> dict[int, t
         )
     )
     _random_kv(runner)
-    out = {bs: _decode_one(runner, bs) for bs in batches}
+    mc = runner.model_config
+    out = DecodeRuns(
+        {bs: _decode_one(runner, bs) for bs in batches}, mc.num_heads // mc.num_kv_heads, runner.attn.use_tensor_cores if isinstance(runner.attn, FlashInferAttention) else None
+    )
     del runner
     _free_cached()
     return out
@@ -310,15 +377,14 @@ def _model_dir(name: str) -> str | None:
         except Exception as exc:  # the GGUF package is optional; say what is missing
             print(f"smollm2 unavailable: {exc}", file=sys.stderr)
             return None
-    arch = {"tiny-llama": "llama", "tiny-qwen3": "qwen3"}.get(name)
-    if arch is None:
+    if name not in TINY_MODELS:
         return name  # a checkpoint directory
     from gpu.tiny_model import make_tiny_model
 
+    arch, heads, kv_heads = TINY_MODELS[name]
     out = Path(tempfile.gettempdir()) / f"actorserve-gpu-check-{name}"
     if not (out / "model.safetensors").exists():
-        # head_dim 64: a size FlashInfer has kernels for; 8 heads over 2 kv heads: grouped-query.
-        make_tiny_model(out, arch, vocab_size=4096, hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=1536)
+        make_tiny_model(out, arch, vocab_size=4096, hidden_size=512, num_layers=4, num_heads=heads, num_kv_heads=kv_heads, head_dim=64, intermediate_size=1536)
     return str(out)
 
 
