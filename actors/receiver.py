@@ -193,17 +193,18 @@ class Receiver(Actor[Submit | AbortRequest]):
                 "(the prompt must leave room for at least one new token)",
                 "input_ids",
             )
-        # SGLang's scheduler: max_req_len = min(context - 1, pool - 1); a prompt of max_req_len - 5
-        # or more is refused, max_new_tokens is clamped to max_req_len - prompt - 1. A request
-        # alone then always fits the pool (its last token's KV is never written).
-        max_req_len = min(limits.context_len - 1, limits.kv_pool_size - 1)
-        if prompt_len >= max_req_len - 5:
+        # The pool's limits are SGLang's scheduler's (max_req_len = pool - 1 where the pool binds):
+        # a prompt of max_req_len - 5 or more is refused, max_new_tokens is clamped to
+        # max_req_len - prompt - 1. A request alone then always fits (its last token's KV is never
+        # written). The context's are its tokenizer manager's, below.
+        pool_len = limits.kv_pool_size - 1
+        if prompt_len >= pool_len - 5:
             raise InvalidInput(
-                f"the prompt has {prompt_len} tokens, but at most {max_req_len - 6} fit a request here "
-                f"(context length {limits.context_len}, KV pool {limits.kv_pool_size} tokens)",
+                f"the prompt has {prompt_len} tokens, but the KV pool of {limits.kv_pool_size} tokens "
+                f"holds prompts of at most {pool_len - 6} tokens",
                 "input_ids",
             )
-        pool_room = max_req_len - prompt_len - 1
+        pool_room = pool_len - prompt_len - 1
         context_room = limits.context_len - prompt_len
         if not up_to_context and sampling.max_new_tokens > context_room:
             raise InvalidInput(

@@ -345,20 +345,28 @@ async def test_a_reader_that_stops_reading_blocks_nobody(core_mode, model_path):
 
 async def test_aborting_requests_while_retraction_happens(core_mode, tiny_model_factory):
     path = str(tiny_model_factory("llama", max_position_embeddings=512))
-    engine = Engine(model_path=path, **core_mode, max_total_tokens=256)
+    # A new request is charged its whole max_new_tokens, a running one new_token_ratio (0.07 here)
+    # of what it has left: the requests that arrive once r0 decodes are admitted beside it, and
+    # together they outgrow the pool, so decode retracts.
+    engine = Engine(model_path=path, **core_mode, max_total_tokens=256, schedule_conservativeness=0.1)
     async with engine:
-        params = {**GREEDY, "max_new_tokens": 60}
-        tasks = [asyncio.create_task(engine.generate(input_ids=[3 + i] * 12, sampling_params=params, rid=f"r{i}")) for i in range(12)]
+        params = {**GREEDY, "max_new_tokens": 118}
+        tasks = [asyncio.create_task(engine.generate(input_ids=[3] * 20, sampling_params=params, rid="r0"))]
+        for _ in range(1000):
+            if (await engine.current_stats())["steps"] >= 3:
+                break
+            await asyncio.sleep(0.005)
+        tasks += [asyncio.create_task(engine.generate(input_ids=[3 + i] * 20, sampling_params=params, rid=f"r{i}")) for i in range(1, 8)]
         for _ in range(1000):
             if (await engine.current_stats())["retractions"]:
                 break
             await asyncio.sleep(0.005)
         assert (await engine.current_stats())["retractions"] > 0
-        for i in range(0, 12, 2):
+        for i in range(0, 8, 2):
             await engine.abort(f"r{i}")
         outs = await asyncio.gather(*tasks)
-        assert all(o.finish_reason == "abort" for o in outs[0::2] if o.completion_tokens < 60)
-        assert all(o.finish_reason == "length" and o.completion_tokens == 60 for o in outs[1::2])
+        assert all(o.finish_reason == "abort" for o in outs[0::2] if o.completion_tokens < 118)
+        assert all(o.finish_reason == "length" and o.completion_tokens == 118 for o in outs[1::2])
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
 

@@ -84,15 +84,14 @@ async def test_no_token_limit_asks_for_what_the_context_leaves():
     rig = _rig()
     await rig.submit(input_ids=[1, 2, 3, 4], sampling={"max_new_tokens": None})
     (req,) = rig.enqueued()
-    # SGLang's scheduler clamp: min(context - 1, pool - 1) - prompt - 1
-    assert req.sampling.max_new_tokens == min(LIMITS.context_len - 1, LIMITS.kv_pool_size - 1) - 4 - 1
+    assert req.sampling.max_new_tokens == LIMITS.context_len - 4
 
 
 async def test_a_token_limit_past_what_the_kv_pool_holds_is_clamped_to_it():
     rig = _rig(ModelLimits(context_len=256, vocab_size=VOCAB, kv_pool_size=32, page_size=1))
     await rig.submit(input_ids=[1, 2, 3, 4], sampling={"max_new_tokens": 50, "min_new_tokens": 40})
     (req,) = rig.enqueued()
-    # SGLang's scheduler clamp: min(context - 1, pool - 1) - prompt - 1
+    # SGLang's scheduler clamp where the pool binds: (pool - 1) - prompt - 1
     assert (req.sampling.max_new_tokens, req.sampling.min_new_tokens) == (31 - 4 - 1, 31 - 4 - 1)
 
 
@@ -156,8 +155,8 @@ async def test_a_prompt_the_kv_pool_cannot_hold_is_refused():
     rig = _rig(ModelLimits(context_len=256, vocab_size=VOCAB, kv_pool_size=16, page_size=1))
     stream = await rig.submit(input_ids=[1] * 12, sampling={"max_new_tokens": 1})
     delta = await stream.next()
-    # SGLang's max_req_input_len: min(context - 1, pool - 1) - 5 = 10
-    assert (delta.status, delta.param) == (400, "input_ids") and "at most 9 fit" in delta.error and "KV pool 16 tokens" in delta.error
+    # SGLang's max_req_input_len: (pool - 1) - 5 = 10
+    assert (delta.status, delta.param) == (400, "input_ids") and "KV pool of 16 tokens holds prompts of at most 9" in delta.error
     assert rig.to_policy.empty()
 
 
