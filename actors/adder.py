@@ -266,12 +266,13 @@ class Adder(Actor[AdderMsg]):
             return candidates  # the chunked request alone goes on
         rows_left = self.kv.rows_free()
         for i, req in enumerate(candidates):
-            match = match_for_admission(self.kv.cache, req)
             if rows_left == 0:
                 self._batch_full = True
-                rows_left = self._preempt_for(adder, req, match)
+                rows_left = self._preempt_for(adder, req)
                 if rows_left == 0:
-                    return candidates[i:]
+                    return candidates[i:]  # not matched, as SGLang breaks before matching
+            # After a preemption too: releasing victims may have evicted what an earlier match found.
+            match = match_for_admission(self.kv.cache, req)
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted
@@ -281,7 +282,7 @@ class Adder(Actor[AdderMsg]):
                 return candidates[i + admitted :]
         return []
 
-    def _preempt_for(self, adder: PrefillAdder, req: Req, match) -> int:
+    def _preempt_for(self, adder: PrefillAdder, req: Req) -> int:
         """Priority preemption (SGLang's `preempt_to_schedule`): running requests less important
         than `req` by more than the threshold leave and are requeued. Victims with no step in
         flight give their row and KV back now, so `req` is admitted in this same round, as in
@@ -289,7 +290,7 @@ class Adder(Actor[AdderMsg]):
         release rule), and `req` waits for that. Returns the rows freed now."""
         if not self.config.enable_priority_scheduling or any(e.kind in ("preempt", "retract") for e in self.ending):
             return 0  # while earlier victims still hold KV, preempting more would over-preempt
-        need = adder.preemption_need(req, match)
+        need = adder.preemption_need(req, match_for_admission(self.kv.cache, req))
         victims = select_preemption_victims(req, adder.running, need, self.priority_rule, adder.reserved_tokens)
         if not victims:
             return 0

@@ -51,10 +51,11 @@ class KVLedger:
         return self.allocator.available_size()
 
     def make_room(self, need: int) -> int:
-        """Evict cached prefixes until `need` slots are free, if the cache can; returns the free slots."""
+        """Evict cached prefixes when fewer than `need` slots are free; returns the free slots.
+        As SGLang's evict_from_tree_cache, a shortfall evicts `need` tokens, not the difference."""
         available = self.allocator.available_size()
         if available < need:
-            self.cache.evict(need - available)
+            self.cache.evict(need)
             available = self.allocator.available_size()
         return available
 
