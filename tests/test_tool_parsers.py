@@ -1,0 +1,161 @@
+"""Tool-call and reasoning parsers on scripted model text, split at every boundary: each text is
+fed whole, in two pieces cut at every character, and one character at a time; every way must
+settle the same content, reasoning and calls (the expected values are written out by hand), and no
+piece of a marker may reach content or reasoning on the way."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from api.chat_tools import ChoiceParser, Settled, delta_bodies, message
+from api.reasoning_parser import ReasoningParser
+from api.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, PlainText, RequiredCalls, detect_tool_parser
+
+Factory = Callable[[], ChoiceParser]
+Outcome = tuple[str, str, list[tuple[str, dict]]]  # reasoning, content, calls (name, arguments)
+MARKERS = ("<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>")
+
+
+def hermes() -> ChoiceParser:
+    return ChoiceParser(HermesParser(), None)
+
+
+def llama3() -> ChoiceParser:
+    return ChoiceParser(Llama3JsonParser(), None)
+
+
+def qwen3_hermes() -> ChoiceParser:
+    return ChoiceParser(HermesParser(), ReasoningParser(starts_in_reasoning=False))
+
+
+def r1_plain() -> ChoiceParser:
+    return ChoiceParser(PlainText(), ReasoningParser(starts_in_reasoning=True))
+
+
+def splits(text: str) -> Iterator[list[str]]:
+    yield [text]
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+    yield list(text)
+
+
+def run(factory: Factory, pieces: list[str]) -> tuple[Outcome, list[Settled]]:
+    parser = factory()
+    settled = [parser.feed(p) for p in pieces] + [parser.finish()]
+    calls: dict[int, list] = {}
+    for s in settled:
+        for piece in s.pieces:
+            if piece.id is not None:
+                assert piece.index not in calls, "a second header for one call"
+                calls[piece.index] = [piece.name, ""]
+            calls[piece.index][1] += piece.arguments  # KeyError: arguments before their header
+    assert sorted(calls) == list(range(len(calls)))
+    outcome = (
+        "".join(s.reasoning for s in settled),
+        "".join(s.content for s in settled),
+        [(name, json.loads(args)) for name, args in (calls[i] for i in sorted(calls))],
+    )
+    return outcome, settled
+
+
+CASES: list[tuple[str, Factory, str, Outcome]] = [
+    (
+        "hermes: content, then a call",
+        hermes,
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        ("", "Let me check.", [("get_weather", {"city": "Paris"})]),
+    ),
+    (
+        "hermes: parallel calls",
+        hermes,
+        '<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "b", "arguments": {"y": "<tool_call>"}}\n</tool_call>\n',
+        ("", "", [("a", {"x": 1}), ("b", {"y": "<tool_call>"})]),
+    ),
+    ("hermes: no call, a lookalike", hermes, "a < b, <tool and <tool_cal are text", ("", "a < b, <tool and <tool_cal are text", [])),
+    (
+        "hermes: malformed JSON stays content",
+        hermes,
+        'Sure <tool_call>{"name": oops}</tool_call>',
+        ("", 'Sure <tool_call>{"name": oops}</tool_call>', []),
+    ),
+    ("hermes: cut off before the end tag", hermes, '<tool_call>\n{"name": "f", "arguments": {}}', ("", "", [("f", {})])),
+    ("hermes: cut off inside the JSON", hermes, '<tool_call>\n{"name": "f", "argu', ("", '<tool_call>\n{"name": "f", "argu', [])),
+    ("hermes: a partial start marker at the end", hermes, "Done <tool_ca", ("", "Done <tool_ca", [])),
+    ("llama3: one call", llama3, '{"name": "f", "parameters": {"x": 1}}', ("", "", [("f", {"x": 1})])),
+    (
+        "llama3: two calls joined by ;",
+        llama3,
+        ' {"name": "f", "parameters": {}}; {"name": "g", "parameters": {"y": "a;b"}}',
+        ("", "", [("f", {}), ("g", {"y": "a;b"})]),
+    ),
+    ("llama3: python tag", llama3, '<|python_tag|>{"name": "f", "arguments": {"q": "}"}}', ("", "", [("f", {"q": "}"})])),
+    ("llama3: plain text", llama3, "Hello {there}", ("", "Hello {there}", [])),
+    ("llama3: JSON that is no call", llama3, '{"not": "a call"}', ("", '{"not": "a call"}', [])),
+    (
+        "qwen3: reasoning, then content",
+        qwen3_hermes,
+        "<think>\nI should answer.\n</think>\n\nThe answer.",
+        ("I should answer.", "The answer.", []),
+    ),
+    ("qwen3: no reasoning", qwen3_hermes, "Plain answer, no <think> here", ("", "Plain answer, no <think> here", [])),
+    (
+        "qwen3: reasoning, then a call",
+        qwen3_hermes,
+        '<think>call f</think>\n<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',
+        ("call f", "", [("f", {"a": 1})]),
+    ),
+    ("qwen3: reasoning cut off", qwen3_hermes, "<think>\na < b </thin", ("a < b </thin", "", [])),
+    ("deepseek-r1: reasoning from the first token", r1_plain, "step one\n</think>\n\nfinal", ("step one", "final", [])),
+    ("deepseek-r1: a <think> the model writes anyway", r1_plain, "<think>x</think>y", ("x", "y", [])),
+]
+
+
+@pytest.mark.parametrize(("factory", "text", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_every_split_settles_the_same_answer(factory: Factory, text: str, expected: Outcome) -> None:
+    for pieces in splits(text):
+        outcome, settled = run(factory, pieces)
+        assert outcome == expected, pieces
+        if expected[2] or "<think>" in text:  # where markers were parsed, none may leak
+            for s in settled:
+                for marker in MARKERS:
+                    for n in range(2, len(marker) + 1):
+                        assert marker[:n] not in s.content + s.reasoning or marker[:n] in expected[1] + expected[0], (pieces, s)
+
+
+def test_the_whole_message_of_a_call_has_null_content_and_json_arguments() -> None:
+    msg = message('<tool_call>{"name": "f", "arguments": {"a": [1, 2]}}</tool_call>', hermes())
+    assert msg["content"] is None
+    [call] = msg["tool_calls"]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "f", "arguments": '{"a": [1, 2]}'}
+
+
+def test_streamed_deltas_put_id_type_and_name_before_arguments() -> None:
+    parser = hermes()
+    bodies = [b for text in ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>',) for b in delta_bodies(parser.feed(text))]
+    bodies += list(delta_bodies(parser.finish()))
+    assert bodies == [
+        {"tool_calls": [{"index": 0, "id": bodies[0]["tool_calls"][0]["id"], "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": 1}'}}]},
+    ]
+
+
+def test_forced_parsers() -> None:
+    named = ChoiceParser(NamedCall("f"), None)
+    first = named.feed('{"a"')
+    assert [(p.id is not None, p.name, p.arguments) for p in first.pieces] == [(True, "f", ""), (False, None, '{"a"')]
+    assert [p.arguments for p in named.feed(": 1}").pieces] == [": 1}"]
+    assert message('[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', ChoiceParser(RequiredCalls(), None))["tool_calls"][1]["function"] == {
+        "name": "g",
+        "arguments": "{}",
+    }
+    assert message('[{"name": "f", "param', ChoiceParser(RequiredCalls(), None)) == {"role": "assistant", "content": '[{"name": "f", "param'}
+
+
+def test_templates_name_their_tool_format() -> None:
+    assert detect_tool_parser("... <tool_call>\\n{...}</tool_call> ...") == "hermes"
+    assert detect_tool_parser("Environment: ipython ... <|python_tag|>") == "llama3"
+    assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
