@@ -42,7 +42,15 @@ from hypothesis import strategies as st
 
 from actors.policy_order import QueueOrderer
 from actors.kv_ledger import KVLedger
-from actors.prefill_adder import RETRACT_DECODE_STEPS, AddResult, PrefillAdder, match_for_admission, select_retraction_victims
+from actors.prefill_adder import (
+    RETRACT_DECODE_STEPS,
+    AddResult,
+    PrefillAdder,
+    match_for_admission,
+    select_preemption_victims,
+    select_retraction_victims,
+)
+from actors.priority import PriorityRule
 from cache import ChunkCache, RadixCache, RadixNode, token_array
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 from runtime.config import EngineConfig
@@ -68,10 +76,10 @@ FEW = settings(
 # Rules of issue 29 where our decisions still differ (see /work/notes/diff-findings.md); the
 # marks go when the lead engineer's changes land.
 KNOWN: dict[str, str] = {
-    "F3": "SGLang's evict_from_tree_cache evicts the whole need when short (check_decode_mem, release_req); "
-    "our make_room evicts only the shortfall, so more stays cached",
-    "F2": "rule 7 (latch): with every row taken we still match the next candidate (splitting nodes, "
-    "touching access times); SGLang stops before its match",
+    "F5": "preemption need: SGLang's preempt_to_schedule reads req.extend_input_len before this round's "
+    "init_next_round_input sets it (0 for a request never tried), so it preempts fewer and may then refuse",
+    "F4": "preemption tie-break: of running requests with equal priority and queue-entry time we take the "
+    "one admitted last; SGLang's stable sort takes the one admitted first",
 }
 
 
@@ -444,11 +452,10 @@ def our_round(rnd: Round, cache: Any) -> RoundOutcome:
     results: list[str] = []
     rows = rnd.rows
     for i, spec in enumerate(rnd.queue):
-        req = our_req(i, spec)
-        match = match_for_admission(cache, req)
         if rows == 0:
             break
-        result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
+        req = our_req(i, spec)
+        result = adder.add_one_req(req, match_for_admission(cache, req), has_chunked_req=adder.new_chunked_req is not None)
         results.append(result.name)
         rows -= bool(adder.admitted) and adder.admitted[-1].req is req
         if result != AddResult.CONTINUE:
@@ -516,11 +523,9 @@ def test_prefill_round_admits_as_sglang(page: int, data: st.DataObject) -> None:
     pair = CachePair.new(page)
     warm_cache(pair, rnd.cached)
     assert_same_round(our_round(rnd, pair.ours), sgl_round(rnd, pair.sgl))
-    if rnd.rows > 0:  # with no row free the trees differ by F2 (its own test below)
-        pair.check()  # admitted prefixes locked alike, the same nodes split
+    pair.check()  # admitted prefixes locked alike, the same nodes split
 
 
-@known("F2")
 def test_full_rows_leave_the_tree_alone() -> None:
     rnd = Round(
         page=1, cached=[([0, 0], None)], running=[], queue=[Spec([0, 3])], free=0, ratio=0.1,
@@ -679,14 +684,9 @@ def test_retraction_as_sglang(page: int, data: st.DataObject) -> None:
     else:
         assert ours[0] == sgl[0], "victims, in order"
         assert ours[1] == pytest.approx(sgl[1]), "new_token_ratio"
-    # What the victims' release left: the same KV free or evictable, the same locked. Which
-    # cached nodes are evicted differs by F3 (its own test below).
-    pair = b.pair
-    assert pair.ours.protected_size() == pair.sgl.protected_size()
-    assert pair.ours_alloc.available_size() + pair.ours.evictable_size() == pair.sgl_alloc.available_size() + pair.sgl.evictable_size()
+    b.pair.check()  # what the victims' release and the evictions left in the tree and the pool
 
 
-@known("F3")
 def test_decode_memory_check_evicts_as_sglang() -> None:
     state = DecodeState(
         page=1, pool=128, cached=[([4, 2], None), ([0, 0, 0], "lora-a"), ([0, 0, 0, 0, 0, 0], None)],
@@ -696,3 +696,113 @@ def test_decode_memory_check_evicts_as_sglang() -> None:
     assert b is not None
     assert our_retraction(b) == sgl_retraction(b) == ([], None, False)
     b.pair.check()
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptRound:
+    state: DecodeState
+    new: Spec
+    ratio: float
+    low_first: bool
+    threshold: int
+
+
+@st.composite
+def preempt_rounds(draw: st.DrawFn, page: int) -> PreemptRound:
+    low_first = draw(st.booleans())
+    new = draw(specs(max_prompt=24, max_new=16))  # small enough that preempting can make room
+    if draw(st.booleans()):  # clearly more important than every running request
+        new = Spec(**{**_fields(new), "priority": -5 if low_first else 5})
+    state = draw(decode_states(page))
+    # Distinct queue-entry times (SGLang's are perf_counter readings); ties are F4's own test.
+    entries = draw(st.permutations(range(len(state.running))))
+    running = [Spec(**{**_fields(spec), "enqueue": float(t)}) for spec, t in zip(state.running, entries)]
+    return PreemptRound(
+        # Preemption frees rows, and only counts reserved tokens: it needs KV to spare.
+        state=DecodeState(state.page, state.pool, state.cached, running, draw(st.integers(0, 96))),
+        new=new,
+        ratio=draw(st.sampled_from([0.3, 0.7, 1.0])),
+        low_first=low_first,
+        threshold=draw(st.integers(0, 2)),
+    )
+
+
+def our_preemption(rnd: PreemptRound, b: Batch) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
+    """actors/adder.py's _admit_candidates with every row taken, and its _preempt_for."""
+    adder = PrefillAdder(
+        page_size=rnd.state.page, cache=b.pair.ours, free_slots=b.kv.free_slots(), running=b.ours,
+        new_token_ratio=rnd.ratio, max_prefill_tokens=16384, chunked_prefill_size=None,
+    )
+    req = our_req(50, rnd.new)
+    need = adder.preemption_need(req, match_for_admission(b.pair.ours, req))
+    victims = select_preemption_victims(req, adder.running, need, PriorityRule(rnd.low_first, rnd.threshold), adder.reserved_tokens)
+    if not victims:
+        return set(), [], []
+    survivors = len(adder.running)
+    for victim in victims:
+        free_before = b.kv.free_slots()
+        b.kv.close_row(victim.sched.req_row, None, victim.extra_key)  # type: ignore[arg-type]
+        survivors -= 1
+        b.kv.make_room(survivors * RETRACT_DECODE_STEPS)
+        adder.remove_running([victim], freed_slots=b.kv.free_slots() - free_before)
+    # Matched again: releasing the victims may have evicted what the first match found.
+    result = adder.add_one_req(req, match_for_admission(b.pair.ours, req), has_chunked_req=False)
+    return {v.rid for v in victims}, [result.name], [(a.req.rid, a.prefix_len, a.extend_len) for a in adder.admitted]
+
+
+def sgl_preemption(rnd: PreemptRound, b: Batch, tried_before: bool = True) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
+    """get_new_batch_prefill with batch_is_full and try_preemption: preempt_to_schedule, then
+    init_next_round_input and add_one_req. `tried_before`: the request's extend_input_len was set
+    by an earlier round (preempt_to_schedule reads it before this round's init sets it)."""
+    policy = SGL.schedule_policy
+    adder = policy.PrefillAdder(
+        rnd.state.page, b.pair.sgl, b.pair.sgl_alloc, b.sgl, rnd.ratio, 16384, None, 0, rnd.threshold,
+    )
+    req = sgl_req(50, rnd.new)
+    if tried_before:
+        req.init_next_round_input(b.pair.sgl)
+    args = sglang_reference.ServerArgs(schedule_low_priority_values_first=rnd.low_first, page_size=rnd.state.page)
+    if not adder.preempt_to_schedule(req, args):
+        return set(), [], []
+    req.init_next_round_input(b.pair.sgl)
+    result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+    return {r.rid for r in adder.preempt_list}, [result.name], [(r.rid, len(r.prefix_indices), r.extend_input_len) for r in adder.can_run_list]
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+@FEW
+@given(data=st.data())
+def test_preemption_as_sglang(page: int, data: st.DataObject) -> None:
+    rnd = data.draw(preempt_rounds(page))
+    b = build_batch(rnd.state)
+    if b is None:
+        return
+    assert our_preemption(rnd, b) == sgl_preemption(rnd, b)
+    pair = b.pair
+    assert pair.ours.protected_size() == pair.sgl.protected_size()
+    assert pair.ours_alloc.available_size() + pair.ours.evictable_size() == pair.sgl_alloc.available_size() + pair.sgl.evictable_size()
+
+
+@known("F4")
+def test_preemption_tie_takes_the_first_admitted() -> None:
+    rnd = PreemptRound(
+        state=DecodeState(page=1, pool=128, cached=[], running=[Spec([0], max_new=1, generated=1)] * 2, slack=2),
+        new=Spec([0], max_new=1, priority=5), ratio=0.3, low_first=False, threshold=0,
+    )
+    ours, sgl = build_batch(rnd.state), build_batch(rnd.state)
+    assert ours is not None and sgl is not None
+    assert our_preemption(rnd, ours) == sgl_preemption(rnd, sgl)
+
+
+@known("F5")
+def test_preemption_of_a_request_never_tried() -> None:
+    rnd = PreemptRound(
+        state=DecodeState(
+            page=1, pool=128, cached=[], slack=17,
+            running=[Spec([1, 2], max_new=101, generated=1, enqueue=0.0), Spec([3, 4], max_new=101, generated=1, enqueue=1.0)],
+        ),
+        new=Spec(list(range(20, 35)), max_new=1, priority=5), ratio=0.1, low_first=False, threshold=0,
+    )
+    ours, sgl = build_batch(rnd.state), build_batch(rnd.state)
+    assert ours is not None and sgl is not None
+    assert our_preemption(rnd, ours) == sgl_preemption(rnd, sgl, tried_before=False)
