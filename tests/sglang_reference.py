@@ -82,18 +82,35 @@ class ServerArgs:
     disaggregation_mode: str = "null"
 
 
-class _EnvInt:
-    def __init__(self, value: int) -> None:
+class _EnvValue:
+    def __init__(self, value: int | float) -> None:
         self.value = value
 
-    def get(self) -> int:
+    def get(self) -> int | float:
         return self.value
 
 
-class _Envs:
-    """SGLang's `envs` with its defaults (sglang/srt/environ.py)."""
+def env_defaults(srt: Path) -> dict[str, int | float]:
+    """The `NAME = EnvInt(default)` / `EnvFloat(default)` settings of sglang/srt/environ.py."""
+    out: dict[str, int | float] = {}
+    for node in ast.walk(ast.parse((srt / "environ.py").read_text())):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Name)
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+            and node.value.func.id in ("EnvInt", "EnvFloat")
+            and node.value.args
+            and isinstance(node.value.args[0], ast.Constant)
+        ):
+            out[node.targets[0].id] = node.value.args[0].value
+    return out
 
-    SGLANG_RETRACT_DECODE_STEPS = _EnvInt(20)
+
+def _envs(defaults: dict[str, int | float]) -> types.SimpleNamespace:
+    """SGLang's `envs` object: each setting's `.get()` gives its default."""
+    return types.SimpleNamespace(**{name: _EnvValue(value) for name, value in defaults.items()})
 
 
 class _SpecAlgorithm:
@@ -194,8 +211,7 @@ class SGLang:
     schedule_policy: types.ModuleType
     radix_cache: types.ModuleType
     clock: LogicalClock
-    evict_from_tree_cache: Any
-    release_kv_cache: Any
+    env: dict[str, int | float]  # environ.py's defaults, e.g. SGLANG_RETRACT_DECODE_STEPS
 
     def radix_cache_of(self, allocator: Any, page_size: int, eviction_policy: str = "lru", disable: bool = False) -> Any:
         params = self.radix_cache.CacheInitParams(
@@ -312,9 +328,9 @@ def load() -> SGLang | None:
         sys.modules.update({name: module for name, module in saved.items() if module is not None})
     clock = LogicalClock()
     radix_cache.time = clock  # type: ignore[attr-defined]
-    common = _common_functions(srt, radix_cache)
-    _attach_methods(srt, radix_cache, common)
-    return SGLang(policy, radix_cache, clock, common["evict_from_tree_cache"], common["release_kv_cache"])
+    env = env_defaults(srt)
+    _attach_methods(srt, radix_cache, _common_functions(srt, radix_cache), env)
+    return SGLang(policy, radix_cache, clock, env)
 
 
 def _common_functions(srt: Path, radix_cache: types.ModuleType) -> dict[str, Any]:
@@ -330,14 +346,14 @@ def _common_functions(srt: Path, radix_cache: types.ModuleType) -> dict[str, Any
     return _functions(srt / "mem_cache" / "common.py", None, ("evict_from_tree_cache", "release_kv_cache"), namespace)
 
 
-def _attach_methods(srt: Path, radix_cache: types.ModuleType, common: dict[str, Any]) -> None:
+def _attach_methods(srt: Path, radix_cache: types.ModuleType, common: dict[str, Any], env: dict[str, int | float]) -> None:
     path = srt / "managers" / "schedule_batch.py"
     namespace: dict[str, Any] = {
         "torch": torch,
         "RadixKey": radix_cache.RadixKey,
         "MambaRadixCache": _empty_class("MambaRadixCache"),
         "get_global_server_args": ServerArgs,
-        "envs": _Envs,
+        "envs": _envs(env),
         "ServerArgs": ServerArgs,
         **common,
     }

@@ -40,11 +40,18 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from actors.policy_order import QueueOrderer
 from actors.kv_ledger import KVLedger
+from actors.policy_order import (
+    IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD,
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD,
+    QueueOrderer,
+)
 from actors.prefill_adder import (
+    CLIP_MAX_NEW_TOKENS,
+    IGNORE_EOS_RESERVE_TOKENS,
     RETRACT_DECODE_STEPS,
     AddResult,
+    NewTokenRatio,
     PrefillAdder,
     match_for_admission,
     select_preemption_victims,
@@ -336,7 +343,7 @@ def dfs_weights_tie(root: Any, reqs: list[Any]) -> bool:
     ("policy", "priority"),
     [("fcfs", True), ("lof", False), ("lof", True), ("lpm", False), ("dfs-weight", False)],
 )
-@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("page", [1, 4, 16])
 @FEW
 @given(cached=CACHED, queue=st.lists(specs(), min_size=1, max_size=8), low_first=st.booleans())
 def test_queue_order_as_sglang(policy: str, priority: bool, page: int, cached: list, queue: list[Spec], low_first: bool) -> None:
@@ -806,3 +813,55 @@ def test_preemption_of_a_request_never_tried() -> None:
     ours, sgl = build_batch(rnd.state), build_batch(rnd.state)
     assert ours is not None and sgl is not None
     assert our_preemption(rnd, ours) == sgl_preemption(rnd, sgl, tried_before=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# new_token_ratio and the constants
+# ---------------------------------------------------------------------------------------------
+
+
+def test_constants_are_sglangs() -> None:
+    policy = SGL.schedule_policy
+    assert CLIP_MAX_NEW_TOKENS == policy.CLIP_MAX_NEW_TOKENS
+    assert IGNORE_EOS_RESERVE_TOKENS == policy.IGNORE_EOS_RESERVE_TOKENS
+    assert IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD == policy.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD
+    assert IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD == policy.IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+    assert RETRACT_DECODE_STEPS == SGL.env["SGLANG_RETRACT_DECODE_STEPS"]
+    assert EngineConfig().lpm_fallback_queue_len == 128  # _determine_active_policy's len(waiting_queue) > 128
+
+
+class SglRatio:
+    """Re-stated from scheduler.py (it cannot be loaded): __init__ ~803-815, the decode step of
+    update_running_batch ~2119 (retracting: set) and ~2141 (else: decay), the idle reset."""
+
+    def __init__(self, conservativeness: float) -> None:
+        env = SGL.env
+        self.init = min(env["SGLANG_INIT_NEW_TOKEN_RATIO"] * conservativeness, 1.0)
+        self.min = min(self.init * env["SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR"], 1.0)
+        self.decay = (self.init - self.min) / env["SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS"]
+        self.value = self.init
+
+
+RATIO_OPS = st.lists(
+    st.one_of(st.tuples(st.just("decay"), st.integers(1, 700)), st.tuples(st.just("set"), st.floats(0.0, 1.0)), st.just(("reset",))),
+    max_size=8,
+)
+
+
+@FEW
+@given(conservativeness=st.sampled_from([0.3, 1.0, 1.3, 2.0]), ops=RATIO_OPS)
+def test_new_token_ratio_as_sglang(conservativeness: float, ops: list[tuple]) -> None:
+    ours, sgl = NewTokenRatio(conservativeness), SglRatio(conservativeness)
+    assert (ours.init, ours.min, ours.decay_step) == pytest.approx((sgl.init, sgl.min, sgl.decay))
+    for op in ops:
+        if op[0] == "decay":
+            for _ in range(op[1]):
+                ours.decay()
+                sgl.value = max(sgl.value - sgl.decay, sgl.min)
+        elif op[0] == "set":
+            ours.set(op[1])
+            sgl.value = op[1]
+        else:
+            ours.reset()
+            sgl.value = sgl.init
+        assert ours.value == pytest.approx(sgl.value)
