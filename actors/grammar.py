@@ -13,7 +13,6 @@ xgrammar is imported on first use: free generation never pays for it.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -23,6 +22,7 @@ from typing import Any
 
 import torch
 
+from actors.json_schema import json_schema_grammar
 from gpu.cuda_streams import host_to_device
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -70,9 +70,8 @@ class GrammarCompiler:
         except ImportError as exc:
             return Compiled(error=f"constrained decoding needs xgrammar, which is not installed here ({exc})")
         try:
-            if kind == "json_schema":
-                json.loads(text)  # xgrammar's own message for bad JSON is a parser's internals
-                return Compiled(compiler.compile_json_schema(text, any_whitespace=False))
+            if kind == "json_schema":  # actors/json_schema.py repairs what xgrammar lowers wrongly
+                return Compiled(compiler.compile_grammar(json_schema_grammar(text)))
             if kind == "regex":
                 return Compiled(compiler.compile_regex(text))
             return Compiled(compiler.compile_grammar(text))

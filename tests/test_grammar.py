@@ -37,6 +37,26 @@ EBNF_AS_REGEX = r"(yes|no|[0-9][0-9]?)(,(yes|no|[0-9][0-9]?)){0,4}"
 SAMPLED = {"temperature": 1.0, "max_new_tokens": 96}
 N = 200
 
+# Schemas with everything a grammar hole would show in: bounded strings (xgrammar 0.2.8 let raw
+# control characters into them), patterns, formats, enums and consts with characters that need
+# escaping, nested objects and arrays, anyOf, $ref recursion, bounded numbers.
+SCHEMAS = [
+    {"type": "string", "minLength": 2, "maxLength": 6},
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 4}, "minItems": 1, "maxItems": 3}}, "required": ["name", "tags"], "additionalProperties": False},
+    {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{1,3}$"},
+    {"type": "object", "properties": {"d": {"type": "string", "format": "date"}, "u": {"type": "string", "format": "uuid"}, "ip": {"type": "string", "format": "ipv4"}, "t": {"type": "string", "format": "date-time"}}, "required": ["d", "u", "ip", "t"]},
+    {"type": "string", "format": "email"},
+    {"enum": ["red", "green", "a\tb", "q\"uote", 3, None]},
+    {"type": "object", "properties": {"k": {"const": "x\ny"}, "v": {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "integer", "minimum": -5, "maximum": 5}, {"type": "null"}]}}, "required": ["k", "v"]},
+    {"type": "object", "properties": {"x": {"type": "number", "minimum": -2.5, "exclusiveMaximum": 10}, "n": {"type": "integer", "exclusiveMinimum": 0, "maximum": 100}, "m": {"type": "integer", "multipleOf": 7}}, "required": ["x", "n", "m"]},
+    {"type": "object", "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 3}, "maxProperties": 3},
+    {"type": "object"},
+    {"type": "array", "items": {"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1}, "ok": {"type": "boolean"}}, "required": ["p", "ok"], "additionalProperties": False}, "maxItems": 3},
+    {"$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}, "maxItems": 2}}, "required": ["v"], "additionalProperties": False}}, "$ref": "#/$defs/node"},
+    {"type": "object", "propertyNames": {"maxLength": 3}, "additionalProperties": {"type": "integer"}, "maxProperties": 2},
+    {"type": "array", "prefixItems": [{"type": "string", "maxLength": 2}, {"type": "boolean"}], "items": False},
+]
+
 
 @pytest.fixture(scope="module")
 def model_path(tiny_model_factory) -> str:
@@ -67,6 +87,37 @@ async def test_every_constrained_answer_satisfies_its_constraint(model_path, cor
         # Not one answer repeated 200 times: the constraint shapes the noise, it does not replace it.
         assert len({o.text for o in results["regex"]}) > N // 2
         await assert_idle_invariants(engine)
+
+
+async def test_every_output_of_many_schemas_parses_strictly_and_validates(model_path):
+    """Temperature 1 on random weights: the mask alone makes each output valid JSON that
+    follows its schema, so any hole in a lowered grammar shows here."""
+    per_schema = 16
+    format_checker = jsonschema.FormatChecker()
+    async with Engine(model_path=model_path, dtype="float32", max_running_requests=64, inline_core=True) as engine:
+        outs = await asyncio.wait_for(asyncio.gather(*[
+            engine.generate(input_ids=[5 + i, 7 + k], sampling_params=_params(1000 * k + i, json_schema=json.dumps(schema), max_new_tokens=160))
+            for k, schema in enumerate(SCHEMAS) for i in range(per_schema)
+        ]), 300)
+        await assert_idle_invariants(engine)
+    for k, schema in enumerate(SCHEMAS):
+        finished = [o.text for o in outs[k * per_schema:(k + 1) * per_schema] if o.finish_reason == "stop"]
+        assert len(finished) >= 2, (schema, [o.text for o in outs[k * per_schema:(k + 1) * per_schema]])
+        for text in finished:
+            jsonschema.validate(json.loads(text), schema, format_checker=format_checker)  # json.loads: strict about control characters
+
+
+def test_a_length_bounded_string_admits_escapes_and_no_raw_control_character():
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+
+    from actors.json_schema import json_schema_grammar
+
+    grammar = xgr.Grammar.from_ebnf(json_schema_grammar(json.dumps({"type": "string", "minLength": 2, "maxLength": 3})))
+    accepted = ['"ab"', '"a\\tb"', '"\\u0041\\"\\\\"', '"\U0001F600x"']
+    refused = ['"a\tb"', '"a\x0bb"', '"a\x00b"', '"\\ud83d\\ude00"', '"abcd"', '"a"', '"a\\qb"']
+    assert [t for t in accepted if not _is_grammar_accept_string(grammar, t)] == []
+    assert [t for t in refused if _is_grammar_accept_string(grammar, t)] == []
 
 
 async def test_free_requests_get_the_same_tokens_beside_constrained_ones(model_path):
@@ -117,6 +168,10 @@ async def test_a_complete_grammar_that_ignores_eos_goes_on_with_eos_only(model_p
         ({"regex": "[a-"}, "regex does not compile: Regex parsing error at position 4"),
         ({"json_schema": '{"type": "nonsense"}'}, "json_schema does not compile: Unsupported type"),
         ({"json_schema": "{not json"}, "json_schema does not compile"),
+        ({"json_schema": '{"type": "string", "pattern": "a+", "maxLength": 3}'},
+         "json_schema does not compile: a string's pattern cannot be combined with minLength/maxLength"),
+        ({"json_schema": '{"type": "object", "properties": {"x": {"type": "number", "multipleOf": 0.5}}}'},
+         "json_schema does not compile: multipleOf is supported only with type integer"),
         ({"ebnf": "root ::= "}, "ebnf does not compile: EBNF parser error"),
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one of json_schema, regex, ebnf may be set, got regex, ebnf"),
         ({"regex": "a", "min_new_tokens": 2}, "min_new_tokens cannot be combined with regex"),
