@@ -212,6 +212,8 @@ class SGLang:
     radix_cache: types.ModuleType
     clock: LogicalClock
     env: dict[str, int | float]  # environ.py's defaults, e.g. SGLANG_RETRACT_DECODE_STEPS
+    evict_from_tree_cache: Any  # mem_cache/common.py's: what every allocation evicts first
+    release_kv_cache: Any
 
     def radix_cache_of(self, allocator: Any, page_size: int, eviction_policy: str = "lru", disable: bool = False) -> Any:
         params = self.radix_cache.CacheInitParams(
@@ -329,8 +331,9 @@ def load() -> SGLang | None:
     clock = LogicalClock()
     radix_cache.time = clock  # type: ignore[attr-defined]
     env = env_defaults(srt)
-    _attach_methods(srt, radix_cache, _common_functions(srt, radix_cache), env)
-    return SGLang(policy, radix_cache, clock, env)
+    common = _common_functions(srt, radix_cache)
+    _attach_methods(srt, radix_cache, common, env)
+    return SGLang(policy, radix_cache, clock, env, common["evict_from_tree_cache"], common["release_kv_cache"])
 
 
 def _common_functions(srt: Path, radix_cache: types.ModuleType) -> dict[str, Any]:

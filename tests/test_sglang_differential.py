@@ -83,6 +83,8 @@ FEW = settings(
 # Rules of issue 29 where our decisions still differ (see /work/notes/diff-findings.md); the
 # marks go when the lead engineer's changes land.
 KNOWN: dict[str, str] = {
+    "F7": "prefill allocation evicts per request for extend + page (page 1 too); SGLang evicts once per batch "
+    "for the sum of the extends (+ a page per request only when paged)",
     "F5": "preemption need: SGLang's preempt_to_schedule reads req.extend_input_len before this round's "
     "init_next_round_input sets it (0 for a request never tried), so it preempts fewer and may then refuse",
     "F4": "preemption tie-break: of running requests with equal priority and queue-entry time we take the "
@@ -865,3 +867,35 @@ def test_new_token_ratio_as_sglang(conservativeness: float, ops: list[tuple]) ->
             ours.reset()
             sgl.value = sgl.init
         assert ours.value == pytest.approx(sgl.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# What allocating a prefill batch evicts
+# ---------------------------------------------------------------------------------------------
+
+
+@known("F7")
+@pytest.mark.parametrize("page", [1, 4, 16])
+@FEW
+@given(cached=CACHED, extends=st.lists(st.integers(1, 40), min_size=1, max_size=4), slack=st.integers(0, 64))
+def test_prefill_allocation_evicts_as_sglang(page: int, cached: list, extends: list[int], slack: int) -> None:
+    """Admitted requests with fresh rows get their extends: ours as actors/adder.py's
+    _allocate_admission (make_room per request), SGLang's as alloc_for_extend (one
+    evict_from_tree_cache for the batch: the extends, plus a page per request when paged)."""
+    pair = CachePair.new(page)
+    warm_cache(pair, cached)
+    filler = pair.ours_alloc.available_size() - slack
+    for alloc in (pair.ours_alloc, pair.sgl_alloc):
+        assert filler <= 0 or alloc.alloc(filler) is not None
+    paged = [-(-n // page) * page for n in extends]
+    if sum(paged) > pair.ours_alloc.available_size() + pair.ours.evictable_size():
+        return  # the PrefillAdder's budget never admits this
+    kv = KVLedger(pair.ours_alloc, ReqToTokenPool(ROWS, 64), pair.ours)
+    for n in extends:
+        kv.make_room(n + page)
+        assert pair.ours_alloc.alloc(n) is not None
+    need = sum(extends) + (len(extends) * page if page > 1 else 0)
+    SGL.evict_from_tree_cache(pair.sgl, need)
+    for n in extends:
+        assert pair.sgl_alloc.alloc(n) is not None
+    pair.check()
