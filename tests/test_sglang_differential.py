@@ -874,8 +874,7 @@ def test_new_token_ratio_as_sglang(conservativeness: float, ops: list[tuple]) ->
 # ---------------------------------------------------------------------------------------------
 
 
-@known("F7")
-@pytest.mark.parametrize("page", [1, 4, 16])
+@pytest.mark.parametrize("page", [pytest.param(1, marks=known("F7")), pytest.param(4, marks=known("F7")), 16])
 @FEW
 @given(cached=CACHED, extends=st.lists(st.integers(1, 40), min_size=1, max_size=4), slack=st.integers(0, 64))
 def test_prefill_allocation_evicts_as_sglang(page: int, cached: list, extends: list[int], slack: int) -> None:
