@@ -393,10 +393,68 @@ async def run_decode(
     )
 
 
-async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128, device_model: DeviceModel | None = None) -> DecodeResult:
+@dataclass(frozen=True, slots=True)
+class Unopened:
+    """A run whose measuring window could not be opened, and why."""
+
+    running: int
+    why: str
+
+
+@dataclass(slots=True)
+class Progress:
+    """The frontend's monotone counts of its requests: decoding (a first token came) and finished.
+    The window waits on these, never on a state it might not observe (`num_running == N` can pass
+    between two polls, or never hold if some finish before the last is admitted)."""
+
+    decoding: int = 0
+    finished: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def count(self, *, decoding: int = 0, finished: int = 0) -> None:
+        self.decoding += decoding
+        self.finished += finished
+        self.changed.set()
+
+    async def until(self, done: Callable[[Progress], bool], timeout: float = 120.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not done(self):
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def split_max_new(running: int, prompt_len: int, warmup: int, steps: int) -> int:
+    """Output length of each request of a split run: admitting them all takes about one prefill
+    round per 8k prompt tokens, then the window, and everyone still decodes after it."""
+    return warmup + steps + 64 + running * prompt_len // 1024
+
+
+def stream_counted(engine: Engine, reqs: Iterable[Request], progress: Progress) -> list[asyncio.Task[int]]:
+    """`submit`'s requests, streamed, each counted in `progress` at its first token and its end."""
+    async def one(r: Request) -> int:
+        params = {"max_new_tokens": r.max_new_tokens, "temperature": 0, "ignore_eos": True}
+        tokens = 0
+        async for delta in engine.stream(input_ids=r.input_ids, sampling_params=params):
+            if tokens == 0 and delta.output_ids:
+                progress.count(decoding=1)
+            tokens += len(delta.output_ids)
+            finish = delta.finish_reason
+        progress.count(finished=1)
+        assert finish == "length", finish
+        return tokens
+
+    return [asyncio.create_task(one(r)) for r in reqs]
+
+
+async def run_decode_split(
+    running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128, device_model: DeviceModel | None = None,
+    max_new: int | None = None,
+) -> DecodeResult | Unopened:
     """`running` requests decode together through a core process; the window opens once all of
-    them decode and `warmup` more steps have run, and closes `steps` steps later."""
-    max_new = warmup + steps + 64  # prefill rounds come first; everyone still decodes after the window
+    them decode (each has its first token, none has finished) and `warmup` more steps have run,
+    and closes `steps` steps later. Unopened if a request finished first (`max_new`: each
+    request's output length, default `split_max_new`)."""
+    max_new = max_new or split_max_new(running, prompt_len, warmup, steps)
     engine = Engine(
         model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=device_setup(step_ms / 1e3, device_model),
         max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
@@ -407,18 +465,25 @@ async def run_decode_split(running: int, *, step_ms: float, steps: int, warmup: 
     pauses: list[tuple[int, float]] = []
     probe = Probe(active=True, gc_pauses=pauses)
     gc.callbacks.append(probe.on_gc)
+    progress = Progress()
     try:
-        tasks = submit(engine, decode_requests(running, prompt_len, max_new, engine.vocab_size))
-        s0 = await _stats_when(engine, lambda s: s["num_running"] == running)
-        s0 = await _stats_when(engine, lambda s: s["forward_steps"] >= s0["forward_steps"] + warmup)
+        tasks = stream_counted(engine, decode_requests(running, prompt_len, max_new, engine.vocab_size), progress)
+        await progress.until(lambda p: p.decoding == running or p.finished > 0)
+        # Forward steps only grow; a finished request breaks the window, so the waits stop there too.
+        start = (await engine.current_stats())["forward_steps"]
+        s0 = await _stats_when(engine, lambda s: progress.finished > 0 or s["forward_steps"] >= start + warmup)
         cpu0 = time.thread_time()
-        s1 = await _stats_when(engine, lambda s: s["forward_steps"] >= s0["forward_steps"] + steps)
+        s1 = await _stats_when(engine, lambda s: progress.finished > 0 or s["forward_steps"] >= s0["forward_steps"] + steps)
         cpu1 = time.thread_time()
+        finished_in_window = progress.finished
         outs = await asyncio.gather(*tasks)
     finally:
         gc.callbacks.remove(probe.on_gc)
         await engine.close()
         gc.unfreeze()
+    if finished_in_window:
+        return Unopened(running, f"{finished_in_window} of {running} requests finished ({max_new} tokens) before "
+                                 f"{'the last was admitted' if progress.decoding < running else 'the window closed'}")
     core_cpu = {name: s1["actor_cpu_s"][name] - s0["actor_cpu_s"][name] for name in s1["actor_cpu_s"]}
     return DecodeResult(
         running=running,
@@ -695,8 +760,14 @@ async def scenario_split(args: argparse.Namespace) -> list[dict[str, Any]]:
             if core == "inline":
                 runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
             else:
-                runs = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
-            rows.append({"scenario": "split", "core": core, **_decode_row(runs)})
+                tries = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
+                runs = [r for r in tries if isinstance(r, DecodeResult)]
+                for r in tries:
+                    if isinstance(r, Unopened):
+                        _print(f"| {n} | process | window not opened: {r.why} |")
+                if not runs:
+                    continue
+            rows.append({"scenario": "split", "core": core, "runs": len(runs), **_decode_row(runs)})
             _print(_split_line(rows[-1]))
     return rows
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
-from bench.overhead import Round, parse_args, rounds_from_log, run_decode, run_decode_split, run_prefill
+from bench.overhead import DecodeResult, Round, Unopened, parse_args, rounds_from_log, run_decode, run_decode_split, run_prefill, split_max_new
 from tests.conftest import TinyModelFactory
 
 
@@ -30,10 +31,19 @@ async def test_decode_through_a_core_process_with_null_device() -> None:
     """The core's own counters measure it: its actors, its loop, the simulated device; the
     frontend's loop is measured here."""
     r = await run_decode_split(8, step_ms=1.0, steps=3, warmup=1, prompt_len=16)
-    assert r.finished == 8 and r.generated == 8 * (1 + 3 + 64)
+    assert isinstance(r, DecodeResult), r
+    assert r.finished == 8 and r.generated == 8 * split_max_new(8, 16, warmup=1, steps=3)
     assert r.steps >= 3 and r.wall_s > 0 and r.loop_cpu_s > 0 and r.frontend_cpu_s > 0
     assert set(r.actor_cpu_s) == {"policy", "adder", "executor", "output"} and r.actor_cpu_s["adder"] > 0
     assert r.busy_fraction > 0  # steps are counted as they report: over 3 steps it can pass 1
+
+
+async def test_a_split_window_that_cannot_open_is_reported_not_waited_for() -> None:
+    """Requests that finish before the last is admitted (here: at their first token): the state
+    'all decoding' never exists, and the run says so at once instead of timing out waiting."""
+    r = await asyncio.wait_for(run_decode_split(8, step_ms=1.0, steps=3, warmup=1, prompt_len=16, max_new=1), 60)
+    assert isinstance(r, Unopened) and r.running == 8
+    assert "of 8 requests finished (1 tokens) before" in r.why
 
 
 async def test_decode_with_the_real_model(tiny_qwen3: Path) -> None:
