@@ -898,3 +898,132 @@ def test_prefill_allocation_evicts_as_sglang(page: int, cached: list, extends: l
     for n in extends:
         assert pair.sgl_alloc.alloc(n) is not None
     pair.check()
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests through the cache: admitted, computed in chunks, finished or dropped
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Live:
+    tokens: list[int]
+    extra: str | None
+    row: int  # ours (KVLedger) and SGLang's (its ReqToTokenPool) alike
+    sgl: Any  # sglang_reference.SglReq
+    computed: int
+
+
+class RequestPair:
+    """The same requests held over both caches: ours through a KVLedger (as the Adder drives it),
+    SGLang's through its Req fields and its cache_unfinished_req / release_kv_cache."""
+
+    def __init__(self, pair: CachePair) -> None:
+        self.pair = pair
+        self.kv = KVLedger(pair.ours_alloc, ReqToTokenPool(ROWS, 64), pair.ours)
+        self.sgl_rows = sglang_reference.SglReqToTokenPool(ROWS + 1, 64)
+        pair.sgl.req_to_token_pool = self.sgl_rows
+        self.live: list[Live] = []
+        self.admitted = 0
+
+    def admit(self, tokens: list[int], extra: str | None) -> None:
+        if len(self.live) == ROWS or len(tokens) < 2:
+            return
+        pair = self.pair
+        match = pair.ours.match_prefix(tokens[:-1], extra)
+        sreq = sgl_req(self.admitted, Spec(tokens, extra=extra))
+        sreq.init_next_round_input(pair.sgl)
+        assert match.length == len(sreq.prefix_indices)
+        assert labels(pair.ours_label, match.slots) == labels(pair.sgl_label, sreq.prefix_indices)
+        pair.ours.inc_lock_ref(match.last_node)
+        pair.sgl.inc_lock_ref(sreq.last_node)
+        row = self.kv.open_row(match)
+        self.sgl_rows.req_to_token[row, : match.length] = sreq.prefix_indices
+        sreq.req_pool_idx, sreq.kv_committed_len, sreq.kv_allocated_len = row, match.length, match.length
+        self.live.append(Live(tokens, extra, row, sreq, match.length))
+        self.admitted += 1
+
+    def compute(self, i: int, n: int) -> None:
+        """The next `n` tokens of a live request get KV, and what it computed so far is cached
+        (a chunk: the Adder's cache_prefix, SGLang's cache_unfinished_req)."""
+        if not self.live:
+            return
+        req = self.live[i % len(self.live)]
+        n = min(n, len(req.tokens) - req.computed)
+        page = self.pair.page
+        # Both evict what SGLang's allocation of one request's extend evicts (F7 is about the amount).
+        need = n + (page if page > 1 else 0)
+        self.kv.make_room(need)
+        SGL.evict_from_tree_cache(self.pair.sgl, need)
+        if n == 0 or not self._extend(req, n):
+            return
+        self.kv.cache_prefix(req.row, req.tokens[: req.computed], req.extra)
+        req.sgl.fill_ids = req.tokens[: req.computed]
+        self.pair.sgl.cache_unfinished_req(req.sgl)
+
+    def _extend(self, req: Live, n: int) -> bool:
+        ours = self.kv.extend(req.row, n)
+        last = int(self.sgl_rows.req_to_token[req.row, req.computed - 1]) if req.computed else None
+        sgl = self.pair.sgl_alloc.alloc_extend(req.computed, last, n)
+        if ours is None or sgl is None:
+            assert ours is None and sgl is None, "one pool had room, the other not"
+            return False
+        for label, slots in ((self.pair.ours_label, ours), (self.pair.sgl_label, sgl)):
+            label.update((slot, (1000 + self.live.index(req), req.computed + k)) for k, slot in enumerate(slots.tolist()))
+        self.sgl_rows.req_to_token[req.row, req.computed : req.computed + n] = sgl
+        req.computed += n
+        req.sgl.kv_committed_len = req.sgl.kv_allocated_len = req.computed
+        return True
+
+    def end(self, i: int, cache_it: bool) -> None:
+        """The request finishes (its computed tokens cached) or is dropped (aborted, retracted)."""
+        if not self.live:
+            return
+        req = self.live.pop(i % len(self.live))
+        self.kv.close_row(req.row, req.tokens[: req.computed] if cache_it else None, req.extra)
+        req.sgl.fill_ids = req.tokens[: req.computed]
+        SGL.release_kv_cache(req.sgl, self.pair.sgl, is_insert=cache_it)
+
+
+ADMIT = st.tuples(st.just("admit"), prompts(min_size=2), EXTRA)
+COMPUTE = st.tuples(st.just("compute"), st.integers(0, 7), st.integers(1, 24))
+REQUEST_OPS = st.lists(
+    st.one_of(
+        ADMIT,
+        ADMIT,
+        COMPUTE,
+        COMPUTE,
+        COMPUTE,
+        st.tuples(st.just("finish"), st.integers(0, 7)),
+        st.tuples(st.just("drop"), st.integers(0, 7)),
+        st.tuples(st.just("insert"), prompts(), EXTRA),
+        st.tuples(st.just("evict"), st.integers(1, 40)),
+    ),
+    min_size=4,
+    max_size=30,
+)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+@FEW
+@given(first=st.lists(ADMIT, min_size=1, max_size=4), ops=REQUEST_OPS)
+def test_requests_through_the_cache_as_sglang(page: int, first: list[tuple], ops: list[tuple]) -> None:
+    pair = CachePair.new(page)
+    reqs = RequestPair(pair)
+    for op in first + ops:
+        kind = op[0]
+        if kind == "admit":
+            reqs.admit(op[1], op[2])
+        elif kind == "compute":
+            reqs.compute(op[1], op[2])
+        elif kind in ("finish", "drop"):
+            reqs.end(op[1], cache_it=kind == "finish")
+        elif kind == "insert":
+            pair.insert(op[1], op[2])
+        else:
+            pair.evict(op[1])
+        pair.check()
+    while reqs.live:
+        reqs.end(0, cache_it=True)
+    pair.check()
+    assert pair.ours.protected_size() == 0
