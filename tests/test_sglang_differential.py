@@ -2,28 +2,31 @@
 decide the same generated scenarios, and the decisions must be equal.
 
 Compared: the prefix cache (match lengths and slots, insert results, lock counters, what each
-eviction frees, the whole tree after every operation), the queue order (fcfs with priorities,
-lof, lpm with the in-batch prefix check, dfs-weight), one prefill round's admissions (each
-add result, admitted requests with prefix and extend lengths, the chunked request, the
-budgets), preemption victims, retraction victims and the new new_token_ratio.
+eviction frees, the whole tree after every operation, requests admitted, chunk-cached, finished
+or dropped through it), the queue order (fcfs with priorities, lof, lpm with the in-batch prefix
+check, dfs-weight), one prefill round (each add result, the admitted requests with prefix and
+extend lengths, the chunked request, the budgets, the locks), what allocating the round evicts,
+preemption (victims, then the new request's admission), retraction (victims in order, the new
+new_token_ratio, what their release leaves cached), new_token_ratio's arithmetic and the constants.
 
-Where we deviate from SGLang on purpose, the scenario is adjusted explicitly (no xfail):
-- D1 generated count: ours is max(len(output_ids), launched_outputs) (overlap launches tokens
-  before their ids arrive); scenarios set launched_outputs = len(output_ids), SGLang's case.
-- D2 page-aligned chunk cuts: our add_chunked_req ends a cut chunk on a page boundary; chunked
-  rounds compare only with page size 1 (same numbers there).
+Where we deviate from SGLang on purpose, the scenarios are adjusted explicitly (no xfail):
+- D1 generated count: ours is max(len(output_ids), launched_outputs) (with overlap a launched
+  token holds KV before its id arrives); scenarios set launched_outputs = len(output_ids).
+- D2 page-aligned chunk cuts: our add_chunked_req ends a cut chunk on a page boundary; chunk
+  continuations are generated with pages of 1 only (the same numbers there).
 - D3 one chunked request at a time: a candidate that would be cut while another request is
-  chunked is refused (OTHER); SGLang cuts it too. Chunked rounds have at most one cut candidate.
-- D4 priority first under lpm and dfs-weight: lpm and dfs-weight compare without priority
-  scheduling (SGLang orders them by the cache alone).
-- D6 dfs-weight ties: sibling branches holding as many queued requests are visited in queue
-  order (SGLang: its dicts' insertion order, which depends on the history of splits); scenarios
-  with such a tie are not compared.
-- D5 the ignore_eos path (prefix caching off) applies the input cap to a second request too;
-  ignore_eos rounds give every candidate an extend below the input budget.
+  chunked is refused (OTHER). Not adjusted: a cut spends the chunk budget, so SGLang cannot cut a
+  second request in a round either, and the generated rounds never reach the difference.
+- D4 priority first under lpm and dfs-weight: those two compare without priority scheduling
+  (SGLang orders them by the cache alone).
+- D5 the ignore_eos path (prefix caching off) caps a second request's input too: ignore_eos
+  rounds have an input budget no queue reaches.
+- D6 dfs-weight ties: sibling branches holding as many queued requests go in queue order
+  (SGLang: its dicts' insertion order, which follows the history of splits); a scenario with
+  such a tie is not compared.
 
-Differences that are not deliberate are listed in /work/notes/diff-findings.md and marked
-xfail(strict=True) below, named after the rule of issue 29 they break, until the code follows.
+A difference that is not deliberate is a strict xfail (`known`, the reason names the rule of
+issue 29 and the finding) until the code follows; then the mark goes and the test guards it.
 """
 
 from __future__ import annotations
@@ -80,15 +83,15 @@ FEW = settings(
     phases=list(Phase) if os.environ.get("SGLANG_DIFF_SHRINK") == "1" else [Phase.explicit, Phase.generate],
 )
 
-# Rules of issue 29 where our decisions still differ (see /work/notes/diff-findings.md); the
-# marks go when the lead engineer's changes land.
+# Where our decisions still differ from SGLang's (issue 29): each is a strict xfail until the
+# code follows, then its mark goes.
 KNOWN: dict[str, str] = {
-    "F7": "prefill allocation evicts per request for extend + page (page 1 too); SGLang evicts once per batch "
-    "for the sum of the extends (+ a page per request only when paged)",
-    "F5": "preemption need: SGLang's preempt_to_schedule reads req.extend_input_len before this round's "
-    "init_next_round_input sets it (0 for a request never tried), so it preempts fewer and may then refuse",
     "F4": "preemption tie-break: of running requests with equal priority and queue-entry time we take the "
     "one admitted last; SGLang's stable sort takes the one admitted first",
+    "F5": "preemption need: SGLang's preempt_to_schedule reads req.extend_input_len before this round's "
+    "init_next_round_input sets it (0 for a request never tried), so it preempts fewer and may then refuse",
+    "F7": "prefill allocation evicts per request for extend + page (page 1 too); SGLang evicts once per batch "
+    "for the sum of the extends (+ a page per request only when paged)",
 }
 
 
