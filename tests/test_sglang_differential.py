@@ -90,6 +90,8 @@ KNOWN: dict[str, str] = {
     "one admitted last; SGLang's stable sort takes the one admitted first",
     "F5": "preemption need: SGLang's preempt_to_schedule reads req.extend_input_len before this round's "
     "init_next_round_input sets it (0 for a request never tried), so it preempts fewer and may then refuse",
+    "F8": "a request with prompt logprobs from logprob_start_len k matches at most k - 1 cached tokens; "
+    "SGLang's init_next_round_input matches up to k (README states ours; not named as a deviation)",
     "F7": "prefill allocation evicts per request for extend + page (page 1 too); SGLang evicts once per batch "
     "for the sum of the extends (+ a page per request only when paged)",
 }
@@ -1030,3 +1032,21 @@ def test_requests_through_the_cache_as_sglang(page: int, first: list[tuple], ops
         reqs.end(0, cache_it=True)
     pair.check()
     assert pair.ours.protected_size() == 0
+
+
+@known("F8")
+@pytest.mark.parametrize("start", [1, 5, 9])
+def test_prompt_logprob_request_matches_as_sglang(start: int) -> None:
+    pair = CachePair.new(1)
+    warm_cache(pair, [(list(range(1, 11)), None)])
+    prompt = list(range(1, 12))
+    ours = Req(
+        rid="r0", origin_input_ids=prompt, sampling=SamplingParams(max_new_tokens=4),
+        return_logprob=True, logprob_start_len=start, prompt_key=token_array(prompt),
+    )
+    sgl = sglang_reference.SglReq(
+        rid="r0", origin_input_ids=prompt, sampling_params=sglang_reference.SglSamplingParams(4),
+        return_logprob=True, logprob_start_len=start,
+    )
+    sgl.init_next_round_input(pair.sgl)
+    assert match_for_admission(pair.ours, ours).length == len(sgl.prefix_indices)
