@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from api.chat_tools import ChatPlan, ChoiceParser, delta_bodies, finish_reason, message
 from runtime.stream import Delta
 
 TokenText = Callable[[int], str]  # token id -> its text, for logprobs
@@ -142,42 +143,71 @@ def _completion_logprobs(
 
 
 # --- /v1/chat/completions ---------------------------------------------------------------------
-def chat_response(rid: str, model: str, created: int, choices: Sequence[Choice], token_text: TokenText | None) -> dict[str, Any]:
+def chat_response(
+    rid: str, model: str, created: int, choices: Sequence[Choice], token_text: TokenText | None, plan: ChatPlan | None = None
+) -> dict[str, Any]:
+    """`plan`: the request's tools and reasoning (api/chat_tools.py); None: plain text answers."""
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(c.output_ids, c.logprobs, c.top_logprobs, token_text),
-                "finish_reason": c.finish_reason,
-                "matched_stop": c.matched_stop,
-            }
-            for c in choices
-        ],
+        "choices": [_chat_choice(c, token_text, plan) for c in choices],
         "usage": usage(choices),
     }
 
 
-def chat_chunk(rid: str, model: str, created: int, index: int, delta: Delta, token_text: TokenText | None) -> dict[str, Any]:
-    choice = {
-        "index": index,
-        "delta": {"content": delta.text} if delta.text else {},
-        "logprobs": _chat_logprobs(delta.output_ids, delta.logprobs, delta.top_logprobs, token_text),
-        "finish_reason": delta.finish_reason,
+def _chat_choice(c: Choice, token_text: TokenText | None, plan: ChatPlan | None) -> dict[str, Any]:
+    parser = plan.choice_parser() if plan is not None else None
+    msg = message(c.text, parser) if parser is not None else {"role": "assistant", "content": c.text}
+    return {
+        "index": c.index,
+        "message": msg,
+        "logprobs": _chat_logprobs(c.output_ids, c.logprobs, c.top_logprobs, token_text),
+        "finish_reason": finish_reason(c.finish_reason, parser is not None and parser.made_calls),
+        "matched_stop": c.matched_stop,
     }
-    if delta.finish_reason is not None:
-        choice["matched_stop"] = delta.matched_stop
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
 
 
-def chat_role_chunk(rid: str, model: str, created: int, index: int) -> dict[str, Any]:
-    """OpenAI streams open each choice with the role and empty content."""
-    choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
+class ChatStream:
+    """The chunks of a streamed chat answer, each choice read by its own parsers: what a delta
+    settles (reasoning, content, tool-call pieces) in chunks with no finish_reason, then one chunk
+    per choice with an empty delta and the finish_reason."""
+
+    def __init__(self, rid: str, model: str, created: int, indices: Sequence[tuple[int, int]], plan: ChatPlan, token_text: TokenText | None):
+        self.head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+        self.choices = [Choice(index, prompt_index) for index, prompt_index in indices]
+        self.parsers = [plan.choice_parser() for _ in indices]
+        self.token_text = token_text
+
+    def opening(self) -> list[dict[str, Any]]:
+        """OpenAI streams open each choice with the role and empty content."""
+        return [self._chunk(c.index, {"role": "assistant", "content": ""}, None, None) for c in self.choices]
+
+    def chunks(self, index: int, delta: Delta) -> list[dict[str, Any]]:
+        self.choices[index].add(delta)
+        parser: ChoiceParser = self.parsers[index]
+        settled = parser.feed(delta.text)
+        if delta.finish_reason is not None:
+            rest = parser.finish()
+            settled.reasoning += rest.reasoning
+            settled.content += rest.content
+            settled.pieces.extend(rest.pieces)
+        logprobs = _chat_logprobs(delta.output_ids, delta.logprobs, delta.top_logprobs, self.token_text)
+        bodies = [self._chunk(index, body, None, logprobs if i == 0 else None) for i, body in enumerate(delta_bodies(settled))]
+        if not bodies and logprobs is not None and logprobs["content"]:  # the tokens' text is held back
+            bodies.append(self._chunk(index, {}, None, logprobs))
+        if delta.finish_reason is not None:
+            final = self._chunk(index, {}, finish_reason(delta.finish_reason, parser.made_calls), None)
+            final["choices"][0]["matched_stop"] = delta.matched_stop
+            bodies.append(final)
+        return bodies
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {**self.head, "choices": [], "usage": usage(self.choices)}
+
+    def _chunk(self, index: int, delta: dict[str, Any], reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+        return {**self.head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}]}
 
 
 def usage_chunk(rid: str, obj: str, model: str, created: int, choices: Sequence[Choice]) -> dict[str, Any]:

@@ -3,8 +3,7 @@ into engine calls.
 
 Decoding is strict about types (a wrong type is a 400 naming the field) and lenient about unknown
 fields, as OpenAI-compatible servers are: clients send fields we have no use for (`user`,
-`parallel_tool_calls`, ...). Fields we cannot honour with a non-default value (`tools`,
-`suffix`, ...) are refused with a clear 400 instead of being silently ignored.
+...). Fields we cannot honour with a non-default value (`suffix`, `best_of`, ...) are refused with a clear 400 instead of being silently ignored.
 
 One HTTP request becomes one or more `EngineCall`s: a batch of prompts times `n` choices, in
 OpenAI's order (choice index = prompt index * n + j).
@@ -15,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 import orjson
@@ -132,6 +131,45 @@ class CompletionRequest(_Common, kw_only=True):
     best_of: int | None = None
 
 
+# OpenAI's rule for function names: what every client and template can carry.
+FunctionName = Annotated[str, msgspec.Meta(pattern="^[a-zA-Z0-9_-]{1,64}$")]
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # calls the grammar constrains (tool_choice required/named) always follow it
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(msgspec.Struct, kw_only=True):
+    name: FunctionName
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends a JSON string; some clients send the object
+
+
+class AssistantToolCall(msgspec.Struct, kw_only=True):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
     type: str
     text: str | None = None
@@ -141,8 +179,9 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatCompletionRequest(_Common, kw_only=True):
@@ -156,8 +195,11 @@ class ChatCompletionRequest(_Common, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None  # None: "auto" with tools, "none" without
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool = True  # SGLang's switch for --reasoning-parser, per request
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -244,20 +286,27 @@ def completion_calls(req: CompletionRequest) -> tuple[str, list[EngineCall]]:
 
 
 def chat_calls(
-    req: ChatCompletionRequest, input_ids: list[int], model_defaults: Mapping[str, Any] | None = None
+    req: ChatCompletionRequest,
+    input_ids: list[int],
+    model_defaults: Mapping[str, Any] | None = None,
+    tool_schema: str | None = None,
 ) -> tuple[str, list[EngineCall]]:
     """The response id and the engine calls; `input_ids`: the messages rendered by the chat
     template (see `chat_messages`); `model_defaults`: the model's sampling defaults
-    (generation_config.json), for the fields of OPENAI_SAMPLING_DEFAULTS the request leaves out."""
+    (generation_config.json), for the fields of OPENAI_SAMPLING_DEFAULTS the request leaves out;
+    `tool_schema`: the JSON schema a forced tool call is decoded under (api/chat_tools.py)."""
     _fill_sampling_defaults(req, model_defaults or {})
     _check_common(req)
-    _refuse_unsupported(tools=bool(req.tools))
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}", "top_logprobs")
     if req.top_logprobs and not req.logprobs:
         raise invalid("top_logprobs needs logprobs to be true", "top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling = _sampling(req, max_tokens)
+    if tool_schema is not None:
+        if sampling["json_schema"] or req.regex or req.ebnf:
+            raise invalid("a forced tool call (tool_choice required or a named function) cannot be combined with response_format, regex or ebnf", "tool_choice")
+        sampling["json_schema"] = tool_schema
     logprob = {"return_logprob": req.logprobs, "top_logprobs_num": req.top_logprobs or 0}
     return _fan_out([(None, input_ids)], req, sampling, logprob)
 
@@ -274,13 +323,30 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, msg in enumerate(req.messages):
         item: dict[str, Any] = {"role": msg.role, "content": _content_text(msg.content, i)}
-        for name in ("name", "tool_calls", "tool_call_id"):
+        for name in ("name", "tool_call_id", "reasoning_content"):
             if getattr(msg, name) is not None:
                 item[name] = getattr(msg, name)
+        if msg.tool_calls:
+            item["tool_calls"] = [_template_tool_call(call, i) for call in msg.tool_calls]
         out.append(item)
     if not out:
         raise invalid("messages must not be empty", "messages")
     return out
+
+
+def _template_tool_call(call: AssistantToolCall, index: int) -> dict[str, Any]:
+    """An assistant's tool call as chat templates read it: arguments as an object (templates
+    write them with `tojson`; a JSON string would come out quoted twice), as SGLang and vLLM do."""
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = orjson.loads(args) if args.strip() else {}
+        except orjson.JSONDecodeError:
+            raise invalid(f"messages[{index}]: tool_calls arguments are not valid JSON: {args[:80]!r}", "messages") from None
+        if not isinstance(args, dict):
+            raise invalid(f"messages[{index}]: tool_calls arguments must be a JSON object", "messages")
+    function = {"name": call.function.name, "arguments": args}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def generate_calls(req: GenerateRequest) -> tuple[list[EngineCall], bool]:
@@ -353,6 +419,8 @@ def _check_common(req: _Common, scoring: bool = False) -> None:
     if req.max_tokens is not None and req.max_tokens < (0 if scoring else 1):
         at_least = "0 (with echo)" if scoring else "1 (0 only with echo)"
         raise invalid(f"max_tokens must be at least {at_least}, got {req.max_tokens}", "max_tokens")
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
     limit = getattr(req, "max_completion_tokens", None)
     if limit is not None and limit <= 0:
         raise invalid(f"max_completion_tokens must be at least 1, got {limit}", "max_completion_tokens")

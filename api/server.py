@@ -37,11 +37,11 @@ from aiohttp import web
 from api.engine import Engine, EngineError, InvalidRequest, Rejected
 from api.launch import generation_defaults
 from api.metrics import ServerMetrics
+from api.chat_tools import ChatParsers, plan_chat
 from api.openai_response import (
     Choice,
-    chat_chunk,
+    ChatStream,
     chat_response,
-    chat_role_chunk,
     completion_chunk,
     completion_response,
     echoed,
@@ -96,6 +96,9 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     # A replica running requests that finishes no forward step for this long fails the server
     # (api/watchdog.py); None: no watchdog.
     watchdog_timeout_s: float | None = 300.0
+    # --tool-call-parser / --reasoning-parser (api/chat_tools.py); None: what the chat template names
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 class Server:
@@ -109,6 +112,8 @@ class Server:
         self.live: set[str] = set()  # rids of requests this server has in the engine
         self._token_texts: dict[int, str] = {}
         self.chat_defaults = generation_defaults(engine.model_dir, engine.config.sampling_defaults)
+        template = getattr(engine.tokenizer, "chat_template", None)
+        self.chat_parsers = ChatParsers.resolve(settings.tool_call_parser, settings.reasoning_parser, template if isinstance(template, str) else None)
         self.request_log = RequestLog(settings.log_requests_level, settings.log_requests_format) if settings.log_requests else None
         self.app = self._make_app()
 
@@ -203,25 +208,17 @@ class Server:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = _tenant_from_header(decode(await request.read(), ChatCompletionRequest), request)
         self._check_model(req.model)
-        input_ids = await self._render_chat(chat_messages(req), req.chat_template_kwargs or {})
-        rid, calls = chat_calls(req, input_ids, self.chat_defaults)
+        plan = plan_chat(req, self.chat_parsers)
+        input_ids = await self._render_chat(chat_messages(req), {**(req.chat_template_kwargs or {}), **plan.template_kwargs})
+        rid, calls = chat_calls(req, input_ids, self.chat_defaults, plan.tool_schema)
         token_text = self._token_text if req.logprobs else None
         created = int(time.time())
         if not req.stream:
             choices = await self._collect(calls)
-            return _json(chat_response(rid, self.model_name, created, choices, token_text))
-
-        choices = [Choice(c.index, c.prompt_index) for c in calls]
-
-        def chunk(call: EngineCall, delta: Delta) -> dict[str, Any]:
-            choices[call.index].add(delta)
-            return chat_chunk(rid, self.model_name, created, call.index, delta, token_text)
-
-        def closing() -> list[dict[str, Any]]:
-            return [usage_chunk(rid, "chat.completion.chunk", self.model_name, created, choices)] if req.include_usage else []
-
-        opening = [chat_role_chunk(rid, self.model_name, created, c.index) for c in calls]
-        return await self._stream(request, calls, chunk, opening, closing)
+            return _json(chat_response(rid, self.model_name, created, choices, token_text, plan))
+        chat = ChatStream(rid, self.model_name, created, [(c.index, c.prompt_index) for c in calls], plan, token_text)
+        closing = (lambda: [chat.usage_chunk()]) if req.include_usage else list
+        return await self._stream(request, calls, lambda call, delta: chat.chunks(call.index, delta), chat.opening(), closing)
 
     async def models(self, request: web.Request) -> web.Response:
         root = self.engine.config.model_path or self.model_name
@@ -235,11 +232,11 @@ class Server:
         self,
         request: web.Request,
         calls: list[EngineCall],
-        chunk: Callable[[EngineCall, Delta], dict[str, Any]],
+        chunk: Callable[[EngineCall, Delta], dict[str, Any] | list[dict[str, Any]]],
         opening: list[dict[str, Any]],
         closing: Callable[[], list[dict[str, Any]]],
     ) -> web.StreamResponse:
-        """Server-sent events: `opening`, one `chunk` per delta, `closing()`, then [DONE]."""
+        """Server-sent events: `opening`, the `chunk` (or chunks) of each delta, `closing()`, then [DONE]."""
         async with contextlib.aclosing(self._deltas(calls)) as deltas:
             item = await anext(deltas, None)  # a refusal raises here, before any header
             sse = await _open_sse(request)
@@ -247,7 +244,9 @@ class Server:
                 for body in opening:
                     await _send(sse, body)
                 while item is not None:
-                    await _send(sse, chunk(*item))
+                    bodies = chunk(*item)
+                    for body in bodies if isinstance(bodies, list) else [bodies]:
+                        await _send(sse, body)
                     item = await anext(deltas, None)
                 for body in closing():
                     await _send(sse, body)
@@ -330,7 +329,8 @@ class Server:
 
     async def model_info(self, request: web.Request) -> web.Response:
         path = self.engine.config.model_path or self.model_name
-        return _json({"model_path": path, "tokenizer_path": path, "is_generation": True, "served_model_name": self.model_name})
+        tokenizer_path = self.engine.config.tokenizer_path or path
+        return _json({"model_path": path, "tokenizer_path": tokenizer_path, "is_generation": True, "served_model_name": self.model_name})
 
     async def load(self, request: web.Request) -> web.Response:
         """SGLang's /get_load: one entry per data-parallel rank, as SGLang's router's load monitor reads it."""

@@ -7,6 +7,7 @@ Every one of SGLang 0.5.7's 321 server flags (sglang/srt/server_args.py) is, her
   so it is taken and changes nothing, or
 - accepted with SGLang's default value only (DEFAULT_ONLY), refused with the reason otherwise, or
 - refused by name with a one-line reason (REFUSED), before anything loads.
+A flag that `actorserve serve` defines itself is honoured even where a table here still lists it.
 tests/test_sglang_flags.py checks this against the sglang wheel's own list when it is installed.
 """
 
@@ -68,10 +69,10 @@ _LORA = "no LoRA adapters here"
 _SPEC = "no speculative decoding here"
 _MOE = "no mixture-of-experts models or expert parallelism here"
 _ARCH = "only dense full-attention models (Llama, Qwen2, Qwen3) run here: no hybrid, sliding-window, state-space or sparse attention"
-_HICACHE = "no host or storage tier for the prefix cache: the KV pool is the only tier"
+_HICACHE = "no KV storage tier, external KV store or KV event stream here"
 _DISAGG = "no prefill/decode or encoder disaggregation here"
 _MM = "only text generation models run here (no embedding, scoring or multimodal models)"
-_PARSERS = "no reasoning or tool-call parsing, completion templates or files API here"
+_PARSERS = "no completion templates, files API or tool servers here"
 _KERNELS = "no such kernel option here: attention is torch (CPU, CUDA) or FlashInfer (CUDA), decode runs as CUDA graphs"
 _PARALLEL = "parallelism here is --tp-size (torch.distributed) and --dp-size (replicas behind a router)"
 _OFFLOAD = "weights and KV stay on --device: no offloading, memory saver or NUMA binding"
@@ -134,10 +135,11 @@ REFUSED: dict[str, str] = {
         "--ds-heavy-token-num", "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--flashinfer-mla-disable-ragged",
         "--disable-chunked-prefix-cache",
     ),
+    # A flag that the parser defines itself (honoured) overrides its entry here (api/serve_cli.py).
+    **_each("no host tier for the prefix cache in this build", "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-write-policy"),
     **_each(
-        _HICACHE, "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-size", "--hicache-write-policy",
-        "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend", "--hicache-storage-prefetch-policy",
-        "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",
+        _HICACHE, "--hicache-size", "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
+        "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",
     ),
     **_each(
         _DISAGG, "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
@@ -152,7 +154,7 @@ REFUSED: dict[str, str] = {
         "--mm-max-concurrent-calls", "--mm-per-request-timeout", "--enable-broadcast-mm-inputs-process", "--mm-process-config",
         "--mm-enable-dp-encoder", "--limit-mm-data-per-request", "--enable-prefix-mm-cache",
     ),
-    **_each(_PARSERS, "--completion-template", "--file-storage-path", "--reasoning-parser", "--tool-call-parser", "--tool-server"),
+    **_each(_PARSERS, "--completion-template", "--file-storage-path", "--tool-server"),
     "--prefill-attention-backend": "one backend serves prefill and decode: use --attention-backend",
     "--decode-attention-backend": "one backend serves prefill and decode: use --attention-backend",
     "--cuda-graph-bs": "captured batch sizes follow --cuda-graph-max-bs",

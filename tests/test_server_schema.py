@@ -9,7 +9,8 @@ import msgspec
 import pytest
 
 from api import serve_cli
-from api.openai_response import Choice, chat_chunk, completion_response, generate_body, usage
+from api.chat_tools import ChatPlan
+from api.openai_response import ChatStream, Choice, completion_response, generate_body, usage
 from api.openai_schema import (
     ApiError,
     ChatCompletionRequest,
@@ -179,7 +180,7 @@ def test_chat_message_refusals(fields: dict, param: str) -> None:
     [
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
     ],
@@ -233,7 +234,8 @@ def test_response_shapes() -> None:
     [c] = body["choices"]
     assert c["text"] == "ab" and c["finish_reason"] == "length"
     assert c["logprobs"]["tokens"] == ["<1>", "<2>"] and c["logprobs"]["text_offset"] == [0, 3]
-    chunk = chat_chunk("id", "m", 1, 0, Delta(rid="r", text="x", output_ids=[1], logprobs=[-1.0], top_logprobs=[[(1, -1.0)]]), lambda t: "x")
+    plain = ChatPlan("none", (), None, None, None, None)
+    [chunk] = ChatStream("id", "m", 1, [(0, 0)], plain, lambda t: "x").chunks(0, Delta(rid="r", text="x", output_ids=[1], logprobs=[-1.0], top_logprobs=[[(1, -1.0)]]))
     [c] = chunk["choices"]
     assert c["delta"] == {"content": "x"} and c["finish_reason"] is None
     assert c["logprobs"]["content"][0] == {"token": "x", "logprob": -1.0, "bytes": [120], "top_logprobs": [{"token": "x", "logprob": -1.0, "bytes": [120]}]}

@@ -1,0 +1,371 @@
+"""Tools, reasoning and the chat conformance points (issue 31) over HTTP with the official `openai`
+client, on a tiny random-weight Qwen3 served with a Qwen-style tool template.
+
+Two servers: one whose "model" is a scripted device that answers each chat with the text of its
+last user message (token by token, as the tokenizer splits it), so the parsers see exactly the
+output a test wants; and the real random-weight model, where `tool_choice` required / named must
+give calls that validate against the tool's schema whatever the weights say.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import jsonschema
+import openai
+import pytest
+
+from api.chat_tools import ChatParsers, plan_chat
+from api.openai_schema import ApiError, ChatCompletionRequest, decode
+from api.server import ServerSettings
+from gpu.tiny_model import CHAT_TEMPLATE
+from runtime.messages import Batch, StepOut
+from tests.engine_helpers import assert_idle_invariants
+from tests.test_server import ServerThread
+
+IM_START, IM_END = 1, 2  # the tiny tokenizer's ids (gpu/tiny_model.py)
+
+# A Qwen3-style template (the shape of Qwen3's own): tools in the system turn, assistant
+# tool_calls as <tool_call> JSON, tool results as <tool_response>, enable_thinking honoured.
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}
+
+{% endif %}# Tools
+
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags.<|im_end|>
+{% elif messages[0].role == 'system' %}<|im_start|>system
+{{ messages[0].content }}<|im_end|>
+{% endif %}{% for message in messages %}{% if message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% elif message.role == 'assistant' %}<|im_start|>assistant
+{{ message.content }}{% for call in message.tool_calls or [] %}
+<tool_call>
+{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role != 'system' %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "unit": {"enum": ["c", "f"]},
+            },
+            "required": ["city", "days", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False},
+    },
+}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2, "unit": "c"}}\n</tool_call>'
+
+
+class EchoDevice:
+    """A StepRunner that answers a chat with its last user message's tokens, then <|im_end|>;
+    `header`: how many tokens "user\n" is after <|im_start|>."""
+
+    def __init__(self, header: int):
+        self.header = header
+
+    def run(self, batch: Batch) -> StepOut:
+        tokens = []
+        for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            script = last_user_message(req.origin_input_ids, self.header)
+            generated = prefix + extend - len(req.origin_input_ids)
+            tokens.append(script[generated] if generated < len(script) else IM_END)
+        return StepOut(batch=batch, token_ids=tokens, logprobs=None, top_logprobs=None, forward_s=0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def last_user_message(prompt: list[int], header: int) -> list[int]:
+    starts = [i for i, t in enumerate(prompt) if t == IM_START]
+    begin = starts[-2] + 1 + header  # the turn before the assistant's header
+    return prompt[begin : prompt.index(IM_END, begin) + 1]
+
+
+def echo_device(runner: Any, header: int) -> EchoDevice:
+    """CoreSetup step runner."""
+    return EchoDevice(header)
+
+
+@pytest.fixture(scope="module")
+def tool_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("templates") / "qwen3_tools.jinja"
+    path.write_text(TOOL_TEMPLATE)
+    return path
+
+
+def serve(model: Path, template: Path, **engine: Any) -> ServerThread:
+    kwargs = {"model_path": str(model), "chat_template": str(template), "inline_core": True, "max_running_requests": 8, **engine}
+    return ServerThread(kwargs, ServerSettings(served_model_names=("tiny",)))
+
+
+@pytest.fixture(scope="module")
+def echo(tiny_qwen3: Path, tool_template: Path) -> Iterator[ServerThread]:
+    from api.core import CoreSetup
+    from gpu.loader import load_tokenizer
+
+    header = len(load_tokenizer(tiny_qwen3).encode("user\n", add_special_tokens=False))
+    setup = CoreSetup(step_runner="tests.test_chat_tools:echo_device", step_runner_kwargs={"header": header})
+    with serve(tiny_qwen3, tool_template, core_setup=setup) as s:
+        yield s
+        s.run(assert_idle_invariants(s.engine))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_qwen3: Path, tool_template: Path) -> Iterator[ServerThread]:
+    with serve(tiny_qwen3, tool_template) as s:
+        yield s
+        s.run(assert_idle_invariants(s.engine))
+
+
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def said(text: str) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": text}]
+
+
+def stream_of(server: ServerThread, **kwargs: Any) -> list[Any]:
+    return list(client(server).chat.completions.create(model="tiny", stream=True, **kwargs))
+
+
+def joined_calls(chunks: list[Any]) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call index, checking OpenAI's delta shape on the way."""
+    calls: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                if call.id is not None:
+                    assert call.index not in calls and call.type == "function" and call.function.name
+                    assert not call.function.arguments  # the header goes first, on its own
+                    calls[call.index] = [call.id, call.function.name, ""]
+                else:
+                    assert call.function.name is None
+                calls[call.index][2] += call.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in sorted(calls)]  # type: ignore[misc]
+
+
+def finish_chunks(chunks: list[Any]) -> list[Any]:
+    return [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+
+
+def text_of(chunks: list[Any], field: str) -> str:
+    return "".join(getattr(c.choices[0].delta, field, None) or "" for c in chunks if c.choices)
+
+
+# --- auto: the parsers on scripted outputs ------------------------------------------------------
+@pytest.mark.parametrize("before", ["", "Let me look that up.\n"])
+def test_a_call_whole_and_streamed(echo: ServerThread, before: str) -> None:
+    whole = client(echo).chat.completions.create(model="tiny", messages=said(before + CALL), tools=[WEATHER])
+    [choice] = whole.choices
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == (before.strip() or None)
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2, "unit": "c"}
+
+    chunks = stream_of(echo, messages=said(before + CALL), tools=[WEATHER])
+    assert text_of(chunks, "content") == before.strip()
+    [(_, name, arguments)] = joined_calls(chunks)
+    assert (name, arguments) == (call.function.name, call.function.arguments)
+    [final] = finish_chunks(chunks)
+    assert final.finish_reason == "tool_calls" and final.delta.content is None and not final.delta.tool_calls
+    assert chunks[-1].choices[0] is final  # nothing after the finish chunk
+
+
+def test_parallel_calls_get_their_own_indices(echo: ServerThread) -> None:
+    second = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "utc"}}\n</tool_call>'
+    chunks = stream_of(echo, messages=said(CALL + "\n" + second), tools=[WEATHER, TIME])
+    calls = joined_calls(chunks)
+    assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Paris", "days": 2, "unit": "c"}), ("get_time", {"zone": "utc"})]
+    assert len({i for i, _, _ in calls}) == 2
+    assert text_of(chunks, "content") == ""
+
+
+def test_no_tools_or_tool_choice_none_leaves_the_text_alone(echo: ServerThread) -> None:
+    for extra in ({}, {"tools": [WEATHER], "tool_choice": "none"}):
+        out = client(echo).chat.completions.create(model="tiny", messages=said(CALL), **extra)
+        assert out.choices[0].message.content == CALL and not out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "stop"
+
+
+def test_reasoning_is_separate_and_enable_thinking_false_turns_it_off(echo: ServerThread) -> None:
+    text = "<think>\nThe user wants weather.\n</think>\n\n" + CALL
+    out = client(echo).chat.completions.create(model="tiny", messages=said(text), tools=[WEATHER])
+    msg = out.choices[0].message
+    assert msg.reasoning_content == "The user wants weather." and msg.content is None
+    assert [c.function.name for c in msg.tool_calls] == ["get_weather"]
+    chunks = stream_of(echo, messages=said(text), tools=[WEATHER])
+    assert text_of(chunks, "reasoning_content") == "The user wants weather."
+    assert text_of(chunks, "content") == ""
+    assert [n for _, n, _ in joined_calls(chunks)] == ["get_weather"]
+
+    plain = "<think>\nhm\n</think>\n\nHello."
+    off = client(echo).chat.completions.create(model="tiny", messages=said(plain), extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].message.content == plain and getattr(off.choices[0].message, "reasoning_content", None) is None
+    on = client(echo).chat.completions.create(model="tiny", messages=said(plain))
+    assert (on.choices[0].message.reasoning_content, on.choices[0].message.content) == ("hm", "Hello.")
+
+
+def test_a_history_with_tool_calls_and_results_is_rendered(echo: ServerThread, tiny_qwen3: Path) -> None:
+    from gpu.loader import load_tokenizer
+
+    history = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1, "unit": "c"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"},
+        {"role": "user", "content": "Thanks, and now?"},
+    ]
+    out = client(echo).chat.completions.create(model="tiny", messages=history, tools=[WEATHER])
+    assert out.choices[0].message.content == "Thanks, and now?"
+    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    as_template_reads = [*history[:2], {**history[2], "tool_calls": [{**history[2]["tool_calls"][0], "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "days": 1, "unit": "c"}}}]}, *history[3:]]
+    rendered = tokenizer.apply_chat_template(as_template_reads, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris", "days": 1, "unit": "c"}' in rendered and "<tool_response>\nsunny, 21" in rendered
+    assert out.usage.prompt_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+
+# --- required / named: the grammar on the real random-weight model ------------------------------
+def validated(out: Any) -> list[str]:
+    """The names of a forced answer's calls, each checked against its tool's schema."""
+    [c] = out.choices
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in c.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [call.function.name for call in c.message.tool_calls]
+
+
+def test_forced_calls_validate_against_the_schema(model: ServerThread) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for seed in range(20):
+        ask = {"model": "tiny", "messages": said("Weather?"), "tools": [WEATHER, TIME], "temperature": 1.0, "seed": seed, "max_tokens": 200}
+        assert validated(client(model).chat.completions.create(**ask, tool_choice=named)) == ["get_weather"]
+        # one call: a random model's array of calls goes on for hundreds of tokens
+        assert len(validated(client(model).chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False))) == 1
+
+
+def test_required_calls_may_be_parallel(model: ServerThread) -> None:
+    counts = []
+    # Seeds whose arrays end within 200 tokens on this random model (others run for 700+).
+    for seed in (0, 5, 7):
+        ask = {"model": "tiny", "messages": said("Weather?"), "tools": [WEATHER, TIME], "temperature": 1.0, "seed": seed, "max_tokens": 1000}
+        counts.append(len(validated(client(model).chat.completions.create(**ask, tool_choice="required"))))
+    assert max(counts) > 1, counts
+
+
+def test_a_forced_call_streams_as_it_is_answered_whole(model: ServerThread) -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        args = {"messages": said("Time?"), "tools": [WEATHER, TIME], "tool_choice": choice, "parallel_tool_calls": False, "seed": 7, "max_tokens": 200}
+        whole = client(model).chat.completions.create(model="tiny", **args)
+        chunks = stream_of(model, **args)
+        assert [(n, a) for _, n, a in joined_calls(chunks)] == [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
+        assert [f.finish_reason for f in finish_chunks(chunks)] == ["tool_calls"]
+
+
+# --- conformance ------------------------------------------------------------------------------
+def test_n_streams_give_each_index_one_finish_chunk_and_usage_last(model: ServerThread) -> None:
+    chunks = stream_of(model, messages=said("Hi"), n=3, max_completion_tokens=5, seed=1, stream_options={"include_usage": True})
+    finals = finish_chunks(chunks)
+    assert sorted(f.index for f in finals) == [0, 1, 2]
+    assert all(f.finish_reason == "length" and f.delta.content is None for f in finals)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 15
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_max_completion_tokens_is_honoured(model: ServerThread) -> None:
+    out = client(model).chat.completions.create(model="tiny", messages=said("Hi"), max_completion_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3 and out.choices[0].finish_reason == "length"
+
+
+async def _post(server: ServerThread, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session, session.post(f"{server.url}/v1/chat/completions", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+BAD: list[tuple[str, dict[str, Any], str, str]] = [
+    ("include_usage without stream", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
+    ("top_logprobs below 0", {"logprobs": True, "top_logprobs": -1}, "top_logprobs", "top_logprobs"),
+    ("a tool that is no function", {"tools": [{"type": "retrieval", "function": WEATHER["function"]}]}, "tools", "tools[0].type"),
+    ("a tool without a name", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools", "name"),
+    ("a bad function name", {"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, "tools", "tools[0].function.name"),
+    ("parameters that are no object schema", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools", "tools[0].function.parameters"),
+    ("parameters that are no JSON object", {"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools", "tools[0].function.parameters"),
+    ("two tools of one name", {"tools": [WEATHER, WEATHER]}, "tools", "tools[1].function.name"),
+    ("tool_choice naming no tool", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice", "tools"),
+    ("an unknown tool_choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
+    ("a forced call with response_format", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "named"), [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+async def test_bad_requests_get_a_400_naming_the_field(echo: ServerThread, body: dict[str, Any], param: str, named: str) -> None:
+    status, answer = await _post(echo, {"model": "tiny", "messages": said("Hi"), **body})
+    assert status == 400, answer
+    assert answer["error"]["param"] == param and named in answer["error"]["message"], answer
+
+
+async def test_history_arguments_that_are_not_json_are_a_400(echo: ServerThread) -> None:
+    bad_call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}
+    body = {"model": "tiny", "messages": [{"role": "assistant", "content": "", "tool_calls": [bad_call]}, *said("Hi")]}
+    status, answer = await _post(echo, body)
+    assert status == 400 and answer["error"]["param"] == "messages" and "messages[0]" in answer["error"]["message"]
+
+
+def _plan(body: dict[str, Any], parsers: ChatParsers) -> None:
+    plan_chat(decode(json.dumps({"messages": said("Hi"), **body}).encode(), ChatCompletionRequest), parsers)
+
+
+def test_tools_to_a_model_that_cannot_take_them_name_the_flag() -> None:
+    no_tools = ChatParsers.resolve(None, None, CHAT_TEMPLATE)
+    with pytest.raises(ApiError, match="--chat-template") as error:
+        _plan({"tools": [WEATHER]}, no_tools)
+    assert error.value.param == "tools"
+    unread = ChatParsers.resolve(None, None, "{% if tools %}{{ tools | tojson }}{% endif %}")
+    with pytest.raises(ApiError, match="--tool-call-parser"):
+        _plan({"tools": [WEATHER]}, unread)
+    _plan({"tools": [WEATHER], "tool_choice": "none"}, no_tools)  # nothing is asked of the template
+    assert ChatParsers.resolve("llama3", None, TOOL_TEMPLATE).tool_call_parser == "llama3"  # the flag wins
+    assert ChatParsers.resolve(None, None, TOOL_TEMPLATE).reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        ChatParsers.resolve(None, "nope", TOOL_TEMPLATE)
