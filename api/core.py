@@ -23,8 +23,8 @@ from actors.grammar import GrammarCompiler
 from actors.output import OutputProcessor
 from actors.policy import Policy
 from actors.receiver import ModelLimits
-from cache import ChunkCache, PrefixCache, RadixCache
 from api.launch import check_load_format, load_tokenizer
+from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig

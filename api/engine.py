@@ -27,8 +27,8 @@ import msgspec
 from actors.receiver import ModelLimits, Receiver
 from api.core import Core, CoreSetup, load_core
 from api.core_client import CoreClient
+from api.launch import check_load_format, load_tokenizer, needs_tokenizer
 from api.replicas import CoreLink, Replicas
-from api.launch import check_load_format, load_tokenizer
 from gpu.loader import resolve_model_dir
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
@@ -223,6 +223,10 @@ class Engine:
         sampling = {**(self.config.preferred_sampling_params or {}), **(sampling_params or {})}
         if self.config.enable_deterministic_inference and sampling.get("seed") is None:
             sampling["seed"] = DETERMINISTIC_SEED
+        unservable = needs_tokenizer(sampling) if self.config.skip_tokenizer_init else None
+        if unservable is not None:
+            hint = " (stop_token_ids do not)" if unservable == "stop" else ""
+            raise InvalidRequest(f"{unservable} needs a tokenizer, and this server runs with --skip-tokenizer-init{hint}", unservable)
         spec = GenerateSpec(
             rid=rid or f"req-{uuid.uuid4().hex[:12]}-{next(self._rid_counter)}",
             text=prompt,

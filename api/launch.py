@@ -55,13 +55,22 @@ class IdsOnlyTokenizer:
     `output_ids` with empty text (SGLang answers the same way)."""
 
     chat_template = None
-    all_special_ids: list[int] = []
+    all_special_ids: tuple[int, ...] = ()
 
     def encode(self, text: str, **_: Any) -> list[int]:
         raise InvalidInput("this server runs with --skip-tokenizer-init: send input_ids, not text", "text")
 
     def decode(self, ids: Any, **_: Any) -> str:
         return ""
+
+
+def needs_tokenizer(sampling: dict[str, Any]) -> str | None:
+    """The sampling field that cannot work without a tokenizer (--skip-tokenizer-init), if any:
+    grammars are compiled over the vocabulary, stop strings are matched in the text."""
+    for name in ("json_schema", "regex", "ebnf"):
+        if sampling.get(name) is not None:
+            return name
+    return "stop" if sampling.get("stop") else None
 
 
 def load_tokenizer(config: EngineConfig, model_dir: Path) -> Any:

@@ -12,7 +12,7 @@ import json
 import logging
 import types
 from collections.abc import Callable
-from typing import Any, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
@@ -117,12 +117,17 @@ FIELD_HELP: dict[str, str] = {
 
 def add_parser(commands: Any) -> None:
     """Add the `serve` subcommand to the CLI's subparsers."""
+    # "resolve": a flag of ours replaces the same SGLang flag's entry in api/sglang_flags.py, which
+    # is added first, so honouring a flag needs no edit there to work.
     p = commands.add_parser(
         "serve",
         help="run the HTTP server (OpenAI-compatible and SGLang-native)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        conflict_handler="resolve",
     )
     server = p.add_argument_group("server")
+    engine = p.add_argument_group("engine", "EngineConfig fields, with SGLang's flag names")
+    _add_sglang_compatibility(p)
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=30000, help="port to bind")
     server.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on API requests")
@@ -146,14 +151,12 @@ def add_parser(commands: Any) -> None:
         "--watchdog-timeout", type=_converter(float, True), default=300.0, metavar="FLOAT|none",
         help="seconds a replica may run requests without finishing a forward step before the server fails (exit 1)",
     )
-    engine = p.add_argument_group("engine", "EngineConfig fields, with SGLang's flag names")
     for field in msgspec.structs.fields(EngineConfig):
         _add_field(engine, field)
     engine.add_argument(
         "--load-balance-method", dest="router_policy", type=_load_balance_method, default=argparse.SUPPRESS, metavar="{" + ",".join(LOAD_BALANCE_METHODS) + "}",
         help="SGLang's name for --router-policy round_robin or shortest_queue",
     )
-    _add_sglang_compatibility(p)
     p.set_defaults(run=run)
 
 
@@ -165,7 +168,7 @@ def _add_sglang_compatibility(p: argparse.ArgumentParser) -> None:
         _add_ignored(compat, flag, spec.takes, _parse_as(spec.takes), f"accepted: {spec.why}")
     for flag, gate in DEFAULT_ONLY.items():
         allowed = "|".join(gate.values)
-        _add_ignored(compat, flag, gate.takes, _only(flag, gate.takes, gate.values, gate.reason), f"accepted as {allowed} only: {gate.reason}")
+        _add_ignored(compat, flag, gate.takes, _only(gate.takes, gate.values, gate.reason), f"accepted as {allowed} only: {gate.reason}")
     for flag in REFUSED:
         p.add_argument(flag, nargs="*", action=_Refuse, help=argparse.SUPPRESS)
 
@@ -188,7 +191,7 @@ def _parse_as(takes: Takes) -> Callable[[str], Any]:
     return {"flag": str, "int": int, "float": float, "str": str}[takes]
 
 
-def _only(flag: str, takes: Takes, values: tuple[str, ...], reason: str) -> Callable[[str], str]:
+def _only(takes: Takes, values: tuple[str, ...], reason: str) -> Callable[[str], str]:
     def check(text: str) -> str:
         value = text
         if takes == "int":
@@ -255,16 +258,18 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kwargs = engine_kwargs(args)
     EngineConfig(**kwargs)  # contradictions are reported before the model loads
+    if args.watchdog_timeout is not None and args.watchdog_timeout <= 0:
+        raise ValueError(f"--watchdog-timeout must be positive, got {args.watchdog_timeout:g} (none: no watchdog)")
     settings = ServerSettings(
-        log_requests=args.log_requests,
-        log_requests_level=args.log_requests_level,
-        log_requests_format=args.log_requests_format,
-        watchdog_timeout_s=args.watchdog_timeout,
         host=args.host,
         port=args.port,
         api_key=args.api_key,
         served_model_names=served_model_names(args.served_model_name),
         max_body_bytes=int(args.max_body_mb * 2**20),
+        log_requests=args.log_requests,
+        log_requests_level=args.log_requests_level,
+        log_requests_format=args.log_requests_format,
+        watchdog_timeout_s=args.watchdog_timeout,
     )
     return uvloop.run(serve(kwargs, settings))
 
@@ -284,6 +289,8 @@ def _add_field(group: argparse._ArgumentGroup, field: msgspec.structs.FieldInfo)
         group.add_argument(*flags, dest=field.name, action=action, default=field.default, help=help_text)
         return
     choices = CHOICES.get(field.name)
+    if get_origin(base) is Literal:  # the field's own values are the flag's choices
+        base, choices = str, get_args(base)
     group.add_argument(
         *flags,
         dest=field.name,

@@ -187,11 +187,14 @@ class ModelRunner:
         return wanted
 
     def _default_pool_tokens(self, available_at_start: int) -> int:
-        by_budget = self._kv_budget_bytes(available_at_start) // self.kv_bytes_per_token()
+        budget = self._kv_budget_bytes(available_at_start)
+        by_budget = budget // self.kv_bytes_per_token()
         if by_budget < self.config.page_size:
+            fraction = self.config.mem_fraction_static
+            cure = "free device memory or give max_total_tokens" if fraction is None else f"raise mem_fraction_static ({fraction})"
             raise ValueError(
-                f"mem_fraction_static {self.config.mem_fraction_static} leaves no room for the KV pool "
-                f"({available_at_start / 2**30:.2f} GiB available at start, weights {self.weight_bytes() / 2**30:.2f} GiB): raise it"
+                f"no room for the KV pool: {max(budget, 0) / 2**20:.1f} MiB left for it beside "
+                f"{self.weight_bytes() / 2**30:.2f} GiB of weights; {cure}"
             )
         return min(by_budget, self.config.max_running_requests * self.context_len)
 

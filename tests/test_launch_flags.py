@@ -39,7 +39,7 @@ def test_mem_fraction_static_sizes_the_pool_from_available_ram(tiny_llama: Path,
     expected = (int(0.25 * available) - runner.weight_bytes()) // runner.kv_bytes_per_token()
     assert expected < 256 * runner.context_len  # the fraction decides, not the cap
     assert runner.allocator.size == expected
-    with pytest.raises(ValueError, match="mem_fraction_static 0.001 leaves no room for the KV pool"):
+    with pytest.raises(ValueError, match=r"no room for the KV pool: .* raise mem_fraction_static \(0.001\)"):
         ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="float32", mem_fraction_static=0.001))
 
 
@@ -137,6 +137,9 @@ async def test_skip_tokenizer_init_takes_ids_and_answers_ids(tiny_llama: Path, c
         assert len(out.output_ids) == 6 and out.text == ""
         with pytest.raises(InvalidRequest, match="--skip-tokenizer-init: send input_ids"):
             await engine.generate("hello", sampling_params=GREEDY)
+        for field, value in [("json_schema", '{"type": "object"}'), ("regex", "a+"), ("stop", ["ab"])]:
+            with pytest.raises(InvalidRequest, match=f"{field} needs a tokenizer"):
+                await engine.generate(input_ids=[1, 2], sampling_params={**GREEDY, field: value})
         await assert_idle_invariants(engine)
 
 
