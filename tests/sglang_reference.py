@@ -13,14 +13,16 @@ only the files that decide, under their own module names, with small stand-ins r
   stack at import time): `Req.init_next_round_input`, `Req.set_extend_input_len`,
   `Req.reset_for_retract`, `Req.pop_committed_kv_cache`, `Req.pop_overallocated_kv_cache`,
   `ScheduleBatch.new_page_count_next_decode`, `check_decode_mem`, `retract_decode`,
-  `release_req`, `_is_available_size_sufficient`, and `mem_cache/common.py`'s
-  `evict_from_tree_cache` and `release_kv_cache`; they become methods of the slim `SglReq` and
-  `SglBatch` below, which carry only the fields those functions read.
+  `release_req`, `_is_available_size_sufficient`, `batch_size`, `is_empty`, and
+  `mem_cache/common.py`'s `evict_from_tree_cache` and `release_kv_cache`; they become methods
+  of the slim `SglReq` and `SglBatch` below, which carry only the fields those functions read;
+- `environ.py`'s defaults (SGLANG_RETRACT_DECODE_STEPS, the new_token_ratio settings), read
+  from its source.
 
 Re-stated, not SGLang's code (scheduler.py cannot be loaded: it is the whole server):
 `SglBatch.filter_batch` (keeps the listed rows; the tensors it also filters do not exist here)
-and, in the test, the scheduler's loop around `PrefillAdder` (`get_new_batch_prefill`) and its
-new_token_ratio arithmetic (`init_new_token_ratio`, decay, `update_running_batch`).
+and, in the test, the scheduler's loop around `PrefillAdder` (`get_new_batch_prefill`), its
+new_token_ratio arithmetic, and `alloc_for_extend`'s one eviction per batch.
 
 The tree's clock: `radix_cache.time` is replaced by `LogicalClock`, so access times are counts,
 not wall time (two calls in the same microsecond would otherwise tie at random).
