@@ -222,6 +222,34 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     deadline_ms: float | None = None
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """/tokenize (SGLang's and vLLM's): one text, or a batch when `prompt` is a list."""
+
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int | list[int]]  # one sequence of ids, or a batch of them (detokenize_batch checks which)
+    skip_special_tokens: bool = False
+
+
+def detokenize_batch(req: DetokenizeRequest, vocab_size: int) -> tuple[list[list[int]], bool]:
+    """The id sequences to decode, and whether the request was a batch; ids outside the
+    vocabulary are a 400 (the tokenizer would overflow on them)."""
+    tokens = req.tokens
+    batch = bool(tokens) and all(isinstance(t, list) for t in tokens)
+    if not batch and not all(isinstance(t, int) for t in tokens):
+        raise invalid("tokens must be a list of token ids or a list of such lists", "tokens")
+    seqs: list[list[int]] = tokens if batch else [tokens]  # type: ignore[assignment,list-item]
+    bad = [t for seq in seqs for t in seq if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "tokens")
+    return seqs, batch
+
+
 class AbortRequestBody(msgspec.Struct, kw_only=True):
     rid: str = ""
     abort_all: bool = False

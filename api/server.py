@@ -3,7 +3,8 @@
     OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, GET /v1/models
     SGLang-native       POST /generate, GET /health, GET /health_generate, GET /server_info,
                         GET /model_info (and their older names /get_server_info, /get_model_info),
-                        GET /get_load, POST /flush_cache, POST /abort_request
+                        GET /get_load, POST /flush_cache, POST /abort_request,
+                        POST /tokenize, POST /detokenize (also under /v1/)
     Prometheus          GET /metrics
 
 Every error is answered in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`.
@@ -53,12 +54,15 @@ from api.openai_schema import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     EngineCall,
     GenerateRequest,
+    TokenizeRequest,
     chat_calls,
     chat_messages,
     completion_calls,
     decode,
+    detokenize_batch,
     error_body,
     generate_calls,
     invalid,
@@ -136,6 +140,10 @@ class Server:
             get("/flush_cache", self.flush_cache),
             post("/flush_cache", self.flush_cache),
             post("/abort_request", self.abort_request),
+            post("/tokenize", self.tokenize),
+            post("/v1/tokenize", self.tokenize),
+            post("/detokenize", self.detokenize),
+            post("/v1/detokenize", self.detokenize),
             get("/metrics", self.prometheus),
         ])
         return app
@@ -351,6 +359,23 @@ class Server:
             await self.engine.abort(rid)
         return _json({"success": True, "aborted": rids})
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        req = decode(await request.read(), TokenizeRequest)
+        self._check_model(req.model)
+        self._check_tokenizer("/tokenize")
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        ids = [self.engine.tokenizer.encode(t, add_special_tokens=req.add_special_tokens) for t in texts]
+        tokens = ids[0] if isinstance(req.prompt, str) else ids
+        return _json({"tokens": tokens, "count": sum(map(len, ids)), "max_model_len": self.context_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = decode(await request.read(), DetokenizeRequest)
+        self._check_model(req.model)
+        self._check_tokenizer("/detokenize")
+        seqs, batch = detokenize_batch(req, self.engine.receiver.limits.vocab_size)
+        texts = [self.engine.tokenizer.decode(s, skip_special_tokens=req.skip_special_tokens) for s in seqs]
+        return _json({"text": texts if batch else texts[0]})
+
     async def prometheus(self, request: web.Request) -> web.Response:
         await self.engine.current_stats()  # the collectors then read the core's counters as of now
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
@@ -454,6 +479,10 @@ class Server:
             served = ", ".join(repr(n) for n in self.model_names)
             # 404 as vLLM answers, so clients tell "wrong name" from "bad request".
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {served}", param="model", code="model_not_found")
+
+    def _check_tokenizer(self, path: str) -> None:
+        if self.engine.config.skip_tokenizer_init:
+            raise invalid(f"{path} needs a tokenizer, and this server runs with --skip-tokenizer-init", code="no_tokenizer")
 
     def _token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -9,6 +9,7 @@ give calls that validate against the tool's schema whatever the weights say.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -369,3 +370,59 @@ def test_tools_to_a_model_that_cannot_take_them_name_the_flag() -> None:
     assert ChatParsers.resolve(None, None, TOOL_TEMPLATE).reasoning_parser == "qwen3"
     with pytest.raises(ValueError, match="--reasoning-parser"):
         ChatParsers.resolve(None, "nope", TOOL_TEMPLATE)
+
+
+async def test_a_stop_string_split_across_tokens_never_leaks_its_prefix(echo: ServerThread) -> None:
+    chunks = stream_of(echo, messages=said("abc STOP here, then more"), stop=["STOP here"])
+    assert text_of(chunks, "content") == "abc "
+    assert [f.finish_reason for f in finish_chunks(chunks)] == ["stop"]
+
+
+async def test_a_seeded_request_is_the_same_alone_and_batched_with_unseeded_ones(model: ServerThread) -> None:
+    aclient = openai.AsyncOpenAI(base_url=f"{model.url}/v1", api_key="none", max_retries=0, timeout=60)
+    ask = {"model": "tiny", "messages": said("Tell me"), "max_tokens": 24, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    alone = await aclient.chat.completions.create(**ask, seed=1234)
+    crowd = [aclient.chat.completions.create(**{**ask, "messages": said(f"Other {i}")}) for i in range(3)]
+    batched, *_ = await asyncio.gather(aclient.chat.completions.create(**ask, seed=1234), *crowd)
+    assert batched.choices[0].message.content == alone.choices[0].message.content
+    await aclient.close()
+
+
+# --- /tokenize, /detokenize -------------------------------------------------------------------
+async def _post_to(server: ServerThread, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.post(f"{server.url}{path}", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_tokenize_and_detokenize_round_trip(echo: ServerThread, tiny_qwen3: Path) -> None:
+    from gpu.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_qwen3)
+    text = "The quick brown fox <|im_end|>"
+    for path in ("/tokenize", "/v1/tokenize"):
+        status, body = await _post_to(echo, path, {"model": "tiny", "prompt": text})
+        assert status == 200 and body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
+        assert body["max_model_len"] == echo.engine.config.context_length
+    status, batch = await _post_to(echo, "/tokenize", {"prompt": ["a b", "c"], "add_special_tokens": False})
+    assert batch["tokens"] == [tokenizer.encode("a b", add_special_tokens=False), tokenizer.encode("c", add_special_tokens=False)]
+    assert batch["count"] == sum(map(len, batch["tokens"]))
+    ids = tokenizer.encode(text)
+    assert await _post_to(echo, "/detokenize", {"tokens": ids}) == (200, {"text": text})
+    assert await _post_to(echo, "/v1/detokenize", {"tokens": ids, "skip_special_tokens": True}) == (200, {"text": "The quick brown fox "})
+    assert await _post_to(echo, "/detokenize", {"tokens": [ids, ids[:2]]}) == (200, {"text": [text, tokenizer.decode(ids[:2])]})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+        ("/detokenize", {"tokens": [[1], 2]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {}, "prompt"),
+    ],
+)
+async def test_bad_tokenize_requests_are_400s(echo: ServerThread, path: str, body: dict[str, Any], param: str) -> None:
+    status, answer = await _post_to(echo, path, body)
+    assert status == 400 and answer["error"]["param"] == param, answer
