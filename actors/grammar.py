@@ -118,18 +118,20 @@ def mask_logits(logits: torch.Tensor, rows: list[int], constraints: list[Constra
         constraints[i].matcher.fill_next_token_bitmask(bitmask, i)
     # Host values reach the device by host_to_device: a list index or a blocking `.to(device)`
     # copies from pageable memory, which synchronizes the forward stream (waits for the step in flight).
+    # Indexed writes go through index_fill_ / index_copy_: an assignment to a tensor-indexed view
+    # (index_put_) synchronizes on CUDA too.
     device = logits.device
     index = host_to_device(torch.tensor(rows, dtype=torch.int64), device)
-    selected = logits[index]
+    selected = logits.index_select(0, index)
     xgr.apply_token_bitmask_inplace(selected, host_to_device(bitmask, device))
     never = host_to_device(constraints[0].never, device)  # one compiler per core: one tensor for every row
-    selected[:, never] = float("-inf")
+    selected.index_fill_(1, never, float("-inf"))
     for i in sorted(set(range(len(constraints))) - set(live)):
         eos = host_to_device(constraints[i].eos, device)
-        kept = selected[i, eos].clone()
-        selected[i] = float("-inf")
-        selected[i, eos] = kept
-    logits[index] = selected
+        kept = selected[i].index_select(0, eos)
+        selected[i].fill_(float("-inf"))
+        selected[i].index_copy_(0, eos, kept)
+    logits.index_copy_(0, index, selected)
 
 
 def accept_tokens(constraints: list[Constraint], tokens: list[int]) -> None:
