@@ -598,7 +598,7 @@ def decode_states(draw: st.DrawFn, page: int) -> DecodeState:
 
 
 @dataclass(slots=True)
-class Batch:
+class RunningPair:
     """The same running batch on both sides: our requests over a KVLedger, SGLang's over its
     ReqToTokenPool and ScheduleBatch."""
 
@@ -612,7 +612,7 @@ def held_tokens(spec: Spec) -> int:
     return len(spec.prompt) + spec.generated - 1  # the last generated token has no KV yet
 
 
-def build_batch(state: DecodeState) -> Batch | None:
+def build_batch(state: DecodeState) -> RunningPair | None:
     """None where the pool cannot hold the scenario (on both sides alike)."""
     pair = CachePair.new(state.page, size=state.pool)
     warm_cache(pair, state.cached)
@@ -644,7 +644,7 @@ def build_batch(state: DecodeState) -> Batch | None:
         assert filler <= 0 or alloc.alloc(filler) is not None
     pair.check()
     batch = sglang_reference.SglBatch(sgl, pair.sgl, pair.sgl_alloc, sgl_rows)
-    return Batch(pair, kv, ours, batch)
+    return RunningPair(pair, kv, ours, batch)
 
 
 def our_decode_fits(kv: KVLedger, reqs: list[Req]) -> bool:
@@ -653,7 +653,7 @@ def our_decode_fits(kv: KVLedger, reqs: list[Req]) -> bool:
     return kv.make_room(need) >= need
 
 
-def our_retraction(b: Batch) -> tuple[list[str], float | None, bool]:
+def our_retraction(b: RunningPair) -> tuple[list[str], float | None, bool]:
     """actors/adder.py's _ensure_decode_memory over our pure choice: victims, new ratio, and
     whether the one request left still does not fit."""
     if our_decode_fits(b.kv, b.ours):
@@ -670,7 +670,7 @@ def our_retraction(b: Batch) -> tuple[list[str], float | None, bool]:
     return [r.rid for r in victims], ratio, not our_decode_fits(b.kv, stays)
 
 
-def sgl_retraction(b: Batch) -> tuple[list[str], float | None, bool]:
+def sgl_retraction(b: RunningPair) -> tuple[list[str], float | None, bool]:
     """Scheduler.update_running_batch: check_decode_mem, else retract_decode."""
     if b.sgl.check_decode_mem():
         return [], None, False
@@ -741,7 +741,7 @@ def preempt_rounds(draw: st.DrawFn, page: int) -> PreemptRound:
     )
 
 
-def our_preemption(rnd: PreemptRound, b: Batch) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
+def our_preemption(rnd: PreemptRound, b: RunningPair) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
     """actors/adder.py's _admit_candidates with every row taken, and its _preempt_for."""
     adder = PrefillAdder(
         page_size=rnd.state.page, cache=b.pair.ours, free_slots=b.kv.free_slots(), running=b.ours,
@@ -764,7 +764,7 @@ def our_preemption(rnd: PreemptRound, b: Batch) -> tuple[set[str], list[str], li
     return {v.rid for v in victims}, [result.name], [(a.req.rid, a.prefix_len, a.extend_len) for a in adder.admitted]
 
 
-def sgl_preemption(rnd: PreemptRound, b: Batch, tried_before: bool = True) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
+def sgl_preemption(rnd: PreemptRound, b: RunningPair, tried_before: bool = True) -> tuple[set[str], list[str], list[tuple[str, int, int]]]:
     """get_new_batch_prefill with batch_is_full and try_preemption: preempt_to_schedule, then
     init_next_round_input and add_one_req. `tried_before`: the request's extend_input_len was set
     by an earlier round (preempt_to_schedule reads it before this round's init sets it)."""
