@@ -11,8 +11,9 @@
    Steps are launched back to back with no host sync in between; the clock stops after a
    synchronize, so this is GPU + launch time, not host post-processing. Checked: each FlashInfer
    runner took the decode kernel its GQA group calls for (tensor cores from group 4: the tiny
-   models are groups 4, 4 and 8, SmolLM2 3), and its greedy tokens agree with torch eager's on
-   at least MIN_AGREEMENT of all rows.
+   models are groups 4, 4 and 8, SmolLM2 3), and its greedy token equals torch eager's in every
+   row where torch's top two logits are at least CLEAR_GAP apart (random KV makes many rows
+   near-ties, where bf16 kernels may pick either token: on an H200, 75-88% of all rows agreed).
 3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
    submitted at t=0 through `api.Engine`, with graphs on / off and overlap on / off, flashinfer
    and torch: output tokens per second from the first submit to the last answer.
@@ -55,8 +56,9 @@ DTYPE = "bfloat16"
 REQUESTS, PROMPT_LEN, NEW_TOKENS = 256, 128, 128
 CONCURRENCY = (1, 16, 64, 256)
 TEST_FILES = ("tests/test_cuda.py", "tests/test_graph_runner.py")
-# Random KV puts some rows at near-ties, where bf16 kernels may pick either token.
-MIN_AGREEMENT = 0.95
+# Rows whose reference top-two logits are this far apart must get the same greedy token from
+# every variant: bf16 kernels move these logits by about 0.1 (tests/test_cuda.py's tolerances).
+CLEAR_GAP = 0.5
 TINY_MODELS = {  # name: (arch, query heads, kv heads), head_dim 64 (a size FlashInfer has kernels for)
     "tiny-llama": ("llama", 8, 2),
     "tiny-qwen3": ("qwen3", 8, 2),
@@ -73,8 +75,15 @@ class Variant:
 
 
 @dataclass(frozen=True, slots=True)
+class StepResult:
+    ms: float  # median per decode step
+    tokens: torch.Tensor  # greedy tokens of the first step, one per row
+    gaps: torch.Tensor  # the first step's top-two logit gap per row
+
+
+@dataclass(frozen=True, slots=True)
 class DecodeRuns:
-    steps: dict[int, tuple[float, torch.Tensor]]  # batch size: (median ms per step, greedy tokens)
+    steps: dict[int, StepResult]  # by batch size
     gqa_group: int
     tensor_cores: bool | None  # FlashInfer's decode kernel; None for torch attention
 
@@ -176,7 +185,8 @@ def _render_decode(measured: Measured, batches: list[int]) -> str:
     variants = list(next(iter(measured.values()), {}))
     lines = [
         "## Decode step (ModelRunner)\n",
-        "ms per decode step; `agree` = share of rows whose greedy token equals torch eager's on the same KV; "
+        "ms per decode step; `agree` = share of the rows clear of a near-tie (torch's top two logits at least "
+        f"{CLEAR_GAP} apart) whose greedy token equals torch eager's on the same KV; "
         "`decode kernel` = FlashInfer's for the model's GQA group.\n",
         "| model | batch | " + " | ".join(f"{v} ms" for v in variants) + " | " + " | ".join(f"{v} tok/s" for v in variants)
         + " | agree | GQA group | decode kernel |",
@@ -185,8 +195,8 @@ def _render_decode(measured: Measured, batches: list[int]) -> str:
     for name, runs in measured.items():
         group = next(iter(runs.values())).gqa_group
         for bs in batches:
-            ms = [runs[v].steps[bs][0] for v in variants]
-            agree = [_agreement(runs[v].steps[bs][1], runs["torch"].steps[bs][1]) for v in variants if v != "torch"]
+            ms = [runs[v].steps[bs].ms for v in variants]
+            agree = [_agreement([runs[v].steps[bs]], [runs["torch"].steps[bs]]) for v in variants if v != "torch"]
             lines.append(
                 f"| {name} | {bs} | " + " | ".join(f"{m:.3f}" for m in ms) + " | "
                 + " | ".join(f"{bs / m * 1e3:,.0f}" for m in ms) + f" | {min(agree, default=1.0):.0%} | {group} | {_kernel(runs)} |"
@@ -209,11 +219,13 @@ def _decode_failures(measured: Measured) -> list[str]:
         kernel = _kernel(runs)
         if kernel != "-" and kernel != ("tensor cores" if group >= 4 else "CUDA cores"):
             failures.append(f"{name}: GQA group {group} took the {kernel} decode kernel")
-        reference = torch.cat([tokens for _, tokens in runs["torch"].steps.values()])
+        reference = list(runs["torch"].steps.values())
+        if not any(bool((r.gaps >= CLEAR_GAP).any()) for r in reference):
+            failures.append(f"{name}: no row is clear of a near-tie, nothing to compare")
         for variant, run in runs.items():
-            agree = _agreement(torch.cat([tokens for _, tokens in run.steps.values()]), reference)
-            if agree < MIN_AGREEMENT:
-                failures.append(f"{name}: {variant} agrees with torch eager on {agree:.1%} of rows (< {MIN_AGREEMENT:.0%})")
+            agree = _agreement(list(run.steps.values()), reference)
+            if agree < 1.0:
+                failures.append(f"{name}: {variant} differs from torch eager in {1 - agree:.1%} of the rows clear of a near-tie")
     return failures
 
 
@@ -283,8 +295,8 @@ def _random_kv(runner: ModelRunner) -> None:
         t.normal_(generator=gen)
 
 
-def _decode_one(runner: ModelRunner, bs: int) -> tuple[float, torch.Tensor]:
-    """(median ms per step, greedy tokens of the first step) for `bs` requests at CONTEXT tokens."""
+def _decode_one(runner: ModelRunner, bs: int) -> StepResult:
+    """Decode `bs` requests at CONTEXT tokens: the first step's tokens, then the timed steps."""
     total = CONTEXT + STEPS * (REPEATS + 2)
     rows = [runner.req_to_token.alloc() for _ in range(bs)]
     slots = [runner.allocator.alloc(total) for _ in range(bs)]
@@ -296,18 +308,20 @@ def _decode_one(runner: ModelRunner, bs: int) -> tuple[float, torch.Tensor]:
         tokens = torch.arange(bs, device=DEVICE) % runner.vocab_size
         pos = CONTEXT
 
-        def step(tokens: torch.Tensor) -> torch.Tensor:
+        def forward(tokens: torch.Tensor) -> torch.Tensor:
             nonlocal pos
             batch = ForwardBatch(
                 mode=ForwardMode.DECODE, input_ids=tokens, positions=torch.full((bs,), pos, device=DEVICE),
                 out_cache_loc=slot_table[:, pos], req_rows=rows_dev, prefix_lens=[pos] * bs, extend_lens=[1] * bs,
             )
             pos += 1
-            return runner.forward(batch).argmax(-1)
+            return runner.forward(batch)
 
-        first = step(tokens).cpu()
+        top2 = forward(tokens).float().topk(2, dim=-1)
+        first, gaps = top2.indices[:, 0].cpu(), (top2.values[:, 0] - top2.values[:, 1]).cpu()
         pos = CONTEXT  # the timed steps rewrite the same positions: the cost does not depend on the values
-        return _median_ms(lambda: _timed_steps(step, tokens)), first
+        ms = _median_ms(lambda: _timed_steps(lambda t: forward(t).argmax(-1), tokens))
+        return StepResult(ms, first, gaps)
     finally:
         for row, s in zip(rows, slots):
             runner.allocator.free(s)
@@ -339,8 +353,12 @@ def _median_ms(fn: Callable[[], float]) -> float:
     return statistics.median(fn() for _ in range(REPEATS)) * 1e3
 
 
-def _agreement(tokens: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((tokens == reference).float().mean())
+def _agreement(results: list[StepResult], reference: list[StepResult]) -> float:
+    """Share of the rows clear of a near-tie in `reference` where `results` chose the same token
+    (1.0 when no row is clear)."""
+    tokens, wanted = torch.cat([r.tokens for r in results]), torch.cat([r.tokens for r in reference])
+    clear = torch.cat([r.gaps for r in reference]) >= CLEAR_GAP
+    return float((tokens[clear] == wanted[clear]).float().mean()) if bool(clear.any()) else 1.0
 
 
 async def _engine_run(

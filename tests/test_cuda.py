@@ -280,9 +280,10 @@ async def _engine_greedy(model, prompts: list[list[int]], device: str) -> list[l
 
     params = {"max_new_tokens": PARITY_NEW_TOKENS, "min_new_tokens": PARITY_NEW_TOKENS, "temperature": 0}
     settings = dict(cuda_graph_max_bs=32) if device == "cuda" else {}
-    async with Engine(model_path=str(model), device=device, dtype=DTYPE, **settings) as engine:
-        if device == "cuda":
-            assert engine.runner.uses_cuda_graphs and engine.config.overlap_depth == 2
+    # inline_core: the runner is in this process, where the test can see that graphs are on.
+    async with Engine(model_path=str(model), device=device, dtype=DTYPE, inline_core=True, **settings) as engine:
+        assert engine.runner is not None and engine.config.overlap_depth == 2
+        assert engine.runner.uses_cuda_graphs == (device == "cuda")
         outs = await asyncio.gather(*(engine.generate(input_ids=p, sampling_params=params) for p in prompts))
     return [o.output_ids for o in outs]
 
