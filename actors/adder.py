@@ -31,6 +31,7 @@ from actors.prefill_adder import (
     NewTokenRatio,
     PrefillAdder,
     match_for_admission,
+    match_key,
     prefix_tokens,
     select_preemption_victims,
     select_retraction_victims,
@@ -272,7 +273,7 @@ class Adder(Actor[AdderMsg]):
                 if rows_left == 0:
                     return candidates[i:]  # not matched, as SGLang breaks before matching
             # After a preemption too: releasing victims may have evicted what an earlier match found.
-            match = match_for_admission(self.kv.cache, req)
+            match = self.kv.match(match_key(req), req.extra_key)
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted
@@ -454,6 +455,7 @@ class Adder(Actor[AdderMsg]):
             extend_ids=extend_ids,
             out_cache_loc=slots[0] if len(slots) == 1 else torch.cat(slots),
             produces_token=produces_token,
+            kv_copies=self.kv.take_kv_copies(),
         )
 
     def _leave_all(self, reqs: list[Req], kind: str) -> None:
@@ -542,6 +544,16 @@ class Adder(Actor[AdderMsg]):
         end_request(req, reason or FinishReason("abort"))
         self.counters["aborted"] += 1
 
+    def _host_tier_stats(self) -> dict[str, int]:
+        host = self.kv.host_tier
+        if host is None:
+            return {}
+        return {
+            "hicache_host_tokens": host.size, "hicache_host_cached": host.stored_tokens(),
+            "hicache_host_hit_tokens": host.stats.loaded_tokens, "hicache_stored_tokens": host.stats.stored_tokens,
+            "hicache_evicted_tokens": host.stats.evicted_tokens,
+        }
+
     def _flush_cache(self) -> bool:
         if self.running or self.chunked or self.ending or self.in_flight:
             return False
@@ -564,5 +576,6 @@ class Adder(Actor[AdderMsg]):
             "rows_free": self.kv.rows_free(),
             "rows_total": self.kv.req_to_token.max_requests,
             "kv_protected": self.kv.cache.protected_size(),
+            **self._host_tier_stats(),
             "adder_idle": self._idle(),
         }

@@ -25,6 +25,7 @@ import torch
 from actors.grammar import accept_tokens, mask_logits
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
+from gpu.kv_pool import KVBuffers
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
 from runtime.actor import Actor, ExitCallback, Mailbox
@@ -99,8 +100,10 @@ class _Launched:
 class ModelStepRunner:
     """The model's StepRunner: the model runner (weights, KV buffers) and the token pool."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, host_kv_slots: int = 0):
         self.runner = runner
+        # The host tier's KV (cache/host_tier.py books it; the copies come with the batches).
+        self.host_kv = _host_buffers(runner, host_kv_slots) if host_kv_slots else None
         self.token_pool = torch.zeros(
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
         )
@@ -112,9 +115,11 @@ class ModelStepRunner:
         and its results reach the host behind an event."""
         start = time.perf_counter()
         if self.streams is None:
+            self._copy_kv(batch)
             _, _, tensors = self._step(batch)
             return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)
         with self.streams.launch():
+            self._copy_kv(batch)  # on the forward stream, before the step that may read them
             fb, logits, tensors = self._step(batch)
             # The step's inputs stay referenced until its event fires (see gpu/cuda_streams.py).
             host = self.streams.copy_out(tensors, keep_alive=(fb, logits, batch.out_cache_loc))
@@ -123,6 +128,17 @@ class ModelStepRunner:
     def close(self) -> None:
         if self.streams is not None:
             self.streams.close()
+
+    def _copy_kv(self, batch: Batch) -> None:
+        if not batch.kv_copies:
+            return
+        assert self.host_kv is not None, "host tier copies without a host tier"
+        device_kv = self.runner.kv
+        for copy in batch.kv_copies:
+            if copy.to_host:
+                device_kv.copy_to(copy.device_slots, self.host_kv, copy.host_slots)
+            else:
+                self.host_kv.copy_to(copy.host_slots, device_kv, copy.device_slots)
 
     def _step(self, batch: Batch) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
         """Forward, sample, store the sampled ids in the token pool; (inputs, logits, results)."""
@@ -224,6 +240,15 @@ class ModelStepRunner:
         # The context length bounds positions; a token past it is never read (the request ends).
         ends = [min(e, self.token_pool.shape[1] - 1) for e in ends]
         self.token_pool[_on(rows, device), _on(ends, device)] = token_ids
+
+
+def _host_buffers(runner: ModelRunner, num_slots: int) -> KVBuffers:
+    kv = runner.kv
+    _, heads, dim = kv.k[0].shape
+    host = KVBuffers.allocate(len(kv.k), num_slots, heads, dim, kv.k[0].dtype, "cpu")
+    if runner.device.type == "cuda":  # pinned: copies overlap the device's work
+        host = KVBuffers([t.pin_memory() for t in host.k], [t.pin_memory() for t in host.v])
+    return host
 
 
 def _on(values: list[int], device: torch.device) -> torch.Tensor:

@@ -28,8 +28,11 @@ import torch
 
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 
+from runtime.messages import KVCopy
+
 if TYPE_CHECKING:
     from cache import MatchResult, PrefixCache, RadixNode
+    from cache.host_tier import HostTier
 
 
 class KVLedger:
@@ -40,6 +43,7 @@ class KVLedger:
         self.req_to_token = req_to_token
         self.cache = cache
         self.page_size = allocator.page_size
+        self.host_tier: HostTier | None = getattr(cache, "host_tier", None)
         rows = req_to_token.max_requests + 1  # row 0 is the dummy
         self._held = np.zeros(rows, dtype=np.int64)  # positions with slots recorded in the row
         self._node: list[RadixNode | None] = [None] * rows  # the locked node; None: row not open
@@ -59,10 +63,29 @@ class KVLedger:
             available = self.allocator.available_size()
         return available
 
-    def reclaimable(self, rows: Iterable[int]) -> int:
-        """Slots that would be free after closing `rows` without caching and evicting everything evictable."""
-        owned = sum(int(self._held[row]) - self._locked(row).depth for row in rows)
-        return self.allocator.available_size() + self.cache.evictable_size() + owned
+    def match(self, token_ids: Sequence[int], extra_key: str | None) -> MatchResult:
+        """The cached prefix of `token_ids`, extended from the host tier where it continues there:
+        those pages get device slots now (their copies go with the next batch) and join the tree."""
+        match = self.cache.match_prefix(token_ids, extra_key)
+        host = self.host_tier
+        if host is None:
+            return match
+        end = len(token_ids) // self.page_size * self.page_size
+        if host.find(token_ids, extra_key, match.length, end) <= match.length:
+            return match
+        self.cache.inc_lock_ref(match.last_node)  # making room must not evict the match itself
+        self.make_room(end - match.length)
+        self.cache.dec_lock_ref(match.last_node)
+        reach = host.find(token_ids, extra_key, match.length, end)  # making room may have dropped blocks
+        slots = self.allocator.alloc(reach - match.length) if reach > match.length else None
+        if slots is None:
+            return match
+        host.load(token_ids, extra_key, match.length, slots)
+        self.cache.insert(token_ids[:reach], torch.cat([match.slots, slots]), extra_key)
+        return self.cache.match_prefix(token_ids, extra_key)
+
+    def take_kv_copies(self) -> list[KVCopy]:
+        return self.host_tier.take_pending() if self.host_tier is not None else []
 
     def decode_slots_needed(self, positions: np.ndarray) -> int:
         """Fresh slots for one more token at each of `positions`: only a token that starts a page takes one."""
@@ -147,6 +170,8 @@ class KVLedger:
         """Drop every cached prefix; only while no row is open (a row may borrow cached slots)."""
         assert not self.open_rows(), "flushing the cache under live requests"
         self.cache.reset()
+        if self.host_tier is not None:
+            self.host_tier.reset()
 
     def open_rows(self) -> list[int]:
         return [row for row, node in enumerate(self._node) if node is not None]
@@ -162,3 +187,5 @@ class KVLedger:
         assert free + cached + owned == self.allocator.size, f"free {free} + cached {cached} + owned {owned} != pool {self.allocator.size}"
         rows_open, rows_free = len(self.open_rows()), self.req_to_token.available()
         assert rows_open + rows_free == self.req_to_token.max_requests, f"{rows_open} rows open + {rows_free} free != {self.req_to_token.max_requests}"
+        if self.host_tier is not None:
+            self.host_tier.check()

@@ -26,12 +26,14 @@ Where we differ from SGLang, on purpose:
 from __future__ import annotations
 
 import enum
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from actors.priority import PriorityRule
 from cache import ChunkCache, MatchResult, PrefixCache
-from runtime.req import Req, match_key
+from cache.keys import token_array
+from runtime.req import Req
 
 CLIP_MAX_NEW_TOKENS = 4096  # cap on max_new_tokens in admission estimates only
 IGNORE_EOS_RESERVE_TOKENS = 1  # per-request slack in the ignore_eos worst-case simulation
@@ -59,6 +61,19 @@ def remaining_new_tokens(req: Req) -> int:
 
 def clipped_max_new_tokens(req: Req) -> int:
     return min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+
+
+def match_key(req: Req) -> array:
+    """All but the last token of the request, encoded for the cache's memcmp walk; only up to
+    the first position whose logits give a wanted prompt logprob."""
+    if req.input_logprobs_pending:
+        return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
+    if req.out.output_ids or req.prompt_key is None:
+        key = token_array(req.fill_ids)
+        if key:
+            key.pop()
+        return key
+    return req.prompt_key[:-1]  # a memcpy; the Receiver encoded the prompt on arrival
 
 
 def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:

@@ -25,6 +25,7 @@ from actors.policy import Policy
 from actors.receiver import ModelLimits
 from api.launch import check_load_format, load_tokenizer
 from cache import ChunkCache, PrefixCache, RadixCache
+from cache.host_tier import HostTier
 from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -132,7 +133,8 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setu
     policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder)
     adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor)
     chosen = setup.make_step_runner(runner) if setup is not None else None
-    executor = Executor(ModelStepRunner(runner) if chosen is None else chosen, inbox=to_executor, output=to_output)
+    host_slots = prefix_cache.host_tier.allocator.total_slots if isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier else 0
+    executor = Executor(ModelStepRunner(runner, host_slots) if chosen is None else chosen, inbox=to_executor, output=to_output)
     # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
     output = OutputProcessor(
         tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox, inbox=to_output, adder=to_adder,
@@ -189,4 +191,7 @@ def runner_config(cfg: EngineConfig) -> RunnerConfig:
 def _prefix_cache(cfg: EngineConfig, runner: ModelRunner) -> PrefixCache:
     if cfg.disable_radix_cache:
         return ChunkCache(runner.allocator)
-    return RadixCache(runner.allocator, page_size=cfg.page_size, eviction_policy=cfg.radix_eviction_policy)
+    host_tier = None
+    if cfg.enable_hierarchical_cache:
+        host_tier = HostTier(int(runner.allocator.size * cfg.hicache_ratio), cfg.hicache_block_tokens, cfg.page_size, cfg.hicache_write_policy)
+    return RadixCache(runner.allocator, page_size=cfg.page_size, eviction_policy=cfg.radix_eviction_policy, host_tier=host_tier)

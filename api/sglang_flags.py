@@ -136,7 +136,6 @@ REFUSED: dict[str, str] = {
         "--disable-chunked-prefix-cache",
     ),
     # A flag that the parser defines itself (honoured) overrides its entry here (api/serve_cli.py).
-    **_each("no host tier for the prefix cache in this build", "--enable-hierarchical-cache", "--hicache-ratio", "--hicache-write-policy"),
     **_each(
         _HICACHE, "--hicache-size", "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
         "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from cache.base import MatchResult, PrefixCache, RadixNode, new_root
-from cache.keys import TOKEN_BYTES, as_token_list, first_diff, pack_tokens
+from cache.host_tier import HostTier
+from cache.keys import TOKEN_BYTES, as_token_list, decode_tokens, first_diff, pack_tokens
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 
 FIRST_CHUNK = 256  # tokens encoded at least, on a query's first need
@@ -81,6 +82,7 @@ class RadixCache(PrefixCache):
         eviction_policy: str = "lru",
         *,
         first_chunk: int = FIRST_CHUNK,
+        host_tier: HostTier | None = None,
     ) -> None:
         """`page_size`, where given, must be the allocator's; `first_chunk` is how many tokens of a
         query are encoded at least (tests shrink it so short keys cross the chunk boundaries)."""
@@ -94,6 +96,8 @@ class RadixCache(PrefixCache):
         self._priority = _PRIORITIES[eviction_policy]
         self._device = allocator.device
         self._first_chunk = first_chunk
+        # L2: evicted pages go there (and, write_through, cached pages as they are cached).
+        self.host_tier = host_tier
         self._page_struct = struct.Struct(f"={self.page_size}i")
         self._clock = 0
         self._uid = 0
@@ -182,6 +186,8 @@ class RadixCache(PrefixCache):
         while freed < num_tokens and heap:
             node = heapq.heappop(heap)[2]
             parent = node.parent
+            if self.host_tier is not None:
+                self._store_in_host(node)
             freed += self._remove_leaf(node, values)
             if parent is not self.root and parent.lock_ref == 0 and not parent.children:  # type: ignore[union-attr]
                 self._leaves.add(parent)  # type: ignore[arg-type]
@@ -199,7 +205,9 @@ class RadixCache(PrefixCache):
         q = self._query(token_ids)
         self._check_slots(q, slots)
         prefix = last_node.depth
-        present = self._insert(q, slots, extra_key, min_present=prefix)[1]
+        node, present = self._insert(q, slots, extra_key, min_present=prefix)
+        if self.host_tier is not None and self.host_tier.write_policy == "write_through" and node.depth > present:
+            self._store_in_host(node, start=present)
         self._free([slots[prefix:present], slots[q.n :]])
         self.dec_lock_ref(last_node)
 
@@ -375,6 +383,21 @@ class RadixCache(PrefixCache):
         self._evictable -= node.num_tokens
         values.append(node.value)  # type: ignore[arg-type]
         return node.num_tokens
+
+    def _store_in_host(self, node: RadixNode, start: int | None = None) -> None:
+        """Hand the host tier the path's tokens and slots; the blocks from `start` (default: the
+        node's own first token) on are new there."""
+        assert self.host_tier is not None
+        keys, values, extra_key, walk = [], [], None, node
+        while walk is not self.root:
+            keys.append(walk.key)
+            values.append(walk.value)
+            if walk.parent is self.root:
+                extra_key = walk.edge[0]  # type: ignore[index]
+            walk = walk.parent  # type: ignore[assignment]
+        tokens = decode_tokens(b"".join(reversed(keys)))
+        first = node.depth - node.num_tokens if start is None else start
+        self.host_tier.store(tokens, torch.cat(values[::-1]), extra_key, start=first)  # type: ignore[arg-type]
 
     def _edge_of(self, key: bytes) -> Hashable:
         page = self._page_struct.unpack_from(key)

@@ -197,3 +197,13 @@ class KVBuffers:
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_to(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor) -> None:
+        """K and V of `slots` in every layer into `other_slots` of `other` (another device: the
+        host tier's buffers, or back)."""
+        src, dst = slots.to(self.k[0].device), other_slots.to(other.k[0].device)
+        # Only a copy onto the device may be asynchronous: one to the host is read at once.
+        to_device = other.k[0].device.type != "cpu"
+        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+            for a, b in zip(mine, theirs):
+                b[dst] = a[src].to(b.device, non_blocking=to_device)

@@ -8,7 +8,7 @@ The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-poli
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -68,6 +68,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     page_size: int = 1
     disable_radix_cache: bool = False
     radix_eviction_policy: str = "lru"
+    # SGLang's HiCache L2: pages evicted from the KV pool are kept in host memory (hicache_ratio
+    # times the pool) and loaded back when a prompt matches them (cache/host_tier.py).
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_write_policy: Literal["write_through", "write_back"] = "write_through"
+    hicache_block_tokens: int = 64  # the host tier's unit (a multiple of page_size)
 
     schedule_policy: str = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
@@ -169,6 +175,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
             (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
             (_positive_or_none(self.prefill_max_requests), f"prefill_max_requests must be positive, got {self.prefill_max_requests}"),
+            (self.hicache_ratio > 0, f"hicache_ratio must be positive, got {self.hicache_ratio}"),
+            (self.hicache_block_tokens >= 1 and self.hicache_block_tokens % self.page_size == 0, f"hicache_block_tokens ({self.hicache_block_tokens}) must be a positive multiple of page_size ({self.page_size})"),
+            (not (self.enable_hierarchical_cache and self.disable_radix_cache), "enable_hierarchical_cache needs the radix cache: drop disable_radix_cache"),
+            (not (self.enable_hierarchical_cache and self.tp_size > 1), "enable_hierarchical_cache is not supported with tp_size > 1 yet"),
             (_positive_or_none(self.max_total_tokens), f"max_total_tokens must be positive, got {self.max_total_tokens}"),
             (_positive_or_none(self.max_running_requests), f"max_running_requests must be positive, got {self.max_running_requests}"),
             (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),

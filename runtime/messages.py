@@ -117,6 +117,15 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     done: asyncio.Future
 
 
+class KVCopy(msgspec.Struct, frozen=True):
+    """One copy between the device KV pool and the host tier's (cache/host_tier.py), done by the
+    Executor before the forward of the batch that carries it, in the order given."""
+
+    to_host: bool
+    device_slots: torch.Tensor
+    host_slots: torch.Tensor
+
+
 class Batch(msgspec.Struct, frozen=True, tag=True):
     """One forward step. Decode rows carry no token values: the Executor reads them from its
     token pool at (row, position), so this batch can launch before the previous step's tokens
@@ -131,6 +140,7 @@ class Batch(msgspec.Struct, frozen=True, tag=True):
     extend_ids: list[list[int] | None]  # None: a decode row, its one input id is in the token pool
     out_cache_loc: torch.Tensor
     produces_token: list[bool]  # False for a chunk that does not end its prompt
+    kv_copies: list[KVCopy] = []  # host tier stores and loads to do first
 
 
 class InputLogprobs(msgspec.Struct, frozen=True):

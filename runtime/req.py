@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from cache.keys import token_array
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from runtime.stream import Delta, RemoteStream, RequestStream
@@ -146,19 +145,6 @@ class Req(msgspec.Struct, frozen=True, eq=False):
     @property
     def remaining_new_tokens(self) -> int:
         return max(0, self.sampling.max_new_tokens - len(self.out.output_ids))
-
-
-def match_key(req: Req) -> array:
-    """All but the last token of the request, encoded for the cache's memcmp walk; only up to
-    the first position whose logits give a wanted prompt logprob."""
-    if req.input_logprobs_pending:
-        return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
-    if req.out.output_ids or req.prompt_key is None:
-        key = token_array(req.fill_ids)
-        if key:
-            key.pop()
-        return key
-    return req.prompt_key[:-1]  # a memcpy; the Receiver encoded the prompt on arrival
 
 
 def end_request(req: Req, reason: FinishReason, final: Delta | None = None) -> None:
