@@ -1,6 +1,6 @@
 """The HTTP server: an aiohttp application over one `api.Engine`.
 
-    OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+    OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models
     SGLang-native       POST /generate, GET /health, GET /health_generate, GET /server_info,
                         GET /model_info (and their older names /get_server_info, /get_model_info),
                         GET /get_load, POST /flush_cache, POST /abort_request,
@@ -68,6 +68,7 @@ from api.openai_schema import (
     invalid,
 )
 from api.request_log import RequestLog
+from api.responses_api import ResponseEvents, ResponseShell, ResponsesRequest, chat_request, whole_response
 from api.watchdog import watch
 from runtime.service import ServiceClass
 from runtime.stream import Delta
@@ -127,6 +128,7 @@ class Server:
         app.add_routes([
             post("/v1/completions", self.completions),
             post("/v1/chat/completions", self.chat_completions),
+            post("/v1/responses", self.responses),
             get("/v1/models", self.models),
             post("/generate", self.generate),
             get("/health", self.health),
@@ -227,6 +229,21 @@ class Server:
         chat = ChatStream(rid, self.model_name, created, [(c.index, c.prompt_index) for c in calls], plan, token_text)
         closing = (lambda: [chat.usage_chunk()]) if req.include_usage else list
         return await self._stream(request, calls, lambda call, delta: chat.chunks(call.index, delta), chat.opening(), closing)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API, served as one chat answer (api/responses_api.py)."""
+        req = decode(await request.read(), ResponsesRequest)
+        self._check_model(req.model)
+        chat = _tenant_from_header(chat_request(req), request)
+        plan = plan_chat(chat, self.chat_parsers)
+        input_ids = await self._render_chat(chat_messages(chat), {**(chat.chat_template_kwargs or {}), **plan.template_kwargs})
+        rid, calls = chat_calls(chat, input_ids, self.chat_defaults, plan.tool_schema)
+        shell = ResponseShell(id=f"resp_{rid}", created_at=int(time.time()), model=self.model_name, req=req)
+        if not req.stream:
+            [choice] = await self._collect(calls)
+            return _json(whole_response(shell, choice, plan))
+        events, choice = ResponseEvents(shell, plan), Choice(0, 0)
+        return await self._stream(request, calls, lambda call, delta: events.chunks(choice, delta), events.opening(), list)
 
     async def models(self, request: web.Request) -> web.Response:
         root = self.engine.config.model_path or self.model_name

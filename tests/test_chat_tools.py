@@ -426,3 +426,77 @@ async def test_tokenize_and_detokenize_round_trip(echo: ServerThread, tiny_qwen3
 async def test_bad_tokenize_requests_are_400s(echo: ServerThread, path: str, body: dict[str, Any], param: str) -> None:
     status, answer = await _post_to(echo, path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+# --- the Responses API ----------------------------------------------------------------------------
+RESPONSE_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_a_response_in_text(echo: ServerThread) -> None:
+    out = client(echo).responses.create(model="tiny", input="Hello there", instructions="Be brief.")
+    assert out.status == "completed" and out.output_text == "Hello there"
+    [item] = out.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    assert out.usage.output_tokens > 0 and out.usage.total_tokens == out.usage.input_tokens + out.usage.output_tokens
+
+
+def test_a_response_with_reasoning_and_a_call_whole_and_streamed(echo: ServerThread) -> None:
+    text = "<think>\nplan it\n</think>\n\nOn it." + CALL
+    whole = client(echo).responses.create(model="tiny", input=text, tools=[RESPONSE_WEATHER])
+    assert [item.type for item in whole.output] == ["reasoning", "message", "function_call"]
+    assert whole.output[0].content[0].text == "plan it" and whole.output_text == "On it."
+    call = whole.output[2]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 2, "unit": "c"}
+    assert call.call_id.startswith("call_") and call.status == "completed"
+
+    events = list(client(echo).responses.create(model="tiny", input=text, tools=[RESPONSE_WEATHER], stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "plan it"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "On it."
+    assert "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta") == call.arguments
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert added == [d.item.type for d in done] == ["reasoning", "message", "function_call"]
+    assert [d.output_index for d in done] == [0, 1, 2]
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message", "function_call"] and final.output[2].arguments == call.arguments
+
+
+def test_a_response_takes_earlier_calls_and_their_outputs(echo: ServerThread) -> None:
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather?"}]},
+        {"type": "function_call", "call_id": "call_9", "name": "get_weather", "arguments": '{"city": "Oslo", "days": 1, "unit": "c"}'},
+        {"type": "function_call_output", "call_id": "call_9", "output": "snow"},
+    ]
+    out = client(echo).responses.create(model="tiny", input=items, tools=[RESPONSE_WEATHER])
+    assert out.output_text == "<tool_response>\nsnow\n</tool_response>"  # the echo of the last turn, as the template wrote it
+
+
+def test_a_forced_response_call_validates_and_a_short_one_is_incomplete(model: ServerThread) -> None:
+    out = client(model).responses.create(
+        model="tiny", input="Weather?", tools=[RESPONSE_WEATHER], tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200, extra_body={"seed": 3},
+    )
+    [call] = out.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    short = client(model).responses.create(model="tiny", input="Hi", max_output_tokens=2, extra_body={"seed": 0})
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"store": True}, "store"),
+        ({"input": [{"type": "web_search_call"}]}, "input"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+        ({"tools": [{"type": "function", "name": "bad name"}]}, "tools"),
+        ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
+        ({"input": []}, "input"),
+    ],
+)
+async def test_bad_responses_requests_are_400s(echo: ServerThread, body: dict[str, Any], param: str) -> None:
+    status, answer = await _post_to(echo, "/v1/responses", {"model": "tiny", "input": "Hi", **body})
+    assert status == 400 and answer["error"]["param"] == param, answer
