@@ -404,10 +404,11 @@ class Round:
 @st.composite
 def rounds(draw: st.DrawFn, page: int, ignore_eos: bool = False) -> Round:
     chunk = draw(st.sampled_from([None, 16, 24, 64]))
-    running = draw(st.lists(specs(max_new=200).map(lambda s: Spec(**{**_fields(s), "generated": max(s.generated, 1)})), max_size=4))
+    running = draw(st.lists(specs(max_new=200).map(decoding), max_size=4))
     queue = draw(st.lists(specs(max_new=200), min_size=1, max_size=6))
     if ignore_eos:
         queue = [Spec(**{**_fields(s), "ignore_eos": draw(st.booleans())}) for s in queue]
+        running = [Spec(**{**_fields(s), "ignore_eos": draw(st.booleans())}) for s in running]
     chunked = None
     if chunk is not None and page == 1 and draw(st.booleans()):  # D2: chunk continuations on pages of 1
         spec = draw(specs(max_prompt=48))
@@ -431,6 +432,13 @@ def rounds(draw: st.DrawFn, page: int, ignore_eos: bool = False) -> Round:
 
 def _fields(spec: Spec) -> dict[str, Any]:
     return {name: getattr(spec, name) for name in Spec.__slots__}
+
+
+def decoding(spec: Spec) -> Spec:
+    """A running request: at least one token generated, and fewer than max_new_tokens (a request
+    whose last token is launched has left the running batch)."""
+    generated = max(spec.generated, 1)
+    return Spec(**{**_fields(spec), "generated": generated, "max_new": max(spec.max_new, generated + 1)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -579,13 +587,13 @@ class DecodeState:
 
 @st.composite
 def decode_states(draw: st.DrawFn, page: int) -> DecodeState:
-    running = draw(st.lists(specs(max_new=120).map(lambda s: Spec(**{**_fields(s), "generated": max(s.generated, 1)})), min_size=1, max_size=10))
+    running = draw(st.lists(specs(max_new=120).map(decoding), min_size=1, max_size=10))
     cached = draw(CACHED)
     if cached and draw(st.booleans()):
         # Crowded: requests continuing cached prompts own a token or two each, so one victim
         # frees little and retraction goes on.
         running = [
-            Spec(**{**_fields(spec), "prompt": draw(st.sampled_from(cached))[0] + [9, i], "generated": draw(st.integers(1, 2))})
+            decoding(Spec(**{**_fields(spec), "prompt": draw(st.sampled_from(cached))[0] + [9, i], "generated": draw(st.integers(1, 2))}))
             for i, spec in enumerate(running)
         ]
     return DecodeState(
