@@ -5,7 +5,9 @@ parse nothing: one in Python, one in C (the floor).
 
 Null workers (this module with `--null-worker PORT`: an aiohttp app in its own process that answers
 /health and /generate at once with a fixed body). In front of them, each in its own process:
-`actorserve router` (cache_aware) with its compiled data plane and with its Python one; a bare Python relay (this module with `--bare-relay`: uvloop
+`actorserve router` (cache_aware) with its compiled data plane and with its Python one; SGLang's
+own router (sglang-router, cache_aware, where `pip install 'actorserve[sglang-router]'` put it,
+else skipped with a message; its process runs its Rust router in place); a bare Python relay (this module with `--bare-relay`: uvloop
 protocols copying bytes to one worker and back, parsing nothing: what the event loop costs any
 Python hop); a C relay (bench/c_relay.c, compiled into build/ with the system's `cc`, skipped with
 a message when there is none: epoll copying bytes, what the kernel's loopback TCP costs any hop,
@@ -62,7 +64,13 @@ def main() -> None:
 
 
 def _null_worker(port: int) -> None:
+    import logging
+
     from aiohttp import web
+
+    # SGLang's router probes each worker for gRPC (an HTTP/2 preface) as it starts: aiohttp answers
+    # 400 and logs a traceback for it, noise in this benchmark's output.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def answer(_: web.Request) -> web.Response:
         return web.Response(body=NULL_ANSWER, content_type="application/json")
@@ -89,6 +97,10 @@ def _bare_relay(port: int, worker_port: int) -> None:
         def data_received(self, data: bytes) -> None:
             self.client.write(data)
             idle.append(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self in idle:  # the worker closed it while idle (its keep-alive ran out)
+                idle.remove(self)
 
     class Client(asyncio.Protocol):
         def connection_made(self, transport: Any) -> None:
@@ -143,6 +155,10 @@ async def _measure(args: argparse.Namespace) -> None:
             procs.append(subprocess.Popen([actorserve, "router", "--worker-urls", *worker_urls, "--port", str(port), "--log-level", "warning",
                                            "--data-plane", plane]))
             paths.append(PathRuns(f"`actorserve router --data-plane {plane}` (cache_aware)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
+        sglang = _sglang_router(worker_urls)
+        if sglang is not None:
+            procs.append(sglang[0])
+            paths.append(PathRuns("SGLang's router (sglang-router 0.3.2, cache_aware)", sglang[1], [sglang[0].pid]))
         port = free_port()
         procs.append(subprocess.Popen([sys.executable, "-m", "bench.router_http", "--bare-relay", str(port), str(worker_ports[0])]))
         paths.append(PathRuns("bare Python relay (uvloop protocols, parses nothing)", f"http://127.0.0.1:{port}", [procs[-1].pid]))
@@ -153,6 +169,8 @@ async def _measure(args: argparse.Namespace) -> None:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             for url in worker_urls + [p.url for p in paths[1:]]:
                 await wait_ready(url)
+            if sglang is not None:
+                await _wait_registered(session, sglang[1], len(worker_urls))
             for _ in range(args.repeats):
                 for path in paths:
                     await _measure_path(session, path, worker_urls, bodies, args)
@@ -203,6 +221,32 @@ def _report(paths: list[PathRuns], args: argparse.Namespace) -> None:
 
 def _spread(values: list[float], fmt: str) -> str:
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def _sglang_router(worker_urls: list[str]) -> tuple[subprocess.Popen, str] | None:
+    """SGLang's router over the workers, on loopback (it and its metrics exporter bind 0.0.0.0 by
+    default); None (and why, printed) where the sglang-router wheel is not installed."""
+    try:
+        import sglang_router  # noqa: F401
+    except ImportError:
+        print("sglang-router is not installed (pip install 'actorserve[sglang-router]'): its row is skipped", file=sys.stderr)
+        return None
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host", "127.0.0.1",
+           "--port", str(port), "--policy", "cache_aware", "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+           "--log-level", "error"]  # not the null workers' missing /server_info, each start
+    return subprocess.Popen(cmd), f"http://127.0.0.1:{port}"
+
+
+async def _wait_registered(session: aiohttp.ClientSession, url: str, n: int, timeout: float = 60.0) -> None:
+    """SGLang's router answers /health before it has registered its workers: wait for them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        async with session.get(f"{url}/workers") as r:
+            if r.status == 200 and sum(w.get("is_healthy", False) for w in (await r.json()).get("workers", [])) == n:
+                return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"SGLang's router at {url} did not register {n} workers in {timeout} s")
 
 
 def _build_c_relay() -> Path | None:
