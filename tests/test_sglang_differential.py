@@ -598,7 +598,7 @@ def decode_states(draw: st.DrawFn, page: int) -> DecodeState:
         ]
     return DecodeState(
         page=page,
-        pool=draw(st.sampled_from([128, 192, 256])),
+        pool=draw(st.sampled_from([192, 256, 384])),
         cached=cached,
         running=running,
         slack=draw(st.integers(0, 3 * page)),
