@@ -366,7 +366,7 @@ def parse_rate(text: str) -> float:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from api.serve_cli import _add_field  # the one definition of how EngineConfig fields become flags
+    from api.serve_cli import _add_field, _converter  # the one definition of how EngineConfig fields become flags
 
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("target")
@@ -424,6 +424,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     o.add_argument("--disable-tqdm", action="store_true")
     e = p.add_argument_group("engine", "EngineConfig fields, as for actorserve serve (--engine only; --model-path also names the tokenizer)")
     for f in msgspec.structs.fields(EngineConfig):
+        if f.name == "model_path":  # serve's alias --model is this bench's served-model name, as in SGLang's bench_serving
+            e.add_argument("--model-path", type=_converter(str, True), default=None, help="checkpoint directory, .gguf file or tiny-qwen3 (none: the default model)")
+            continue
         _add_field(e, f)
     args = p.parse_args(argv)
     if args.dataset == "sharegpt" and args.dataset_path is None and args.workload is None:
