@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import aiohttp
@@ -159,33 +159,39 @@ def _kv_held(stats: dict) -> int:
     return stats["kv_pool_size"] - stats["kv_free"] - stats["kv_cached"]
 
 
-async def test_an_abort_through_a_keyed_router_frees_the_requests_kv_on_its_worker(model_path, router_plane):  # noqa: F811
-    key = {"Authorization": f"Bearer {WORKER_KEY}"}
+@pytest.fixture(scope="module")
+def keyed_workers(model_path) -> Iterator[list[str]]:  # noqa: F811
+    """Two `actorserve serve --api-key WORKER_KEY` workers, shared by both planes' runs."""
     with workers(model_path, 2, ("--api-key", WORKER_KEY)) as procs:
-        urls = [url for _, url in procs]
-        settings = RouterSettings(worker_urls=tuple(urls), routing=RouterConfig(policy="round_robin"), port=0,
-                                  health_check_interval_s=0.2, data_plane=router_plane, api_key=WORKER_KEY)
-        router = HttpRouter(settings)
-        base = f"http://127.0.0.1:{await router.start()}"
-        try:
-            async with aiohttp.ClientSession() as session:
-                body = {"input_ids": [5, 6], "rid": "abort-me", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
-                async with session.post(f"{base}/generate", json=body, headers=key) as stream:
-                    assert stream.status == 200
-                    await stream.content.readline()  # generating: its KV is held
-                    held = [_kv_held(await _stats(session, url, key)) for url in urls]
-                    assert sorted(held)[0] == 0 and sorted(held)[1] > 0, held
-                    async with session.post(f"{base}/abort_request", json={"rid": "abort-me"}, headers=key) as r:
-                        assert r.status == 200 and [w["status"] for w in (await r.json())["workers"]] == [200, 200]
-                    tail = await asyncio.wait_for(stream.content.read(), 30)  # a hang guard
-                events = [json.loads(line[6:]) for line in tail.splitlines() if line.startswith(b"data: {")]
-                assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
-                assert len(events[-1]["output_ids"]) < 1000
-                deadline = time.monotonic() + 10  # the KV is freed once the last step with it completes
-                while [_kv_held(await _stats(session, url, key)) for url in urls] != [0, 0]:
-                    assert time.monotonic() < deadline, "the aborted request's KV is still held"
-                    await asyncio.sleep(0.05)
-                stats = [await _stats(session, url, key) for url in urls]
-                assert sorted(s["aborted"] for s in stats) == [0, 1] and all(s["num_running"] == 0 for s in stats)
-        finally:
-            await router.close()
+        yield [url for _, url in procs]
+
+
+async def test_an_abort_through_a_keyed_router_frees_the_requests_kv_on_its_worker(keyed_workers, router_plane):
+    key, urls = {"Authorization": f"Bearer {WORKER_KEY}"}, keyed_workers
+    settings = RouterSettings(worker_urls=tuple(urls), routing=RouterConfig(policy="round_robin"), port=0,
+                              health_check_interval_s=0.2, data_plane=router_plane, api_key=WORKER_KEY)
+    router = HttpRouter(settings)
+    base = f"http://127.0.0.1:{await router.start()}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            body = {"input_ids": [5, 6], "rid": f"abort-me-{router_plane}", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
+            async with session.post(f"{base}/generate", json=body, headers=key) as stream:
+                assert stream.status == 200
+                await stream.content.readline()  # generating: its KV is held
+                held = [_kv_held(await _stats(session, url, key)) for url in urls]
+                assert sorted(held)[0] == 0 and sorted(held)[1] > 0, held
+                aborted = [(await _stats(session, url, key))["aborted"] for url in urls]
+                async with session.post(f"{base}/abort_request", json={"rid": f"abort-me-{router_plane}"}, headers=key) as r:
+                    assert r.status == 200 and [w["status"] for w in (await r.json())["workers"]] == [200, 200]
+                tail = await asyncio.wait_for(stream.content.read(), 30)  # a hang guard
+            events = [json.loads(line[6:]) for line in tail.splitlines() if line.startswith(b"data: {")]
+            assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+            assert len(events[-1]["output_ids"]) < 1000
+            deadline = time.monotonic() + 10  # the KV is freed once the last step with it completes
+            while [_kv_held(await _stats(session, url, key)) for url in urls] != [0, 0]:
+                assert time.monotonic() < deadline, "the aborted request's KV is still held"
+                await asyncio.sleep(0.05)
+            stats = [await _stats(session, url, key) for url in urls]
+            assert sorted(s["aborted"] - n for s, n in zip(stats, aborted)) == [0, 1] and all(s["num_running"] == 0 for s in stats)
+    finally:
+        await router.close()
