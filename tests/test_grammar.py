@@ -235,11 +235,20 @@ async def test_retracted_constrained_requests_resume_their_grammar(model_path):
     # threes, never restarting mid-way.
     pattern = r"([a-z]{3}[0-9]{3}){60}"
     prefix = r"([a-z]{3}[0-9]{3})*([a-z]{0,3}|[a-z]{3}[0-9]{0,3})"
-    engine = Engine(model_path=model_path, dtype="float32", max_total_tokens=256, inline_core=True)
+    # A new request is charged its whole max_new_tokens, a running one only new_token_ratio of what
+    # it has left (SGLang's rule): three requests of 64 tokens that arrive once a first one of 104
+    # decodes are admitted beside it on a pool of 240, and together they outgrow it: decode retracts.
+    engine = Engine(model_path=model_path, dtype="float32", max_total_tokens=240, schedule_conservativeness=0.3, inline_core=True)
     async with engine:
-        outs = await asyncio.wait_for(asyncio.gather(*[
-            engine.generate(input_ids=[5 + i, 6, 7, 8], sampling_params=_params(i, regex=pattern, max_new_tokens=60)) for i in range(12)
-        ]), 120)
+        first = engine.stream(input_ids=[5, 6, 7, 8], sampling_params=_params(0, regex=pattern, max_new_tokens=100))
+        head = [await anext(first) for _ in range(3)]
+        later = asyncio.gather(*[
+            engine.generate(input_ids=[5 + i, 6, 7, 8], sampling_params=_params(i, regex=pattern, max_new_tokens=60)) for i in range(1, 12)
+        ])
+        rest = [delta async for delta in first]
+        outs = await asyncio.wait_for(later, 120)
+        text = "".join(d.text for d in head + rest)
+        assert rest[-1].finish_reason == "length" and re.fullmatch(prefix, text), text
         assert (await engine.current_stats())["retractions"] > 0
         assert all(o.finish_reason == "length" and len(o.output_ids) == 60 and re.fullmatch(prefix, o.text) for o in outs), [o.text for o in outs]
         await assert_idle_invariants(engine)
