@@ -187,6 +187,9 @@ async def test_behind_sglangs_router(model_path, sglang_router_module, tmp_path)
                     if min(running) > 0:
                         break
                 assert min(running) > 0, running
+                # the router's load figures are read from each worker's /get_load: KV slots held
+                status, loads = await _get(session, f"{base}/get_loads")
+                assert status == 200 and all(w["load"] > 0 for w in loads["workers"]), loads
                 procs[0][0].kill()
                 ends = await asyncio.wait_for(asyncio.gather(*(s.content.read() for s in streams), return_exceptions=True), 60)  # a hang guard
                 whole = [end for end in ends if isinstance(end, bytes) and end.rstrip().endswith(b"data: [DONE]")]
