@@ -500,3 +500,18 @@ def test_a_forced_response_call_validates_and_a_short_one_is_incomplete(model: S
 async def test_bad_responses_requests_are_400s(echo: ServerThread, body: dict[str, Any], param: str) -> None:
     status, answer = await _post_to(echo, "/v1/responses", {"model": "tiny", "input": "Hi", **body})
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_serve_takes_the_parser_flags_by_sglang_names(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from api import serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--tool-call-parser", "qwen25", "--reasoning-parser", "deepseek-r1"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("qwen25", "deepseek-r1")
+    assert ChatParsers.resolve(args.tool_call_parser, args.reasoning_parser, CHAT_TEMPLATE).tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "mistral"])
+    assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
