@@ -195,3 +195,10 @@ async def test_an_abort_through_a_keyed_router_frees_the_requests_kv_on_its_work
             assert sorted(s["aborted"] - n for s, n in zip(stats, aborted)) == [0, 1] and all(s["num_running"] == 0 for s in stats)
     finally:
         await router.close()
+
+
+@pytest.mark.parametrize("key", ["", "two words", "new\nline", "clé"])
+def test_a_key_that_cannot_travel_in_a_header_is_refused_by_name(key):
+    for flag, field in (("--api-key", "api_key"), ("--worker-api-key", "worker_api_key")):
+        with pytest.raises(ValueError, match=f"^{flag} must be"):
+            RouterSettings(worker_urls=("http://127.0.0.1:1",), **{field: key})
