@@ -143,6 +143,7 @@ class HermesParser(ToolParser):
         super().__init__()
         self._buf = ""
         self._in_call = False
+        self._searched = 0  # how much of a call's buffer has no end tag (a long call is scanned once)
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -157,9 +158,10 @@ class HermesParser(ToolParser):
                     return out
                 self._content(out, self._buf[:start])
                 self._buf = self._buf[start + len(HERMES_START) :]
-                self._in_call = True
-            end = self._buf.find(HERMES_END)
+                self._in_call, self._searched = True, 0
+            end = self._buf.find(HERMES_END, max(0, self._searched - len(HERMES_END) + 1))
             if end < 0:
+                self._searched = len(self._buf)
                 return out
             self._close_call(out, self._buf[:end], HERMES_END)
             self._buf = self._buf[end + len(HERMES_END) :]
@@ -201,10 +203,11 @@ class Llama3JsonParser(ToolParser):
             calls = head.startswith(PYTHON_TAG) or head.startswith("{")
             self._mode = "calls" if calls else "content"
             self._buf = head.removeprefix(PYTHON_TAG) if calls else self._buf
+            text = self._buf
         if self._mode == "content":
             self._content(out, self._buf)
             self._buf = ""
-        else:
+        elif "}" in text:  # only a closing brace can complete a call
             self._take_calls(out)
         return out
 
