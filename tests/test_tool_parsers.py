@@ -159,3 +159,19 @@ def test_templates_name_their_tool_format() -> None:
     assert detect_tool_parser("... <tool_call>\\n{...}</tool_call> ...") == "hermes"
     assert detect_tool_parser("Environment: ipython ... <|python_tag|>") == "llama3"
     assert detect_tool_parser("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+
+
+def test_bench_tool_parsers_runs_and_prints_one_row_per_parser(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    from bench import tool_parsers
+
+    monkeypatch.setattr(sys, "argv", ["bench.tool_parsers", "--repeats", "1", "--answers", "2"])
+    tool_parsers.main()
+    rows = [line.rsplit(None, 2) for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[0].strip() for r in rows] == list(tool_parsers.CASES)
+    for (name, tokens, us), (_, text) in zip(rows, tool_parsers.CASES.values()):
+        assert int(tokens) == len(tool_parsers.pieces(text)) > 100 and float(us) > 0
+    # the answers the bench feeds are what the parsers read as calls
+    assert message(tool_parsers.HERMES_ANSWER, qwen3_hermes())["tool_calls"][1]["function"]["name"] == "get_weather"
+    assert len(message(tool_parsers.LLAMA3_ANSWER, llama3())["tool_calls"]) == 2
