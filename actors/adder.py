@@ -37,6 +37,7 @@ from actors.prefill_adder import (
     select_retraction_victims,
 )
 from cache import PrefixCache
+from cache.storage_tier import StorageTier
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
@@ -57,9 +58,11 @@ class Adder(Actor[AdderMsg]):
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache,
         *, inbox: Mailbox[AdderMsg], policy: Mailbox[PolicyMsg], executor: Mailbox[Batch],
+        storage: StorageTier | None = None,
     ):
         super().__init__("adder", inbox)
         self.config = config
+        self.storage = storage  # read for its stats only (the Executor and Policy drive it)
         self.priority_rule = PriorityRule.of(config)
         self.kv = KVLedger(runner.allocator, runner.req_to_token, cache)
         self.executor = executor
@@ -273,6 +276,8 @@ class Adder(Actor[AdderMsg]):
                 if rows_left == 0:
                     return candidates[i:]  # not matched, as SGLang breaks before matching
             # After a preemption too: releasing victims may have evicted what an earlier match found.
+            prefetch, req.sched.prefetch = req.sched.prefetch, None
+            self.kv.adopt_prefetch(prefetch)  # type: ignore[arg-type]
             match = self.kv.match(match_key(req), req.extra_key)
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
@@ -552,6 +557,20 @@ class Adder(Actor[AdderMsg]):
             "hicache_host_tokens": host.size, "hicache_host_cached": host.stored_tokens(),
             "hicache_host_hit_tokens": host.stats.loaded_tokens, "hicache_stored_tokens": host.stats.stored_tokens,
             "hicache_evicted_tokens": host.stats.evicted_tokens,
+            **self._storage_tier_stats(),
+        }
+
+    def _storage_tier_stats(self) -> dict[str, int | float]:
+        storage = self.storage
+        if storage is None or self.kv.host_tier is None:
+            return {}
+        stats = storage.stats
+        return {
+            "hicache_storage_hit_tokens": self.kv.host_tier.stats.adopted_tokens,
+            "hicache_storage_written_blocks": stats.written_blocks, "hicache_storage_written_bytes": stats.written_bytes,
+            "hicache_storage_write_s": stats.write_s, "hicache_storage_dropped_writes": stats.dropped_writes,
+            "hicache_storage_read_blocks": stats.read_blocks, "hicache_storage_read_bytes": stats.read_bytes,
+            "hicache_storage_read_s": stats.read_s, "hicache_storage_corrupt_blocks": stats.corrupt_blocks,
         }
 
     def _flush_cache(self) -> bool:

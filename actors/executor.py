@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from actors.grammar import accept_tokens, mask_logits
+from cache.storage_tier import StorageTier
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import KVBuffers
@@ -100,10 +101,11 @@ class _Launched:
 class ModelStepRunner:
     """The model's StepRunner: the model runner (weights, KV buffers) and the token pool."""
 
-    def __init__(self, runner: ModelRunner, host_kv_slots: int = 0):
+    def __init__(self, runner: ModelRunner, host_kv_slots: int = 0, storage: StorageTier | None = None):
         self.runner = runner
         # The host tier's KV (cache/host_tier.py books it; the copies come with the batches).
         self.host_kv = _host_buffers(runner, host_kv_slots) if host_kv_slots else None
+        self.storage = storage  # blocks copied to the host with `persist` are written there
         self.token_pool = torch.zeros(
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
         )
@@ -128,6 +130,8 @@ class ModelStepRunner:
     def close(self) -> None:
         if self.streams is not None:
             self.streams.close()
+        if self.storage is not None:
+            self.storage.close()
 
     def _copy_kv(self, batch: Batch) -> None:
         if not batch.kv_copies:
@@ -135,8 +139,13 @@ class ModelStepRunner:
         assert self.host_kv is not None, "host tier copies without a host tier"
         device_kv = self.runner.kv
         for copy in batch.kv_copies:
-            if copy.to_host:
+            if copy.staged is not None:
+                _fill_host(self.host_kv, copy.host_slots, copy.staged)
+            elif copy.to_host:
                 device_kv.copy_to(copy.device_slots, self.host_kv, copy.host_slots)
+                if copy.persist is not None and self.storage is not None:
+                    # A copy (the gather), so the write never sees the slots reused.
+                    self.storage.write(copy.persist.key, copy.persist.tokens, _gather_host(self.host_kv, copy.host_slots))
             else:
                 self.host_kv.copy_to(copy.host_slots, device_kv, copy.device_slots)
 
@@ -249,6 +258,17 @@ def _host_buffers(runner: ModelRunner, num_slots: int) -> KVBuffers:
     if runner.device.type == "cuda":  # pinned: copies overlap the device's work
         host = KVBuffers([t.pin_memory() for t in host.k], [t.pin_memory() for t in host.v])
     return host
+
+
+def _gather_host(host: KVBuffers, slots: torch.Tensor) -> torch.Tensor:
+    """A block's K and V in every layer: [2 x layers, tokens, heads, dim] (the storage tier's layout)."""
+    return torch.stack([t[slots] for t in host.k + host.v])
+
+
+def _fill_host(host: KVBuffers, slots: torch.Tensor, staged: torch.Tensor) -> None:
+    """The inverse of `_gather_host`: a block read from the storage tier into host slots."""
+    for t, block in zip(host.k + host.v, staged):
+        t[slots] = block
 
 
 def _on(values: list[int], device: torch.device) -> torch.Tensor:

@@ -33,6 +33,7 @@ from runtime.messages import KVCopy
 if TYPE_CHECKING:
     from cache import MatchResult, PrefixCache, RadixNode
     from cache.host_tier import HostTier
+    from cache.storage_tier import Prefetch
 
 
 class KVLedger:
@@ -83,6 +84,15 @@ class KVLedger:
         host.load(token_ids, extra_key, match.length, slots)
         self.cache.insert(token_ids[:reach], torch.cat([match.slots, slots]), extra_key)
         return self.cache.match_prefix(token_ids, extra_key)
+
+    def adopt_prefetch(self, prefetch: Prefetch | None) -> None:
+        """End a request's storage prefetch: the blocks it read join the host tier, where
+        `match` continues from the device into them."""
+        if prefetch is None or self.host_tier is None:
+            return
+        blocks = prefetch.take()
+        if blocks:
+            self.host_tier.adopt(prefetch.keys, prefetch.tokens, blocks)
 
     def take_kv_copies(self) -> list[KVCopy]:
         return self.host_tier.take_pending() if self.host_tier is not None else []

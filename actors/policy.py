@@ -26,6 +26,11 @@ from the measured decode step). Until something is measured nothing is refused.
 A constrained request (json_schema, regex, ebnf) whose grammar is not compiled yet waits in the
 grammar queue (`compiling`), as in SGLang, while a worker thread compiles it (actors/grammar.py);
 it joins the waiting queue when that is done, or ends with 400 if the grammar does not compile.
+
+With a storage tier (cache/storage_tier.py), a request starts reading the blocks that continue
+its device match from storage as it is queued; with `--hicache-storage-prefetch-policy
+wait_complete` or `timeout` it waits in the prefetch queue (`prefetching`) until the read is done
+(or its time is up), as SGLang's scheduler skips such a request; `best_effort` does not hold it.
 """
 
 from __future__ import annotations
@@ -39,8 +44,10 @@ from collections import Counter
 from actors.fairness import VirtualTokenCounter, tenant_of
 from actors.grammar import Compiled, GrammarCompiler
 from actors.policy_order import QueueOrderer
+from actors.prefill_adder import match_key
 from actors.priority import PriorityRule
 from cache import PrefixMatcher
+from cache.storage_tier import Prefetch, StorageTier
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
@@ -53,10 +60,14 @@ QUEUE_FULL = "The request queue is full."
 class Policy(Actor[PolicyMsg]):
     def __init__(
         self, config: EngineConfig, prefix_cache: PrefixMatcher, grammars: GrammarCompiler | None = None,
-        *, inbox: Mailbox[PolicyMsg], adder: Mailbox[AdderMsg],
+        *, inbox: Mailbox[PolicyMsg], adder: Mailbox[AdderMsg], storage: StorageTier | None = None,
     ):
         super().__init__("policy", inbox)
         self.config = config
+        self.prefix_cache = prefix_cache
+        self.storage = storage
+        self.prefetching: dict[str, Req] = {}  # the prefetch queue, by rid
+        self._prefetch_waits: set[asyncio.Task[None]] = set()
         self.priority_rule = PriorityRule.of(config)
         self.adder = adder
         self.grammars = grammars
@@ -95,6 +106,7 @@ class Policy(Actor[PolicyMsg]):
             # Aborts and the timeout ticker send a Wake; a Pull must not hand out what is gone.
             # Not per Enqueue: a burst of n arrivals would rescan the queue n times.
             self._drop_aborted_and_expired()
+            self._release_prefetched()
         if self._parked is not None and self._may_answer(self._parked):
             pull, self._parked = self._parked, None
             await self._answer(pull)
@@ -105,12 +117,14 @@ class Policy(Actor[PolicyMsg]):
         return not pull.block or (bool(self.waiting) and self.mailbox.empty())
 
     async def on_stop(self) -> None:
-        for task in self._compiles:
+        for task in [*self._compiles, *self._prefetch_waits]:
             task.cancel()
-        for req in [*self.waiting, *self.compiling.values()]:
+        for req in [*self.waiting, *self.compiling.values(), *self.prefetching.values()]:
+            _end_prefetch(req)
             end_request(req, FinishReason("abort", message="the engine is shutting down", status=503, code="shutting_down"))
         self.waiting.clear()
         self.compiling.clear()
+        self.prefetching.clear()
         if self.grammars is not None:
             self.grammars.shutdown()
 
@@ -193,6 +207,8 @@ class Policy(Actor[PolicyMsg]):
         return {tenant_of(w) for w in self.waiting}
 
     def _admit(self, req: Req) -> None:
+        if self._held_for_prefetch(req):
+            return
         if self.config.reject_infeasible and self._late(req):
             self.infeasible += 1
             end_request(req, FinishReason("abort", message="the request cannot get its first token by its deadline behind the queue ahead of it", status=503, code="deadline_infeasible"))
@@ -200,6 +216,39 @@ class Policy(Actor[PolicyMsg]):
         if self.fairness is not None:
             self.fairness.arrived(tenant_of(req), self._queued_tenants())
         self._join_queue(req)
+
+    def _held_for_prefetch(self, req: Req) -> bool:
+        """Start reading the request's blocks past its device match from the storage tier; with
+        wait_complete or timeout, hold it in the prefetch queue until the read may end."""
+        storage = self.storage
+        if storage is None or req.sched.prefetch is not None:
+            return False
+        key = match_key(req)
+        prefetch = storage.prefetch(key, req.extra_key, self.prefix_cache.match_prefix(key, req.extra_key).length)
+        req.sched.prefetch = prefetch
+        if prefetch is None or prefetch.may_end(storage.prefetch_policy, time.monotonic()):
+            return False
+        self.prefetching[req.rid] = req
+        task = asyncio.get_running_loop().create_task(self._await_prefetch(prefetch), name=f"policy.prefetch.{req.rid}")
+        self._prefetch_waits.add(task)
+        task.add_done_callback(self._prefetch_waits.discard)
+        task.add_done_callback(self._task_done)
+        return True
+
+    async def _await_prefetch(self, prefetch: Prefetch) -> None:
+        """Wake the Policy once the read is done, or (timeout) once its deadline passed."""
+        assert prefetch.future is not None and self.storage is not None
+        timeout = max(prefetch.deadline - time.monotonic(), 0.0) if self.storage.prefetch_policy == "timeout" else None
+        await asyncio.wait([asyncio.wrap_future(prefetch.future)], timeout=timeout)
+        await self.send(Wake())
+
+    def _release_prefetched(self) -> None:
+        if not self.prefetching:
+            return
+        assert self.storage is not None
+        now, policy = time.monotonic(), self.storage.prefetch_policy
+        for rid in [rid for rid, req in self.prefetching.items() if req.sched.prefetch.may_end(policy, now)]:  # type: ignore[union-attr]
+            self._admit(self.prefetching.pop(rid))
 
     def _join_queue(self, req: Req) -> None:
         """SGLang's `_abort_on_queued_limit`: past `max_queued_requests`, a strictly better
@@ -259,16 +308,19 @@ class Policy(Actor[PolicyMsg]):
         for rid in [rid for rid, req in self.compiling.items() if req.sched.abort_requested]:
             self.aborted += 1
             end_request(self.compiling.pop(rid), FinishReason("abort"))
+        for rid in [rid for rid, req in self.prefetching.items() if req.sched.abort_requested]:
+            self.aborted += 1
+            end_request(_end_prefetch(self.prefetching.pop(rid)), FinishReason("abort"))
         timeout = self.config.queue_timeout_s
         now = time.monotonic()
         keep: list[Req] = []
         for req in self.waiting:
             if req.sched.abort_requested:
                 self.aborted += 1
-                end_request(req, FinishReason("abort"))
+                end_request(_end_prefetch(req), FinishReason("abort"))
             elif timeout is not None and now - req.sched.enqueue_time > timeout:
                 self.timed_out += 1
-                end_request(req, FinishReason("abort", message=f"the request waited in the queue longer than {timeout} s", status=503, code="queue_timeout"))
+                end_request(_end_prefetch(req), FinishReason("abort", message=f"the request waited in the queue longer than {timeout} s", status=503, code="queue_timeout"))
             else:
                 keep.append(req)
         self.waiting = keep
@@ -277,6 +329,14 @@ class Policy(Actor[PolicyMsg]):
         while True:
             await asyncio.sleep(period)
             await self.send(Wake())
+
+
+def _end_prefetch(req: Req) -> Req:
+    """Stop a storage read nobody will use (the request ends before the Adder took it)."""
+    prefetch, req.sched.prefetch = req.sched.prefetch, None
+    if isinstance(prefetch, Prefetch):
+        prefetch.take()
+    return req
 
 
 class BacklogRate:

@@ -26,6 +26,7 @@ from actors.receiver import ModelLimits
 from api.launch import check_load_format, load_tokenizer
 from cache import ChunkCache, PrefixCache, RadixCache
 from cache.host_tier import HostTier
+from cache.storage_tier import KVLayout, StorageTier
 from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -121,7 +122,12 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setu
         config, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
         max_running_requests=runner.req_to_token.max_requests,
     )
+    chosen = setup.make_step_runner(runner) if setup is not None else None
     prefix_cache = _prefix_cache(cfg, runner)
+    # The storage tier's writes are the model step runner's: none under another step runner.
+    storage = _storage_tier(cfg, runner) if chosen is None and isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier else None
+    if storage is not None:
+        prefix_cache.host_tier.persist = True  # type: ignore[union-attr]
     grammars = GrammarCompiler(tokenizer, runner.vocab_size, runner.model_config.eos_token_ids)
     # Every edge of the core, in one place (the README's diagram shows the messages on them):
     #   Policy -Ranked-> Adder -Batch-> Executor -StepOut-> OutputProcessor -StepDone-> Adder
@@ -130,11 +136,10 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setu
     to_adder: Mailbox[AdderMsg] = Mailbox()
     to_executor: Mailbox[Batch] = Mailbox()
     to_output: Mailbox[StepOut] = Mailbox()
-    policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder)
-    adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor)
-    chosen = setup.make_step_runner(runner) if setup is not None else None
+    policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder, storage=storage)
+    adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor, storage=storage)
     host_slots = prefix_cache.host_tier.allocator.total_slots if isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier else 0
-    executor = Executor(ModelStepRunner(runner, host_slots) if chosen is None else chosen, inbox=to_executor, output=to_output)
+    executor = Executor(ModelStepRunner(runner, host_slots, storage) if chosen is None else chosen, inbox=to_executor, output=to_output)
     # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
     output = OutputProcessor(
         tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox, inbox=to_output, adder=to_adder,
@@ -185,6 +190,24 @@ def runner_config(cfg: EngineConfig) -> RunnerConfig:
         disable_cuda_graph=cfg.disable_cuda_graph,
         cuda_graph_max_bs=cfg.cuda_graph_max_bs,
         mem_fraction_static=cfg.mem_fraction_static,
+    )
+
+
+def _storage_tier(cfg: EngineConfig, runner: ModelRunner) -> StorageTier | None:
+    """SGLang's HiCache L3 over files; its directory is per model identity (the model's files,
+    dtype and KV layout), so another model never reads these blocks."""
+    if cfg.hicache_storage_backend is None:
+        return None
+    model_dir = runner.model_dir.resolve()
+    files = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model_dir.iterdir() if p.suffix in (".safetensors", ".json", ".bin", ".gguf")
+    )
+    kv = runner.kv
+    layout = KVLayout(len(kv.k), kv.k[0].shape[1], kv.k[0].shape[2], kv.k[0].dtype)
+    identity = {"model": str(model_dir), "files": files, "dtype": runner.dtype_name}
+    return StorageTier(
+        cfg.hicache_storage_dir, identity, layout, cfg.hicache_block_tokens,
+        cfg.hicache_storage_prefetch_policy, cfg.hicache_storage_prefetch_timeout_s,
     )
 
 

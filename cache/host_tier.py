@@ -26,7 +26,7 @@ import torch
 
 from cache.keys import encode_tokens
 from gpu.kv_pool import TokenSlotAllocator
-from runtime.messages import KVCopy
+from runtime.messages import KVCopy, StorageBlock
 
 WritePolicy = str  # "write_through" | "write_back"
 WRITE_POLICIES = ("write_through", "write_back")
@@ -43,6 +43,20 @@ class HostTierStats:
     stored_tokens: int = 0  # device -> host
     loaded_tokens: int = 0  # host -> device: the tier's hits
     evicted_tokens: int = 0  # dropped from the host pool
+    adopted_tokens: int = 0  # storage -> host (cache/storage_tier.py): the storage tier's hits
+
+
+def chain_digests(token_ids: Sequence[int], extra_key: str | None, block_tokens: int, num_blocks: int) -> list[bytes]:
+    """The chain keys of the first `num_blocks` blocks of `token_ids` (the storage tier names its
+    files by the same keys)."""
+    encoded = encode_tokens(token_ids[: num_blocks * block_tokens])
+    step = block_tokens * 4
+    key = hashlib.blake2b((extra_key or "").encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    out = []
+    for i in range(num_blocks):
+        key = hashlib.blake2b(key + encoded[i * step : (i + 1) * step], digest_size=16).digest()
+        out.append(key)
+    return out
 
 
 class HostTier:
@@ -61,20 +75,14 @@ class HostTier:
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self.pending: list[KVCopy] = []
         self.stats = HostTierStats()
+        self.persist = False  # with a storage tier: every block stored here is also written there
 
     def stored_tokens(self) -> int:
         return len(self._blocks) * self.block_tokens
 
     def digests(self, token_ids: Sequence[int], extra_key: str | None, num_blocks: int) -> list[bytes]:
         """The chain keys of the first `num_blocks` blocks of `token_ids`."""
-        encoded = encode_tokens(token_ids[: num_blocks * self.block_tokens])
-        step = self.block_tokens * 4
-        key = hashlib.blake2b((extra_key or "").encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        out = []
-        for i in range(num_blocks):
-            key = hashlib.blake2b(key + encoded[i * step : (i + 1) * step], digest_size=16).digest()
-            out.append(key)
-        return out
+        return chain_digests(token_ids, extra_key, self.block_tokens, num_blocks)
 
     def store(self, token_ids: Sequence[int], device_slots: torch.Tensor, extra_key: str | None, start: int = 0) -> None:
         """Keep the whole blocks of a cached sequence that end past `start` (the tokens `start` on
@@ -95,8 +103,10 @@ class HostTier:
             host_slots = self._alloc()
             if host_slots is None:
                 return  # every block is newer than what would go: keep them
-            self._blocks[key] = _Block(encoded[i * b * 4 : (i + 1) * b * 4], host_slots)
-            self.pending.append(KVCopy(to_host=True, device_slots=device_slots[i * b : (i + 1) * b].clone(), host_slots=host_slots))
+            block_tokens = encoded[i * b * 4 : (i + 1) * b * 4]
+            self._blocks[key] = _Block(block_tokens, host_slots)
+            persist = StorageBlock(key, block_tokens) if self.persist else None
+            self.pending.append(KVCopy(to_host=True, device_slots=device_slots[i * b : (i + 1) * b].clone(), host_slots=host_slots, persist=persist))
             self.stats.stored_tokens += b
 
     def find(self, token_ids: Sequence[int], extra_key: str | None, start: int, end: int) -> int:
@@ -130,6 +140,25 @@ class HostTier:
                 to_host=False, device_slots=device_slots[lo - start : hi - start].clone(), host_slots=block.host_slots[lo - i * b : hi - i * b],
             ))
         self.stats.loaded_tokens += device_slots.numel()
+
+    def adopt(self, keys: Sequence[bytes], tokens: Sequence[bytes], staged: Sequence[torch.Tensor]) -> int:
+        """Blocks read from the storage tier (consecutive, keyed and encoded as `store` does):
+        each one not held yet takes host slots, its data going there with the next batch. At
+        most a tier's worth, so none pushes out another of the same chain; returns the tokens
+        taken in."""
+        taken = 0
+        for key, block_tokens, data in list(zip(keys, tokens, staged))[: self.size // self.block_tokens]:
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                continue
+            host_slots = self._alloc()
+            if host_slots is None:
+                break
+            self._blocks[key] = _Block(block_tokens, host_slots)
+            self.pending.append(KVCopy(to_host=True, device_slots=host_slots[:0], host_slots=host_slots, staged=data))
+            taken += self.block_tokens
+        self.stats.adopted_tokens += taken
+        return taken
 
     def reset(self) -> None:
         for block in self._blocks.values():

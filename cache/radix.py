@@ -206,8 +206,11 @@ class RadixCache(PrefixCache):
         self._check_slots(q, slots)
         prefix = last_node.depth
         node, present = self._insert(q, slots, extra_key, min_present=prefix)
-        if self.host_tier is not None and self.host_tier.write_policy == "write_through" and node.depth > present:
-            self._store_in_host(node, start=present)
+        if self.host_tier is not None and self.host_tier.write_policy == "write_through" and node is not self.root:
+            # The whole path, not only what this call added: the pages cached while the request
+            # ran (cache_unfinished_req, before the step computing them) are stored only now.
+            # Blocks the host tier holds already are skipped.
+            self._store_in_host(node, start=0)
         self._free([slots[prefix:present], slots[q.n :]])
         self.dec_lock_ref(last_node)
 

@@ -74,6 +74,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     hicache_ratio: float = 2.0
     hicache_write_policy: Literal["write_through", "write_back"] = "write_through"
     hicache_block_tokens: int = 64  # the host tier's unit (a multiple of page_size)
+    # SGLang's HiCache L3 (cache/storage_tier.py): host-tier blocks also go to files, read back
+    # (prefetched as a request is queued) by this engine or one started later on the directory.
+    # SGLang's file backend reads the directory from SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR
+    # (default /tmp/hicache); ours is a flag with that default.
+    hicache_storage_backend: Literal["file"] | None = None
+    hicache_storage_dir: str = "/tmp/hicache"
+    hicache_storage_prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = "best_effort"
+    # timeout: a queued request waits at most this, plus 0.25 s per 1,024 tokens read (as SGLang's
+    # prefetch_timeout_base and prefetch_timeout_per_ki_token)
+    hicache_storage_prefetch_timeout_s: float = 1.0
 
     schedule_policy: str = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
@@ -179,6 +189,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.hicache_block_tokens >= 1 and self.hicache_block_tokens % self.page_size == 0, f"hicache_block_tokens ({self.hicache_block_tokens}) must be a positive multiple of page_size ({self.page_size})"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache), "enable_hierarchical_cache needs the radix cache: drop disable_radix_cache"),
             (not (self.enable_hierarchical_cache and self.tp_size > 1), "enable_hierarchical_cache is not supported with tp_size > 1 yet"),
+            (self.hicache_storage_backend is None or self.enable_hierarchical_cache, "hicache_storage_backend needs the host tier: add enable_hierarchical_cache"),
+            (self.hicache_storage_prefetch_timeout_s > 0, f"hicache_storage_prefetch_timeout_s must be positive, got {self.hicache_storage_prefetch_timeout_s}"),
             (_positive_or_none(self.max_total_tokens), f"max_total_tokens must be positive, got {self.max_total_tokens}"),
             (_positive_or_none(self.max_running_requests), f"max_running_requests must be positive, got {self.max_running_requests}"),
             (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),

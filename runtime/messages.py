@@ -117,6 +117,14 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     done: asyncio.Future
 
 
+class StorageBlock(msgspec.Struct, frozen=True):
+    """A host-tier block's name in the storage tier (cache/storage_tier.py): its chain key and
+    its token ids as int32 bytes."""
+
+    key: bytes
+    tokens: bytes
+
+
 class KVCopy(msgspec.Struct, frozen=True):
     """One copy between the device KV pool and the host tier's (cache/host_tier.py), done by the
     Executor before the forward of the batch that carries it, in the order given."""
@@ -124,6 +132,11 @@ class KVCopy(msgspec.Struct, frozen=True):
     to_host: bool
     device_slots: torch.Tensor
     host_slots: torch.Tensor
+    # After this copy to the host, also write the block to the storage tier (off the step).
+    persist: StorageBlock | None = None
+    # A block read from the storage tier: fills `host_slots` from this ([2 x layers, tokens,
+    # heads, dim]) instead of the device (`device_slots` is empty).
+    staged: torch.Tensor | None = None
 
 
 class Batch(msgspec.Struct, frozen=True, tag=True):

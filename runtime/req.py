@@ -74,6 +74,9 @@ class SchedState:
     computed_len: int = 0  # tokens whose KV is (or will be, once launched) in the pool
     launched_outputs: int = 0  # output tokens that launched steps will produce
     last_step: int = -1  # the latest launched step that includes this request
+    # A storage-tier read started when it was queued (cache.storage_tier.Prefetch): the Policy
+    # sets it, the Adder takes it at the first admission attempt.
+    prefetch: object | None = None
 
 
 @dataclass(slots=True)

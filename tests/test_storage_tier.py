@@ -1,0 +1,207 @@
+"""The storage tier under the host tier (issue 32, SGLang's HiCache L3): block files, their
+checksums and namespaces, prefetch policies, and an engine restarted on the same directory serving
+a repeated prompt's prefix from storage with the tokens an engine without any cache gives."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+import torch
+
+from api.engine import Engine
+from cache.host_tier import HostTier, chain_digests
+from cache.keys import encode_tokens
+from cache.storage_tier import KVLayout, Prefetch, StorageTier
+from runtime.config import EngineConfig
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+BLOCK = 4
+
+
+def _tier(root: Path, identity: str = "model-a", policy: str = "wait_complete") -> StorageTier:
+    return StorageTier(root, {"model": identity}, LAYOUT, BLOCK, policy)  # type: ignore[arg-type]
+
+
+def _block(seed: float) -> torch.Tensor:
+    return torch.arange(2 * 2 * BLOCK * 2, dtype=torch.float32).view(4, BLOCK, 1, 2) + seed
+
+
+def _write_chain(tier: StorageTier, tokens: list[int], blocks: int) -> list[bytes]:
+    keys = chain_digests(tokens, None, BLOCK, blocks)
+    encoded = encode_tokens(tokens)
+    for i, key in enumerate(keys):
+        tier.write(key, encoded[i * BLOCK * 4 : (i + 1) * BLOCK * 4], _block(float(i)))
+    return keys
+
+
+def _read_all(tier: StorageTier, tokens: list[int], matched: int = 0) -> list[torch.Tensor]:
+    prefetch = tier.prefetch(tokens, None, matched)
+    assert prefetch is not None and prefetch.future is not None
+    prefetch.future.result(timeout=10)
+    return prefetch.take()
+
+
+def test_blocks_written_are_read_back_bit_for_bit_and_only_under_the_same_identity(tmp_path: Path):
+    tokens = list(range(100, 112))
+    writer = _tier(tmp_path)
+    _write_chain(writer, tokens, 3)
+    writer.close()  # the queued writes are on disk once close returns
+    assert writer.stats.written_blocks == 3
+    reader = _tier(tmp_path)
+    blocks = _read_all(reader, tokens)
+    assert [torch.equal(b, _block(float(i))) for i, b in enumerate(blocks)] == [True] * 3
+    assert len(_read_all(reader, tokens, matched=4)) == 2  # from the block after a device match
+    assert len(_read_all(reader, tokens, matched=6)) == 1  # a match inside a block: the next whole one
+    changed = _read_all(reader, tokens[:4] + [0] + tokens[5:])
+    assert len(changed) == 1  # block 2 differs: the chain (and the read) stops there
+    other = _tier(tmp_path, identity="model-b")
+    assert other.dir != reader.dir and _read_all(other, tokens) == []
+    assert reader.stats.corrupt_blocks == 0
+    for tier in (reader, other):
+        tier.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_corrupt_or_truncated_block_is_a_miss_and_is_removed(tmp_path: Path, damage: str):
+    tokens = list(range(100, 112))
+    writer = _tier(tmp_path)
+    keys = _write_chain(writer, tokens, 3)
+    writer.close()
+    path = writer.path(keys[1])
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-40] ^= 1  # inside the KV payload
+    else:
+        del data[-10:]
+    path.write_bytes(bytes(data))
+    reader = _tier(tmp_path)
+    assert len(_read_all(reader, tokens)) == 1  # block 0 only: block 1 is never served
+    assert reader.stats.corrupt_blocks == 1 and not path.exists()
+    reader.close()
+
+
+def test_a_file_of_other_tokens_under_a_key_is_a_miss_but_stays(tmp_path: Path):
+    """A digest collision: the file is whole, its tokens are not the request's."""
+    tier = _tier(tmp_path)
+    key = chain_digests([1, 2, 3, 4], None, BLOCK, 1)[0]
+    tier.write(key, encode_tokens([9, 9, 9, 9]), _block(0.0))
+    tier.close()
+    reader = _tier(tmp_path)
+    assert _read_all(reader, [1, 2, 3, 4, 5]) == []
+    assert reader.stats.corrupt_blocks == 0 and tier.path(key).exists()
+    reader.close()
+
+
+def test_prefetch_policies_decide_when_a_queued_request_may_go():
+    pending = Prefetch(0, [], [], deadline=10.0)
+    pending.future = Future()
+    assert pending.may_end("best_effort", now=0.0)
+    assert not pending.may_end("wait_complete", now=100.0)
+    assert not pending.may_end("timeout", now=9.0) and pending.may_end("timeout", now=10.0)
+    pending.future.set_result(None)
+    assert pending.may_end("wait_complete", now=0.0) and pending.may_end("timeout", now=0.0)
+
+
+def test_adopted_blocks_join_the_host_tier_and_a_match_loads_them():
+    host = HostTier(8 * BLOCK, BLOCK, 1, "write_through")
+    tokens = list(range(100, 112))
+    keys = chain_digests(tokens, None, BLOCK, 3)
+    encoded = encode_tokens(tokens)
+    parts = [encoded[i * 16 : (i + 1) * 16] for i in range(3)]
+    assert host.adopt(keys[:2], parts[:2], [_block(0.0), _block(1.0)]) == 2 * BLOCK
+    staged = host.take_pending()
+    assert [c.staged is not None and c.device_slots.numel() == 0 for c in staged] == [True, True]
+    assert host.find(tokens, None, 0, 12) == 8  # the third block was never read
+    assert host.adopt(keys[:1], parts[:1], [_block(0.0)]) == 0  # held already: not read in twice
+    host.check()
+
+
+def _engine(path: str, storage_dir: Path, policy: str, **extra) -> Engine:
+    return Engine(
+        model_path=path, dtype="float32", max_total_tokens=96, inline_core=True,
+        enable_hierarchical_cache=True, hicache_block_tokens=8, hicache_storage_backend="file",
+        hicache_storage_dir=str(storage_dir), hicache_storage_prefetch_policy=policy, **extra,
+    )
+
+
+async def _expected(path: str, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    async with Engine(model_path=path, dtype="float32", max_total_tokens=96, disable_radix_cache=True, inline_core=True) as plain:
+        return [(await plain.generate(input_ids=p, sampling_params=params)).output_ids for p in prompts]
+
+
+async def _fill_storage(path: str, storage_dir: Path, prompts: list[list[int]], params: dict) -> None:
+    """Serve every prompt once; the copies of the last one's blocks go with the next batch, so a
+    short last request carries them."""
+    engine = _engine(path, storage_dir, "best_effort")
+    async with engine:
+        for p in prompts + [[3, 4, 5]]:
+            await engine.generate(input_ids=p, sampling_params=params)
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
+async def test_an_engine_restarted_on_the_directory_serves_the_prefix_from_storage(policy, tiny_model_factory, tmp_path: Path):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 7) % 300 for j in range(60)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    expected = await _expected(path, [prompt], params)
+    await _fill_storage(path, tmp_path, [prompt], params)
+    engine = _engine(path, tmp_path, policy, hicache_storage_prefetch_timeout_s=30.0)
+    async with engine:
+        out = await engine.generate(input_ids=prompt, sampling_params=params)
+        assert out.output_ids == expected[0]
+        assert out.cached_tokens >= 48  # 7 blocks of 8 precede the last prompt token
+        stats = await engine.current_stats()
+        assert stats["hicache_storage_hit_tokens"] >= 48 and stats["hicache_storage_corrupt_blocks"] == 0
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_a_corrupt_block_after_a_restart_is_a_miss_with_the_right_tokens(tiny_model_factory, tmp_path: Path):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 11) % 300 for j in range(60)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    expected = await _expected(path, [prompt], params)
+    await _fill_storage(path, tmp_path, [prompt], params)
+    (namespace,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    files = sorted(namespace.glob("*.kv"))
+    assert len(files) >= 7
+    for f in files:  # every block: the first one read fails whichever it is
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        f.write_bytes(bytes(data))
+    engine = _engine(path, tmp_path, "wait_complete")
+    async with engine:
+        out = await engine.generate(input_ids=prompt, sampling_params=params)
+        assert out.output_ids == expected[0]
+        assert out.cached_tokens == 0
+        stats = await engine.current_stats()
+        assert stats["hicache_storage_corrupt_blocks"] == 1 and stats["hicache_storage_hit_tokens"] == 0
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+async def test_best_effort_never_holds_a_request_and_gives_the_same_tokens(tiny_model_factory, tmp_path: Path):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompts = [[5 + (i * 13 + j * 7) % 300 for j in range(40)] for i in range(3)]
+    params = {**GREEDY, "max_new_tokens": 6}
+    expected = await _expected(path, prompts, params)
+    await _fill_storage(path, tmp_path, prompts, params)
+    engine = _engine(path, tmp_path, "best_effort")
+    async with engine:
+        outs = [await engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+        assert [o.output_ids for o in outs] == expected
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+
+
+def test_the_storage_flags_are_checked_at_construction():
+    with pytest.raises(ValueError, match="hicache_storage_backend needs the host tier: add enable_hierarchical_cache"):
+        EngineConfig(hicache_storage_backend="file")
+    with pytest.raises(ValueError, match="hicache_storage_prefetch_timeout_s must be positive"):
+        EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_prefetch_timeout_s=0)
