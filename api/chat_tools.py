@@ -25,7 +25,7 @@ from typing import Any, Literal
 import orjson
 
 from api.openai_schema import ChatCompletionRequest, NamedToolChoice, ToolDef, invalid
-from api.reasoning_parser import REASONING_PARSERS, THINK_START, ReasoningParser
+from api.reasoning_parser import REASONING_PARSERS, THINK_START, ReasoningParser, Split
 from api.tool_parsers import (
     TOOL_PARSERS,
     CallPiece,
@@ -48,7 +48,6 @@ class ChatParsers:
     tool_call_parser: ToolParserName | None
     reasoning_parser: str | None  # a key of REASONING_PARSERS
     tool_template: bool  # the chat template renders `tools`
-    tool_call_parser_given: bool  # named by the flag (else detected from the template)
 
     @classmethod
     def resolve(cls, tool_call_parser: str | None, reasoning_parser: str | None, chat_template: str | None) -> ChatParsers:
@@ -61,7 +60,7 @@ class ChatParsers:
         tools = TOOL_PARSERS[tool_call_parser] if tool_call_parser else detect_tool_parser(template)
         thinking = "enable_thinking" in template and THINK_START in template
         reasoning = reasoning_parser or ("qwen3" if thinking else None)
-        return cls(tools, reasoning, "tools" in template, tool_call_parser is not None)
+        return cls(tools, reasoning, "tools" in template)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,14 +199,11 @@ class ChoiceParser:
         return Settled(split.reasoning, parsed.content, parsed.pieces)
 
     def finish(self) -> Settled:
-        reasoning = ""
-        parsed = self.tools.feed("")
-        if self.reasoning is not None:
-            split = self.reasoning.finish()
-            reasoning = split.reasoning
-            parsed = self.tools.feed(split.content)
+        """What both parsers still held: the reasoning parser's rest goes through the tools'."""
+        split = self.reasoning.finish() if self.reasoning is not None else Split()
+        parsed = self.tools.feed(split.content)
         parsed.extend(self.tools.finish())
-        return Settled(reasoning, parsed.content, parsed.pieces)
+        return Settled(split.reasoning, parsed.content, parsed.pieces)
 
 
 def finish_reason(reason: str | None, made_calls: bool) -> str | None:
