@@ -73,6 +73,7 @@ class ChatPlan:
     forced_name: str | None
     tool_schema: str | None  # JSON schema decoding follows (required / named)
     reasoning: bool | None  # None: no reasoning parsing; else whether answers start inside it
+    parallel: bool = True  # parallel_tool_calls
 
     @property
     def template_kwargs(self) -> dict[str, Any]:
@@ -86,7 +87,7 @@ class ChatPlan:
         elif self.mode == "required":
             tools = RequiredCalls()
         elif self.mode == "auto" and self.tool_parser is not None:
-            tools = make_tool_parser(self.tool_parser)
+            tools = make_tool_parser(self.tool_parser, self.parallel)
         else:
             tools = PlainText()
         reasoning = ReasoningParser(self.reasoning) if self.reasoning is not None and self.mode not in ("named", "required") else None
@@ -107,7 +108,7 @@ def plan_chat(req: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
         raise invalid(f"tool_choice names the function {named!r}, which is not among tools", "tool_choice")
     rendered = tuple(_rendered(t) for t in tools) if mode != "none" else ()
     schema = _forced_schema(mode, tools, named, req.parallel_tool_calls)
-    return ChatPlan(mode, rendered, parsers.tool_call_parser, named, schema, _reasoning(req, parsers))
+    return ChatPlan(mode, rendered, parsers.tool_call_parser, named, schema, _reasoning(req, parsers), req.parallel_tool_calls)
 
 
 def _mode(choice: str | NamedToolChoice | None, has_tools: bool) -> Mode:

@@ -92,7 +92,8 @@ def call_from_json(value: Any) -> tuple[str, str] | None:
 class ToolParser(ABC):
     """Incremental parser of one choice's text."""
 
-    def __init__(self) -> None:
+    def __init__(self, parallel: bool = True) -> None:
+        self.parallel = parallel  # False (parallel_tool_calls): calls after the first are dropped
         self.calls = 0
         self._held_space = ""  # trailing whitespace of content, kept until we know what follows
 
@@ -117,6 +118,8 @@ class ToolParser(ABC):
 
     def _call(self, out: Parsed, name: str, arguments: str) -> None:
         self._held_space = ""
+        if self.calls and not self.parallel:
+            return
         index = self.calls
         self.calls += 1
         out.pieces.append(CallPiece(index, "", new_call_id(), name))
@@ -139,8 +142,8 @@ class PlainText(ToolParser):
 
 
 class HermesParser(ToolParser):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._buf = ""
         self._in_call = False
         self._searched = 0  # how much of a call's buffer has no end tag (a long call is scanned once)
@@ -188,8 +191,8 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     """An answer that starts with `{` (or `<|python_tag|>`) is calls; any other is content."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, parallel: bool = True) -> None:
+        super().__init__(parallel)
         self._buf = ""
         self._mode: Literal["undecided", "content", "calls"] = "undecided"
 
@@ -294,8 +297,8 @@ def _loads_call(body: str) -> tuple[str, str] | None:
         return None
 
 
-def make_tool_parser(name: ToolParserName) -> ToolParser:
-    return HermesParser() if name == "hermes" else Llama3JsonParser()
+def make_tool_parser(name: ToolParserName, parallel: bool = True) -> ToolParser:
+    return HermesParser(parallel) if name == "hermes" else Llama3JsonParser(parallel)
 
 
 def detect_tool_parser(chat_template: str) -> ToolParserName | None:

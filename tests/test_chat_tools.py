@@ -214,6 +214,8 @@ def test_parallel_calls_get_their_own_indices(echo: ServerThread) -> None:
     assert [(n, json.loads(a)) for _, n, a in calls] == [("get_weather", {"city": "Paris", "days": 2, "unit": "c"}), ("get_time", {"zone": "utc"})]
     assert len({i for i, _, _ in calls}) == 2
     assert text_of(chunks, "content") == ""
+    one = client(echo).chat.completions.create(model="tiny", messages=said(CALL + "\n" + second), tools=[WEATHER, TIME], parallel_tool_calls=False)
+    assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
 
 
 def test_no_tools_or_tool_choice_none_leaves_the_text_alone(echo: ServerThread) -> None:

@@ -175,3 +175,12 @@ def test_bench_tool_parsers_runs_and_prints_one_row_per_parser(monkeypatch: pyte
     # the answers the bench feeds are what the parsers read as calls
     assert message(tool_parsers.HERMES_ANSWER, qwen3_hermes())["tool_calls"][1]["function"]["name"] == "get_weather"
     assert len(message(tool_parsers.LLAMA3_ANSWER, llama3())["tool_calls"]) == 2
+
+
+def test_without_parallel_calls_only_the_first_call_is_made() -> None:
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    for pieces in splits(text):
+        outcome, _ = run(lambda: ChoiceParser(HermesParser(parallel=False), None), pieces)
+        assert outcome == ("", "", [("a", {})]), pieces
+    outcome, _ = run(lambda: ChoiceParser(Llama3JsonParser(parallel=False), None), ['{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'])
+    assert outcome == ("", "", [("a", {})])
