@@ -4,7 +4,8 @@ prompt and of decoding, and how each choice's text becomes content, `reasoning_c
 
 - `tool_choice` "none" (or no tools): the tools are not rendered and nothing is parsed (as SGLang).
 - "auto": the tools are rendered through the chat template and the answer is read by the
-  --tool-call-parser (or the one the template's text names).
+  --tool-call-parser (or the one the template's text names); without `parallel_tool_calls` only
+  the first call is made.
 - "required" / a named function: decoding is constrained by the structured-output grammar, so the
   call always parses and validates: a named function's output is its arguments object (the tool's
   `parameters` schema), "required" an array of `{"name", "parameters"}` (one item without
