@@ -374,6 +374,21 @@ def test_queue_order_as_sglang(policy: str, priority: bool, page: int, cached: l
     pair.check()  # the ordering matches split the same nodes and touch the same access times
 
 
+
+@pytest.mark.parametrize("size", [128, 129])
+@settings(FEW, max_examples=5)
+@given(data=st.data())
+def test_lpm_falls_back_to_the_queue_order_past_128_as_sglang(size: int, data: st.DataObject) -> None:
+    cached, queue = data.draw(CACHED), data.draw(st.lists(specs(), min_size=size, max_size=size))
+    pair = CachePair.new(1)
+    warm_cache(pair, cached)
+    ours = QueueOrderer(EngineConfig(schedule_policy="lpm"), pair.ours, random.Random(0)).order(
+        [our_req(i, spec) for i, spec in enumerate(queue)], now=10.0
+    )
+    sgl = [sgl_req(i, spec) for i, spec in enumerate(queue)]
+    SGL.schedule_policy.SchedulePolicy("lpm", pair.sgl, False, False, False).calc_priority(sgl)
+    assert [r.rid for r in ours] == [r.rid for r in sgl]
+
 # ---------------------------------------------------------------------------------------------
 # One prefill round: PrefillAdder vs SGLang's PrefillAdder, in the scheduler's loop
 # ---------------------------------------------------------------------------------------------
