@@ -199,7 +199,6 @@ class SglBatch:
     enable_overlap: bool = False
     is_hybrid_swa: bool = False
     spec_algorithm: _SpecAlgorithm = field(default_factory=_SpecAlgorithm)
-    batch_is_full: bool = False
 
     def filter_batch(self, keep_indices: list[int]) -> None:
         # Re-stated: SGLang's also filters the batch tensors, which this stand-in has none of.
