@@ -1,0 +1,52 @@
+"""bench/trace_replay.py on a small trace whose hits can be counted by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench.trace_replay import BLOCK, TraceRequest, main, prompt_tokens, read_trace, replay
+
+# Request 2 repeats request 0's two blocks and adds one; request 3 shares request 1's first block.
+TRACE = [
+    {"timestamp": 0, "input_length": 2 * BLOCK, "output_length": 4, "hash_ids": [0, 1]},
+    {"timestamp": 10, "input_length": 2 * BLOCK, "output_length": 4, "hash_ids": [2, 3]},
+    {"timestamp": 20, "input_length": 3 * BLOCK, "output_length": 4, "hash_ids": [0, 1, 4]},
+    {"timestamp": 30, "input_length": BLOCK + 100, "output_length": 4, "hash_ids": [2, 5]},
+]
+
+
+def _trace(tmp_path: Path) -> str:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRACE))
+    return str(path)
+
+
+def test_prompts_are_built_from_their_blocks():
+    a, b = (prompt_tokens(TraceRequest(**r)) for r in TRACE[:2])
+    assert len(a) == 2 * BLOCK and a[:2] == [1, 2] and a[BLOCK] == BLOCK + 1
+    assert b[0] == 2 * BLOCK + 1
+
+
+def test_hits_add_up_for_an_unbounded_and_a_small_pool(tmp_path: Path):
+    trace = read_trace(_trace(tmp_path))
+    total = sum(r["input_length"] for r in TRACE)
+    unbounded = replay(trace, "unbounded", total + BLOCK, page_size=16)
+    # request 2 finds request 0's 1,024 tokens; request 3 finds request 1's first block
+    assert unbounded.device_hit_tokens == 2 * BLOCK + BLOCK and unbounded.host_hit_tokens == 0
+    assert unbounded.prompt_tokens == total
+    small = replay(trace, "small", 3 * BLOCK + 64, page_size=16)
+    assert small.device_hit_tokens < unbounded.device_hit_tokens
+    tiered = replay(trace, "tiered", 3 * BLOCK + 64, host_tokens=8 * BLOCK, page_size=16)
+    assert tiered.device_hit_tokens + tiered.host_hit_tokens == unbounded.device_hit_tokens
+    assert tiered.host_hit_tokens > 0
+
+
+def test_the_command_prints_a_row_per_cache_and_writes_json(tmp_path: Path, capsys):
+    out = tmp_path / "out.jsonl"
+    assert main(["--trace", _trace(tmp_path), "--device-tokens", str(3 * BLOCK + 64), "--page-size", "16",
+                 "--host-ratio", "2", "--output", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["cache"].split(",")[0] for r in rows] == ["unbounded", "radix", "+ host 2x"]
+    assert all(abs(r["prefill_tokens_saved"] / r["prompt_tokens"] - r["hit_rate"]) < 1e-4 for r in rows)
+    assert "unbounded" in capsys.readouterr().out
