@@ -19,6 +19,7 @@ stopped answer made calls).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -109,7 +110,24 @@ def plan_chat(req: ChatCompletionRequest, parsers: ChatParsers) -> ChatPlan:
         raise invalid(f"tool_choice names the function {named!r}, which is not among tools", "tool_choice")
     rendered = tuple(_rendered(t) for t in tools) if mode != "none" else ()
     schema = _forced_schema(mode, tools, named, req.parallel_tool_calls)
+    problem = schema_problem(schema) if schema is not None else None
+    if problem is not None:  # else the engine's refusal would name json_schema, a field never sent
+        raise invalid(f"tools: these parameters cannot constrain a forced call (tool_choice {mode}): {problem}", "tools")
     return ChatPlan(mode, rendered, parsers.tool_call_parser, named, schema, _reasoning(req, parsers), req.parallel_tool_calls)
+
+
+@functools.lru_cache(maxsize=256)
+def schema_problem(schema: str) -> str | None:
+    """Why a JSON schema cannot become a grammar (as the engine's compiler lowers it), or None."""
+    from actors.json_schema import json_schema_grammar
+
+    try:
+        json_schema_grammar(schema)
+    except ImportError:
+        return None  # no xgrammar: the engine says so itself
+    except (RuntimeError, ValueError) as exc:  # xgrammar's errors, and json_schema's own refusals
+        return str(exc).splitlines()[0]
+    return None
 
 
 def _mode(choice: str | NamedToolChoice | None, has_tools: bool) -> Mode:

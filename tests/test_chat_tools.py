@@ -338,6 +338,9 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("tool_choice without tools", {"tool_choice": "required"}, "tool_choice", "tools"),
     ("an unknown tool_choice", {"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "tool_choice"),
     ("a forced call with response_format", {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
+
+    ("parameters no grammar can follow", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tools", "nonsense"),
+    ("a pattern with bounds", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string", "pattern": "a+", "maxLength": 3}}}}}], "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools", "maxLength"),
 ]
 
 
