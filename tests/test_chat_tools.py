@@ -520,3 +520,12 @@ def test_serve_takes_the_parser_flags_by_sglang_names(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--tool-call-parser", "mistral"])
     assert "argument --tool-call-parser: invalid choice: 'mistral'" in capsys.readouterr().err
+
+
+def test_a_response_text_format_constrains_the_output(model: ServerThread) -> None:
+    schema = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"], "additionalProperties": False}
+    out = client(model).responses.create(
+        model="tiny", input="Zone?", max_output_tokens=100, text={"format": {"type": "json_schema", "name": "zone", "schema": schema, "strict": True}},
+    )
+    assert out.status == "completed"
+    jsonschema.validate(json.loads(out.output_text), schema)
