@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from api.engine import Engine, EngineError, InvalidRequest, Rejected
 from api.launch import generation_defaults
@@ -575,13 +576,25 @@ def _default_model_name(model_path: str | None) -> str:
 
 
 # --- running ----------------------------------------------------------------------------------
+class ProtocolLog(logging.LoggerAdapter):
+    """aiohttp's log of its connections. A request it cannot parse is the client's error, answered
+    400: one warning line, not an error with a traceback. SGLang's router, for one, probes each
+    worker with an HTTP/2 preface as it starts."""
+
+    def exception(self, msg: object, *args: object, exc_info: Any = True, **kwargs: Any) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.warning(f"{msg} (answered {exc_info.code}): %s", *args, exc_info.message.splitlines()[0])
+            return
+        super().exception(msg, *args, exc_info=exc_info, **kwargs)
+
+
 async def start_site(server: Server, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Listen on host:port (0: a free port); returns the runner and the bound port."""
     # auto_decompress off: bodies are read as sent (as SGLang's and vLLM's servers do). aiohttp's
     # decompression of a body that is not what its Content-Encoding says answered 500, or never.
     runner = web.AppRunner(
         server.app, handler_cancellation=True, access_log=None, shutdown_timeout=server.settings.shutdown_timeout_s,
-        auto_decompress=False,
+        auto_decompress=False, logger=ProtocolLog(logging.getLogger("aiohttp.server"), {}),
     )
     await runner.setup()
     site = web.TCPSite(runner, host, port)
