@@ -56,8 +56,20 @@ def _typed_as_sglang_reads(body: dict, fields: dict[str, type]) -> dict[str, obj
     return wrong
 
 
-async def test_a_worker_answers_what_sglangs_router_reads_under_sglangs_current_names(model_path):  # noqa: F811
+async def test_a_worker_answers_what_sglangs_router_reads_under_sglangs_current_names(model_path, capfd):  # noqa: F811
     with workers(model_path, 1, ("--api-key", KEY)) as [(_, url)]:
+        # SGLang's router first probes for gRPC with an HTTP/2 preface: a 400, logged as one warning line
+        reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+        writer.write(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 10)).startswith(b"HTTP/1.0 400")
+        writer.close()
+        logged = ""
+        for _ in range(50):  # the worker's stderr, as it comes
+            logged += capfd.readouterr().err
+            if "Error handling request" in logged:
+                break
+            await asyncio.sleep(0.1)
+        assert "WARNING aiohttp.server: Error handling request" in logged and "Traceback" not in logged, logged
         async with aiohttp.ClientSession() as session:
             for new, old in (("/server_info", "/get_server_info"), ("/model_info", "/get_model_info"), ("/get_load", None)):
                 assert (await _get(session, f"{url}{new}", {}))[0] == 401  # keyed as the old names are
@@ -158,10 +170,11 @@ async def test_behind_sglangs_router(model_path, sglang_router_module, tmp_path)
                 async with session.post(f"{base}/generate", json={**body, "stream": True}) as r:
                     events = await _events(r)
                 assert r.status == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["output_ids"] == direct
-                stream = {"model": "default", "prompt": "once upon", "max_tokens": 5, "ignore_eos": True, "stream": True}
+                stream = {"model": "default", "prompt": "once upon", "max_tokens": 5, "ignore_eos": True, "stream": True,
+                          "stream_options": {"include_usage": True}}
                 async with session.post(f"{base}/v1/completions", json=stream) as r:
                     events = await _events(r)
-                assert r.status == 200 and events[-1] == "[DONE]" and len(events) >= 6
+                assert r.status == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 5
 
                 # cache-aware stickiness: one long prompt, again and again, stays on one worker and hits its cache
                 prompt = {"text": "the quick brown fox jumps over the lazy dog " * 20, "sampling_params": GREEDY}
