@@ -1,23 +1,32 @@
-"""The CPU the chat parsers add per streamed token (api/chat_tools.py, issue 31).
+"""What tool calling costs (issue 31): the chat parsers' CPU per streamed token, and a forced
+call's grammar per decode step against free decoding.
 
-    python -m bench.tool_parsers [--repeats 7] [--answers 200]
+    python -m bench.tool_parsers [--repeats 7] [--answers 200] [--engine-repeats 3] [--skip-engine]
 
 An answer of a thinking model that calls tools (reasoning, a sentence of content, two
 <tool_call>s) is cut into the pieces the tiny models' tokenizer decodes it to (~2 characters
 each, so markers split often), and fed piece by piece to a fresh parser per answer, as a streamed
 chat does: plain text (no parsing), hermes, qwen3 reasoning + hermes, and llama3 on its own
 format. Median microseconds per token over --repeats runs of --answers answers.
+
+Then, through `api.Engine` on bench.offline's tiny Qwen3: 16 requests of 64 greedy tokens, free
+against `tool_choice: required` (the grammar the chat server builds from a tool whose arguments
+are at least 1,000 integers, so no call can end before its 64 tokens and both runs decode the same
+tokens), alternating --engine-repeats times after a warm-up: median seconds and the ratio.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import random
 import statistics
 import time
 from collections.abc import Callable
 
-from api.chat_tools import ChoiceParser
+from api.chat_tools import ChatParsers, ChoiceParser, plan_chat
+from api.openai_schema import ChatCompletionRequest
 from api.reasoning_parser import ReasoningParser
 from api.tool_parsers import HermesParser, Llama3JsonParser, PlainText
 
@@ -62,16 +71,78 @@ def per_token_us(factory: Factory, tokens: list[str], answers: int) -> float:
     return (time.perf_counter() - start) / (answers * len(tokens)) * 1e6
 
 
+RECORD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "record",
+        "parameters": {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}, "minItems": 1000}}, "required": ["values"]},
+    },
+}
+ROWS, NEW_TOKENS, PROMPT_TOKENS = 16, 64, 32
+
+
+def forced_schema() -> str:
+    """The JSON schema a chat request with RECORD_TOOL and tool_choice required decodes under."""
+    req = msgspec_chat({"messages": [{"role": "user", "content": "x"}], "tools": [RECORD_TOOL], "tool_choice": "required"})
+    plan = plan_chat(req, ChatParsers("hermes", None, tool_template=True))
+    assert plan.tool_schema is not None
+    return plan.tool_schema
+
+
+def msgspec_chat(body: dict) -> ChatCompletionRequest:
+    import msgspec
+
+    return msgspec.convert(body, ChatCompletionRequest)
+
+
+async def engine_runs(repeats: int) -> dict[str, list[float]]:
+    from api.engine import Engine
+    from bench.offline import engine_vocab_size, tiny_qwen3_dir
+
+    config = {"model_path": str(tiny_qwen3_dir())}
+    rng = random.Random(0)
+    vocab = engine_vocab_size(config)
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(PROMPT_TOKENS)] for _ in range(ROWS)]
+    kinds = {"free": {}, "tool_choice required": {"json_schema": forced_schema()}}
+
+    async def run(engine: Engine, extra: dict) -> float:
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True, **extra}
+        start = time.perf_counter()
+        outs = await asyncio.gather(*[engine.generate(input_ids=p, sampling_params=params) for p in prompts])
+        assert all(o.finish_reason == "length" and o.completion_tokens == NEW_TOKENS for o in outs), [o.finish_reason for o in outs]
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {label: [] for label in kinds}
+    async with Engine(**config) as engine:
+        for extra in kinds.values():  # warm-up: the grammar's first compile, the first forwards
+            await run(engine, extra)
+        for _ in range(repeats):
+            for label, extra in kinds.items():
+                times[label].append(await run(engine, extra))
+    return times
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--answers", type=int, default=200)
+    p.add_argument("--engine-repeats", type=int, default=3)
+    p.add_argument("--skip-engine", action="store_true")
     args = p.parse_args()
     print(f"{'parser':<16} {'tokens':>6} {'us/token (median)':>18}")
     for name, (factory, text) in CASES.items():
         tokens = pieces(text)
         runs = [per_token_us(factory, tokens, args.answers) for _ in range(args.repeats)]
         print(f"{name:<16} {len(tokens):>6} {statistics.median(runs):>18.2f}")
+    if args.skip_engine:
+        return
+    times = asyncio.run(engine_runs(args.engine_repeats))
+    print(f"\n| {ROWS} x {NEW_TOKENS} tokens, tiny Qwen3 | s (median) | ms per step |")
+    print("| --- | --- | --- |")
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    for label, median in medians.items():
+        print(f"| {label} | {median:.2f} | {1e3 * median / NEW_TOKENS:.1f} |")
+    print(f"\ntime ratio tool_choice required / free: {medians['tool_choice required'] / medians['free']:.3f}")
 
 
 if __name__ == "__main__":

@@ -166,8 +166,8 @@ def test_bench_tool_parsers_runs_and_prints_one_row_per_parser(monkeypatch: pyte
 
     from bench import tool_parsers
 
-    monkeypatch.setattr(sys, "argv", ["bench.tool_parsers", "--repeats", "1", "--answers", "2"])
-    tool_parsers.main()
+    monkeypatch.setattr(sys, "argv", ["bench.tool_parsers", "--repeats", "1", "--answers", "2", "--skip-engine"])
+    tool_parsers.main()  # --skip-engine: the engine part is a separate smoke run below
     rows = [line.rsplit(None, 2) for line in capsys.readouterr().out.splitlines()[1:]]
     assert [r[0].strip() for r in rows] == list(tool_parsers.CASES)
     for (name, tokens, us), (_, text) in zip(rows, tool_parsers.CASES.values()):
