@@ -25,6 +25,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from api.chat_tools import ChatParsers, ChoiceParser, plan_chat
 from api.openai_schema import ChatCompletionRequest
 from api.reasoning_parser import ReasoningParser
@@ -83,16 +85,11 @@ ROWS, NEW_TOKENS, PROMPT_TOKENS = 16, 64, 32
 
 def forced_schema() -> str:
     """The JSON schema a chat request with RECORD_TOOL and tool_choice required decodes under."""
-    req = msgspec_chat({"messages": [{"role": "user", "content": "x"}], "tools": [RECORD_TOOL], "tool_choice": "required"})
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [RECORD_TOOL], "tool_choice": "required"}
+    req = msgspec.convert(body, ChatCompletionRequest)
     plan = plan_chat(req, ChatParsers("hermes", None, tool_template=True))
     assert plan.tool_schema is not None
     return plan.tool_schema
-
-
-def msgspec_chat(body: dict) -> ChatCompletionRequest:
-    import msgspec
-
-    return msgspec.convert(body, ChatCompletionRequest)
 
 
 async def engine_runs(repeats: int) -> dict[str, list[float]]:
