@@ -188,6 +188,9 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{p}:{name}", doc, value=value)
         for name, doc, key in counters:
             yield CounterMetricFamily(f"{p}:{name}", doc, value=s.get(key, 0))
+        for name, doc, key in _HICACHE_COUNTERS:
+            if key in s:  # only with the tier (--enable-hierarchical-cache, --hicache-storage-backend)
+                yield CounterMetricFamily(f"{p}:{name}", doc, value=s[key])
         yield from _per_replica(s.get("replicas", []))
 
     def _throughput(self, s: dict[str, Any]) -> float:
@@ -196,6 +199,19 @@ class _EngineCollector:
         if last is None or now <= last[0]:
             return 0.0
         return (tokens - last[1]) / (now - last[0])
+
+
+# Per tier of the hierarchical cache: (series, doc, Engine.stats() key).
+_HICACHE_COUNTERS = (
+    ("hicache_host_hit_tokens", "Prompt tokens loaded back into the KV pool from the host tier (L2)", "hicache_host_hit_tokens"),
+    ("hicache_host_stored_tokens", "Tokens copied from the KV pool to the host tier", "hicache_stored_tokens"),
+    ("hicache_storage_hit_tokens", "Prompt tokens read from the storage tier (L3) into the host tier", "hicache_storage_hit_tokens"),
+    ("hicache_storage_written_bytes", "Bytes written to the storage tier", "hicache_storage_written_bytes"),
+    ("hicache_storage_write_seconds", "Seconds the storage tier's writer spent on writes", "hicache_storage_write_s"),
+    ("hicache_storage_read_bytes", "Bytes read from the storage tier", "hicache_storage_read_bytes"),
+    ("hicache_storage_read_seconds", "Seconds the storage tier's reader spent on reads", "hicache_storage_read_s"),
+    ("hicache_storage_corrupt_blocks", "Storage blocks that failed their checksum (removed, served as misses)", "hicache_storage_corrupt_blocks"),
+)
 
 
 def _per_replica(replicas: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -4,6 +4,8 @@ a repeated prompt's prefix from storage with the tokens an engine without any ca
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from api.engine import Engine
+from api.metrics import ServerMetrics
 from cache.host_tier import HostTier, chain_digests
 from cache.keys import encode_tokens
 from cache.storage_tier import KVLayout, Prefetch, StorageTier
@@ -128,6 +131,12 @@ def _engine(path: str, storage_dir: Path, policy: str, **extra) -> Engine:
     )
 
 
+def _scrape(engine: Engine) -> dict[str, float]:
+    """/metrics as the server renders it (its collector reads Engine.stats())."""
+    lines = ServerMetrics(engine.stats).render().decode().splitlines()
+    return {name: float(value) for name, value in (line.split(" ") for line in lines if line.startswith("actorserve:hicache"))}
+
+
 async def _expected(path: str, prompts: list[list[int]], params: dict) -> list[list[int]]:
     async with Engine(model_path=path, dtype="float32", max_total_tokens=96, disable_radix_cache=True, inline_core=True) as plain:
         return [(await plain.generate(input_ids=p, sampling_params=params)).output_ids for p in prompts]
@@ -158,6 +167,9 @@ async def test_an_engine_restarted_on_the_directory_serves_the_prefix_from_stora
         assert out.cached_tokens >= 48  # 7 blocks of 8 precede the last prompt token
         stats = await engine.current_stats()
         assert stats["hicache_storage_hit_tokens"] >= 48 and stats["hicache_storage_corrupt_blocks"] == 0
+        scraped = _scrape(engine)
+        assert scraped["actorserve:hicache_storage_hit_tokens_total"] == stats["hicache_storage_hit_tokens"]
+        assert scraped["actorserve:hicache_storage_read_bytes_total"] > 0
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
 
@@ -205,3 +217,31 @@ def test_the_storage_flags_are_checked_at_construction():
         EngineConfig(hicache_storage_backend="file")
     with pytest.raises(ValueError, match="hicache_storage_prefetch_timeout_s must be positive"):
         EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_prefetch_timeout_s=0)
+
+
+async def test_a_request_aborted_while_its_blocks_are_read_ends_and_leaves_nothing(tiny_model_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 5) % 300 for j in range(40)]
+    params = {**GREEDY, "max_new_tokens": 4}
+    expected = await _expected(path, [prompt], params)
+    await _fill_storage(path, tmp_path, [prompt], params)
+    engine = _engine(path, tmp_path, "wait_complete")
+    async with engine:
+        assert engine.core is not None and engine.core.policy.storage is not None
+        policy, storage, release = engine.core.policy, engine.core.policy.storage, threading.Event()
+        read = storage.read
+        monkeypatch.setattr(storage, "read", lambda key, tokens: release.wait(10) and read(key, tokens))
+        held = asyncio.create_task(engine.generate(input_ids=prompt, sampling_params=params, rid="held"))
+        for _ in range(500):
+            if "held" in policy.prefetching:
+                break
+            await asyncio.sleep(0.01)
+        assert "held" in policy.prefetching  # wait_complete: not queued while its blocks are read
+        await engine.abort("held")
+        assert (await asyncio.wait_for(held, 10)).finish_reason == "abort"
+        assert not policy.prefetching
+        release.set()
+        again = await engine.generate(input_ids=prompt, sampling_params=params)
+        assert again.output_ids == expected[0] and again.cached_tokens >= 32
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
