@@ -334,6 +334,10 @@ class Adder(Actor[AdderMsg]):
         slots: list[torch.Tensor] = []
         produces: list[bool] = []
         done: list[Req] = []
+        # Room for the whole batch at once, as SGLang's alloc_for_extend: the extends, and a page
+        # per request where pages are larger than a token.
+        pages = len(adder.admitted) * self.page_size if self.page_size > 1 else 0
+        self.kv.make_room(sum(adm.extend_len for adm in adder.admitted) + pages)
         for adm in adder.admitted:
             req = adm.req
             slots.append(self._allocate_admission(adm))
@@ -378,7 +382,6 @@ class Adder(Actor[AdderMsg]):
                 req.sched.cached_tokens = adm.prefix_len
                 req.sched.admitted_time = time.monotonic()
         assert req.sched.req_row is not None
-        self.kv.make_room(adm.extend_len + self.page_size)
         new_slots = self.kv.extend(req.sched.req_row, adm.extend_len)
         assert new_slots is not None, "the PrefillAdder budget guarantees the KV"
         return new_slots
