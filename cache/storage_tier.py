@@ -71,7 +71,8 @@ class KVLayout:
 
 @dataclass(slots=True)
 class StorageStats:
-    """Written by the tier's threads (each counter by one thread), read by the Adder's stats."""
+    """Written by the tier's threads (each counter by one thread; `dropped_writes` under the
+    tier's lock), read by the Adder's stats."""
 
     written_blocks: int = 0
     written_bytes: int = 0
@@ -158,7 +159,7 @@ class StorageTier:
             self._writer.submit(self._write_file, key, tokens, kv)
 
     def _write_file(self, key: bytes, tokens: bytes, kv: torch.Tensor) -> None:
-        start = time.perf_counter()
+        start, failed = time.perf_counter(), False
         try:
             path = self.path(key)
             if not path.exists():  # written before (this run or an earlier one)
@@ -171,12 +172,13 @@ class StorageTier:
                 self.stats.written_blocks += 1
                 self.stats.written_bytes += len(header) + len(tokens) + payload.nbytes + _CHECKSUM_BYTES
         except OSError as error:  # a full or read-only disk costs hits, never the engine
-            self.stats.dropped_writes += 1
+            failed = True
             log.warning("storage tier: writing %s failed: %s", key.hex(), error)
         finally:
             self.stats.write_s += time.perf_counter() - start
             with self._lock:
                 self._pending_writes -= 1
+                self.stats.dropped_writes += failed
 
     # -- reads (the Policy starts a prefetch, the reader thread reads)
 
@@ -185,14 +187,17 @@ class StorageTier:
         tokens (its device match); None when not one whole block is left."""
         b = self.block_tokens
         first, last = -(-matched // b), len(token_ids) // b
-        if last <= first or self._closed:
+        if last <= first:
             return None
         keys = chain_digests(token_ids, extra_key, b, last)[first:]
         encoded = encode_tokens(token_ids[first * b : last * b])
         tokens = [encoded[i * b * 4 : (i + 1) * b * 4] for i in range(last - first)]
         timeout = self.prefetch_timeout_s + TIMEOUT_PER_KI_TOKEN_S * (last - first) * b / 1024
         prefetch = Prefetch(first, keys, tokens, deadline=time.monotonic() + timeout)
-        prefetch.future = self._reader.submit(self._read_blocks, prefetch)
+        with self._lock:
+            if self._closed:
+                return None
+            prefetch.future = self._reader.submit(self._read_blocks, prefetch)
         return prefetch
 
     def _read_blocks(self, prefetch: Prefetch) -> None:

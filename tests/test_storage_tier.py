@@ -16,6 +16,7 @@ from api.engine import Engine
 from api.metrics import ServerMetrics
 from cache.host_tier import HostTier, chain_digests
 from cache.keys import encode_tokens
+from cache import storage_tier
 from cache.storage_tier import KVLayout, Prefetch, StorageTier
 from runtime.config import EngineConfig
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
@@ -245,3 +246,20 @@ async def test_a_request_aborted_while_its_blocks_are_read_ends_and_leaves_nothi
         assert again.output_ids == expected[0] and again.cached_tokens >= 32
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
+
+
+def test_a_failed_or_overflowing_write_is_dropped_and_counted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    full, overflowing = _tier(tmp_path), _tier(tmp_path)
+
+    def disk_full(path: Path, *parts: bytes) -> None:
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage_tier, "_write_atomic", disk_full)
+        _write_chain(full, list(range(100, 104)), 1)
+        full.close()  # the failed write is done
+    monkeypatch.setattr(storage_tier, "MAX_PENDING_WRITES", 0)
+    _write_chain(overflowing, list(range(200, 204)), 1)  # the queue is "full": not even queued
+    overflowing.close()
+    assert [(t.stats.dropped_writes, t.stats.written_blocks) for t in (full, overflowing)] == [(1, 0), (1, 0)]
+    assert list(full.dir.glob("*.kv")) == []
