@@ -16,7 +16,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
+from api.reasoning_parser import REASONING_PARSERS
 from api.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED, Takes
+from api.tool_parsers import TOOL_PARSERS
 from runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -76,9 +78,14 @@ FIELD_HELP: dict[str, str] = {
     "page_size": "tokens per KV page",
     "disable_radix_cache": "no prefix caching",
     "radix_eviction_policy": "which cached prefixes go first",
+    "enable_hierarchical_cache": "keep KV evicted from the pool in host memory and load it back on a match (SGLang's HiCache L2)",
+    "hicache_ratio": "host tier size as a multiple of the KV pool",
+    "hicache_write_policy": "write_through: copy cached pages to the host as they are cached; write_back: when evicted",
+    "hicache_block_tokens": "tokens per host-tier block (a multiple of page_size)",
     "schedule_policy": "order of the waiting queue",
     "lpm_fallback_queue_len": "lpm acts as fcfs while the queue is longer than this",
     "max_prefill_tokens": "token budget of one prefill batch",
+    "prefill_max_requests": "most requests in one prefill batch (none: no limit)",
     "chunked_prefill_size": "longest prefill chunk (-1: no chunking)",
     "enable_mixed_chunk": "run prefill chunks and decodes in one batch",
     "schedule_conservativeness": "higher: reserve more KV for future tokens, retract less",
@@ -150,6 +157,14 @@ def add_parser(commands: Any) -> None:
     server.add_argument(
         "--watchdog-timeout", type=_converter(float, True), default=300.0, metavar="FLOAT|none",
         help="seconds a replica may run requests without finishing a forward step before the server fails (exit 1)",
+    )
+    server.add_argument(
+        "--tool-call-parser", choices=tuple(TOOL_PARSERS), default=None,
+        help="how tool calls are read from answers (none: the format the chat template names, if any)",
+    )
+    server.add_argument(
+        "--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
+        help="<think> reasoning into reasoning_content (none: qwen3 where the template has enable_thinking and <think>)",
     )
     for field in msgspec.structs.fields(EngineConfig):
         _add_field(engine, field)
@@ -270,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         log_requests_level=args.log_requests_level,
         log_requests_format=args.log_requests_format,
         watchdog_timeout_s=args.watchdog_timeout,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     return uvloop.run(serve(kwargs, settings))
 
