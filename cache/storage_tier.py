@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 import threading
@@ -86,10 +87,10 @@ class StorageStats:
 
 @dataclass(slots=True)
 class Prefetch:
-    """One request's read of consecutive blocks `first_block ..` from storage. The reader thread
-    appends to `blocks` (a read stops at the first miss); the Adder takes what is there."""
+    """One request's read of consecutive blocks (`keys`, each block's `tokens`) from storage. The
+    reader thread appends to `blocks` (a read stops at the first miss); the Adder takes what is
+    there."""
 
-    first_block: int
     keys: list[bytes]
     tokens: list[bytes]
     deadline: float  # monotonic; the `timeout` policy lets the request go then
@@ -114,6 +115,8 @@ class Prefetch:
 
 
 class StorageTier:
+    """The block files of one model identity under `root`, and the threads that write and read them."""
+
     def __init__(
         self,
         root: str | os.PathLike[str],
@@ -136,7 +139,7 @@ class StorageTier:
         _write_atomic(self.dir / "manifest.json", text.encode())  # for people: which model this is
         self.stats = StorageStats()
         self._shape = layout.block_shape(block_tokens)
-        self._payload_bytes = _numel(self._shape) * torch.empty((), dtype=layout.dtype).element_size()
+        self._payload_bytes = math.prod(self._shape) * torch.empty((), dtype=layout.dtype).element_size()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="actorserve-storage-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="actorserve-storage-read")
         self._lock = threading.Lock()  # orders `write` against `close`
@@ -193,7 +196,7 @@ class StorageTier:
         encoded = encode_tokens(token_ids[first * b : last * b])
         tokens = [encoded[i * b * 4 : (i + 1) * b * 4] for i in range(last - first)]
         timeout = self.prefetch_timeout_s + TIMEOUT_PER_KI_TOKEN_S * (last - first) * b / 1024
-        prefetch = Prefetch(first, keys, tokens, deadline=time.monotonic() + timeout)
+        prefetch = Prefetch(keys, tokens, deadline=time.monotonic() + timeout)
         with self._lock:
             if self._closed:
                 return None
@@ -253,13 +256,6 @@ class StorageTier:
             self._closed = True
         self._reader.shutdown(wait=False, cancel_futures=True)
         self._writer.shutdown(wait=True)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for size in shape:
-        n *= size
-    return n
 
 
 def _write_atomic(path: Path, *parts: bytes | memoryview) -> None:

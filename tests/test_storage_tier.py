@@ -101,7 +101,7 @@ def test_a_file_of_other_tokens_under_a_key_is_a_miss_but_stays(tmp_path: Path):
 
 
 def test_prefetch_policies_decide_when_a_queued_request_may_go():
-    pending = Prefetch(0, [], [], deadline=10.0)
+    pending = Prefetch([], [], deadline=10.0)
     pending.future = Future()
     assert pending.may_end("best_effort", now=0.0)
     assert not pending.may_end("wait_complete", now=100.0)
