@@ -138,16 +138,26 @@ class ModelStepRunner:
             return
         assert self.host_kv is not None, "host tier copies without a host tier"
         device_kv = self.runner.kv
+        on_cuda = device_kv.k[0].device.type == "cuda"
+        # A copy to the device is asynchronous on CUDA: until the stream passes it, a write into its
+        # host slots from the CPU (a block read from storage) would race it. A copy to the host is
+        # blocking: it waits for the stream.
+        reads_in_flight = on_cuda  # this step's predecessors may still be copying
         for copy in batch.kv_copies:
             if copy.staged is not None:
+                if reads_in_flight:
+                    torch.cuda.current_stream(device_kv.k[0].device).synchronize()
+                    reads_in_flight = False
                 _fill_host(self.host_kv, copy.host_slots, copy.staged)
             elif copy.to_host:
                 device_kv.copy_to(copy.device_slots, self.host_kv, copy.host_slots)
+                reads_in_flight = False  # the blocking copy waited for the stream
                 if copy.persist is not None and self.storage is not None:
                     # A copy (the gather), so the write never sees the slots reused.
                     self.storage.write(copy.persist.key, copy.persist.tokens, _gather_host(self.host_kv, copy.host_slots))
             else:
                 self.host_kv.copy_to(copy.host_slots, device_kv, copy.device_slots)
+                reads_in_flight = on_cuda
 
     def _step(self, batch: Batch) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
         """Forward, sample, store the sampled ids in the token pool; (inputs, logits, results)."""
