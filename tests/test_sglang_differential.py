@@ -96,8 +96,6 @@ KNOWN: dict[str, str] = {
     "one admitted last; SGLang's stable sort takes the one admitted first",
     "F8": "a request with prompt logprobs from logprob_start_len k matches at most k - 1 cached tokens; "
     "SGLang's init_next_round_input matches up to k (README states ours; not named as a deviation)",
-    "F7": "prefill allocation evicts per request for extend + page (page 1 too); SGLang evicts once per batch "
-    "for the sum of the extends (+ a page per request only when paged)",
 }
 
 
@@ -892,13 +890,13 @@ def test_new_token_ratio_as_sglang(conservativeness: float, ops: list[tuple]) ->
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("page", [pytest.param(1, marks=known("F7")), pytest.param(4, marks=known("F7")), 16])
+@pytest.mark.parametrize("page", [1, 4, 16])
 @FEW
 @given(cached=CACHED, extends=st.lists(st.integers(1, 40), min_size=1, max_size=4), slack=st.integers(0, 64))
 def test_prefill_allocation_evicts_as_sglang(page: int, cached: list, extends: list[int], slack: int) -> None:
     """Admitted requests with fresh rows get their extends: ours as actors/adder.py's
-    _allocate_admission (make_room per request), SGLang's as alloc_for_extend (one
-    evict_from_tree_cache for the batch: the extends, plus a page per request when paged)."""
+    _prefill_batch makes room, SGLang's as alloc_for_extend (one evict_from_tree_cache for the
+    batch: the extends, plus a page per request when paged)."""
     pair = CachePair.new(page)
     warm_cache(pair, cached)
     filler = pair.ours_alloc.available_size() - slack
@@ -908,8 +906,8 @@ def test_prefill_allocation_evicts_as_sglang(page: int, cached: list, extends: l
     if sum(paged) > pair.ours_alloc.available_size() + pair.ours.evictable_size():
         return  # the PrefillAdder's budget never admits this
     kv = KVLedger(pair.ours_alloc, ReqToTokenPool(ROWS, 64), pair.ours)
+    kv.make_room(sum(extends) + (len(extends) * page if page > 1 else 0))
     for n in extends:
-        kv.make_room(n + page)
         assert pair.ours_alloc.alloc(n) is not None
     need = sum(extends) + (len(extends) * page if page > 1 else 0)
     SGL.evict_from_tree_cache(pair.sgl, need)
@@ -969,7 +967,7 @@ class RequestPair:
         req = self.live[i % len(self.live)]
         n = min(n, len(req.tokens) - req.computed)
         page = self.pair.page
-        # Both evict what SGLang's allocation of one request's extend evicts (F7 is about the amount).
+        # What allocating one request's extend evicts, SGLang's amount and (since F7) the Adder's.
         need = n + (page if page > 1 else 0)
         self.kv.make_room(need)
         SGL.evict_from_tree_cache(self.pair.sgl, need)
