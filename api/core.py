@@ -182,6 +182,7 @@ def runner_config(cfg: EngineConfig) -> RunnerConfig:
         model_path=cfg.model_path,
         dtype=cfg.dtype,
         device=cfg.device,
+        quantization=cfg.quantization,
         max_total_tokens=cfg.max_total_tokens,
         max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
         page_size=cfg.page_size,

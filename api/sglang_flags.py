@@ -64,7 +64,7 @@ DEFAULT_ONLY: dict[str, DefaultOnly] = {
 
 _OFFLINE = "models are never downloaded here: give --model-path a local checkpoint directory or .gguf file"
 _LOADER = "weights load from local safetensors or GGUF files by actorserve's one loader"
-_QUANT = "no quantized weights here (GGUF files are dequantized at load)"
+_QUANT = "no quantized checkpoints here (GGUF files are dequantized at load; --quantization int8 quantizes at load on a CPU)"
 _LORA = "no LoRA adapters here"
 _SPEC = "no speculative decoding here"
 _MOE = "no mixture-of-experts models or expert parallelism here"
@@ -96,7 +96,7 @@ REFUSED: dict[str, str] = {
     "--weight-version": "weights cannot be updated at run time, so they have no version",
     "--json-model-override-args": "no config.json overrides: edit a copy of the checkpoint's config.json",
     **_each(
-        _QUANT, "--quantization", "--quantization-param-path", "--modelopt-quant", "--modelopt-checkpoint-restore-path",
+        _QUANT, "--quantization-param-path", "--modelopt-quant", "--modelopt-checkpoint-restore-path",
         "--modelopt-checkpoint-save-path", "--modelopt-export-path", "--quantize-and-serve", "--rl-quant-profile",
         "--fp8-gemm-backend", "--torchao-config",
     ),

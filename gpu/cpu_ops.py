@@ -84,13 +84,18 @@ def cxx_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def _load() -> None:
+def build_extension(name: str, sources: list[Path], build_dir: Path) -> None:
+    """Build (when needed) and load another extension from gpu/csrc, the way the kernels are."""
+    _load(name, sources, build_dir)
+
+
+def _load(name: str = "actorserve_cpu_ops", sources: list[Path] = SOURCES, build_dir: Path = BUILD_DIR) -> None:
     from torch.utils import cpp_extension
 
-    flags, build_dir = FLAGS, BUILD_DIR
+    flags = FLAGS
     if EMULATE_BF16:
         flags = [*FLAGS, "-DACTORSERVE_BF16_DOT", "-include", str(CSRC / "simde_avx512bf16.h")]
-        build_dir = BUILD_DIR.with_name("cpu_ops_emulated_bf16")
+        build_dir = build_dir.with_name(build_dir.name + "_emulated_bf16")
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which is not on PATH when the venv is not activated.
@@ -99,8 +104,8 @@ def _load() -> None:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), path])
     try:
         cpp_extension.load(
-            name="actorserve_cpu_ops",
-            sources=[str(s) for s in SOURCES],
+            name=name,
+            sources=[str(s) for s in sources],
             # torch rebuilds when the sources or flags change; the digest makes a header change count,
             # and a change of CPU too: -march=native code from another machine can stop on an
             # illegal instruction (machines of one kind do not all expose AVX-512).

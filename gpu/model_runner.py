@@ -31,7 +31,7 @@ from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cud
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
-from gpu.packed_linear import can_pack, pack_for_cpu
+from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout
 from gpu.tp_batch import BatchChannel
@@ -44,6 +44,7 @@ class RunnerConfig:
     model_path: str | None = None  # None: the default SmolLM2 GGUF model
     dtype: str = "auto"
     device: str = "cpu"
+    quantization: str | None = None  # "int8": Int8Linear layers (gpu/packed_linear.py), CPU only
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
     max_running_requests: int = 64
     page_size: int = 1
@@ -72,12 +73,16 @@ class ModelRunner:
             raise ValueError(unsplittable)
         self.layout = TPLayout(self.model_config, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        if config.quantization is not None and not can_quantize(self.device):
+            raise ValueError(f"quantization {config.quantization} needs oneDNN's int8 matmul on a CPU (device {self.device})")
         available_at_start = available_memory_bytes(self.device) if config.mem_fraction_static is not None else 0
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device, tp)
         self.cpu_kernels = cpu_kernels() if config.cpu_kernels and self.device.type == "cpu" else None
-        if config.cpu_kernels and can_pack(self.dtype, self.device):
+        if config.quantization is not None:
+            pack_for_cpu(self.model, config.quantization)
+        elif config.cpu_kernels and can_pack(self.dtype, self.device):
             pack_for_cpu(self.model)
         if self.cpu_kernels is not None:
             self.model.use_cpu_kernels(self.cpu_kernels)

@@ -22,7 +22,7 @@ from gpu.attention import AttentionBackend
 from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import ModelConfig, RopeConfig
-from gpu.packed_linear import PackedLinear, linear
+from gpu.packed_linear import CpuLinear, linear
 from gpu.tensor_parallel import TPGroup, TPLayout
 
 
@@ -96,7 +96,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.tp = tp
-        self.packed: PackedLinear | None = None  # gpu/packed_linear.py; holds the bias when tp.size == 1
+        self.packed: CpuLinear | None = None  # gpu/packed_linear.py; holds the bias when tp.size == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -137,7 +137,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, kv_size, bias=config.attention_bias)
         self.o_proj = RowParallelLinear(q_size, hidden, config.o_proj_bias, tp)
         self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv: PackedLinear | None = None  # q, k and v in one packed matmul (gpu/packed_linear.py)
+        self.qkv: CpuLinear | None = None  # q, k and v in one packed matmul (gpu/packed_linear.py)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -167,7 +167,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=config.mlp_bias)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias, tp)
-        self.gate_up: PackedLinear | None = None  # gate and up in one packed matmul (gpu/packed_linear.py)
+        self.gate_up: CpuLinear | None = None  # gate and up in one packed matmul (gpu/packed_linear.py)
         self.kernels: CpuKernels | None = None  # gpu/cpu_ops.py: SiLU and multiply in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,7 +222,7 @@ class CausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, layout.vocab_shard, bias=False)
         self.rotary: RotaryEmbedding | None = None
-        self.packed_head: PackedLinear | None = None  # the output layer packed (gpu/packed_linear.py)
+        self.packed_head: CpuLinear | None = None  # the output layer packed (gpu/packed_linear.py)
 
     def init_rotary(self, device: torch.device | str) -> None:
         """Build the RoPE tables; separate from __init__ so the model can be created on `meta`."""

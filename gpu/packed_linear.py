@@ -8,15 +8,33 @@ reads the input once and makes one larger call instead of several small ones.
 `pack_for_cpu(model)` rewrites a loaded `CausalLM` in place: the fused and packed weights replace
 the modules' own (so memory does not double), and the model's forward takes the packed path
 wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU formats).
+
+With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
+per output channel) and activations quantized per row (per token) at every call, multiplied by
+oneDNN's u8 x s8 kernel (VNNI where the CPU has it). Each token's scale is its own, so a request's
+output does not depend on what else is in the batch. The output layer is quantized too: it is
+the largest matmul of a decode step. See BENCHMARKS.md for its speed and its error against the
+unquantized model.
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension
+
+log = logging.getLogger(__name__)
+
 PACKABLE = (torch.float32, torch.bfloat16)
+QUANTIZATIONS = ("int8",)
+ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -33,41 +51,121 @@ class PackedLinear(nn.Module):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.register_buffer("weight", torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None), persistent=False)
-        bias = None if all(b is None for b in biases) else torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
-        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("bias", _concat_biases(weight, weights, biases), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
 
-def packed_from(*layers: nn.Module) -> PackedLinear:
-    return PackedLinear([layer.weight.detach() for layer in layers], [_bias(layer) for layer in layers])
+@dataclass(frozen=True, slots=True)
+class Int8Kernels:
+    """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do."""
+
+    quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    dequantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: PackedLinear | None) -> torch.Tensor:
+@cache
+def int8_kernels() -> Int8Kernels | None:
+    """The compiled quantize/dequantize passes, or None (the torch ops, reason logged once). An
+    extension of their own, in their own build folder: nothing else loads or rebuilds it."""
+    try:
+        build_extension("actorserve_int8_ops", [CSRC / "quantize.cpp"], BUILD_DIR.with_name("int8_ops"))
+    except Exception as exc:  # a missing compiler surfaces as any of several error types
+        log.warning("int8 quantization kernels unavailable, using torch ops: %s", exc)
+        return None
+    ops = torch.ops.actorserve
+    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T + b with W as int8 (a scale per output row) and x quantized per row at each call;
+    the concatenation of one or more layers'. `kernels` quantize and scale back in one pass each;
+    without them the same arithmetic runs as torch ops."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None):
+        super().__init__()
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        q, scale = quantize_weight(weight)
+        self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
+        self.register_buffer("weight_scale", scale, persistent=False)
+        self.register_buffer("weight_zero_point", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
+        bias = _concat_biases(weight, weights, biases)
+        self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        quantize = self.kernels.quantize_rows if self.kernels is not None else quantize_rows_torch
+        dequantize = self.kernels.dequantize_rows if self.kernels is not None else dequantize_rows_torch
+        q, row_scale = quantize(x.contiguous())
+        # Activation scale 1: the float32 result is the integer dot product times the weight's scale.
+        product = torch.ops.onednn.qlinear_pointwise(
+            q, 1.0, ZERO_POINT, self.weight, self.weight_scale, self.weight_zero_point, None, 1.0, 0, torch.float32, "none", [], ""
+        )
+        return dequantize(product, row_scale, self.bias, x.dtype)
+
+
+CpuLinear = PackedLinear | Int8Linear
+
+
+def can_quantize(device: torch.device) -> bool:
+    return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q in [-127, 127], float32 scale per row)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpu/csrc/quantize.cpp's quantize_rows as torch ops: (round(x / s) + 128 as uint8, s) with
+    s = max|row| / 127 per row."""
+    x32 = x.float()
+    scale = x32.abs().amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
+    return (x32 / scale).round().add(ZERO_POINT).to(torch.uint8), scale
+
+
+def dequantize_rows_torch(product: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    y = product * scale
+    return (y if bias is None else y + bias).to(dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: CpuLinear | None) -> torch.Tensor:
     return packed(x) if packed is not None else F.linear(x, weight, bias)
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Fuse and pack every linear layer of a loaded CausalLM (gpu/models.py)."""
+def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> None:
+    """Fuse and pack every linear layer of a loaded CausalLM (gpu/models.py); with quantization
+    "int8", as Int8Linears."""
+    kernels = int8_kernels() if quantization == "int8" else None
+
+    def fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> CpuLinear:
+        return Int8Linear(weights, biases, kernels) if quantization == "int8" else PackedLinear(weights, biases)
+
+    def fused_layers(*layers: nn.Module) -> CpuLinear:
+        return fused([layer.weight.detach() for layer in layers], [_bias(layer) for layer in layers])
+
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv = packed_from(attn.q_proj, attn.k_proj, attn.v_proj)
-        attn.o_proj.packed = _packed_row_parallel(attn.o_proj)
-        mlp.gate_up = packed_from(mlp.gate_proj, mlp.up_proj)
-        mlp.down_proj.packed = _packed_row_parallel(mlp.down_proj)
+        attn.qkv = fused_layers(attn.q_proj, attn.k_proj, attn.v_proj)
+        mlp.gate_up = fused_layers(mlp.gate_proj, mlp.up_proj)
+        # Under tensor parallelism a row-parallel layer's bias is added once, after the all-reduce.
+        for row_parallel in (attn.o_proj, mlp.down_proj):
+            row_parallel.packed = fused([row_parallel.weight.detach()], [_bias(row_parallel) if row_parallel.tp.size == 1 else None])
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             _drop_weight(module)
     # The output layer gets its own packed copy when tied: the embedding lookup needs the plain rows.
-    head = model.output_weight()
-    model.packed_head = PackedLinear([head.detach()], [None])
+    model.packed_head = fused([model.output_weight().detach()], [None])
     if not model.config.tie_word_embeddings:
         _drop_weight(model.lm_head)
 
 
-def _packed_row_parallel(layer: nn.Module) -> PackedLinear:
-    """Under tensor parallelism the bias is added once, after the all-reduce, not by each rank."""
-    return PackedLinear([layer.weight.detach()], [_bias(layer) if layer.tp.size == 1 else None])
+def _concat_biases(weight: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b if b is not None else weight.new_zeros(w.shape[0]) for w, b in zip(weights, biases)])
 
 
 def _bias(layer: nn.Module) -> torch.Tensor | None:
@@ -78,3 +176,4 @@ def _drop_weight(module: nn.Module) -> None:
     """Free a module's own weight once a packed copy replaces it (the bias stays: row-parallel
     layers still add theirs)."""
     module.weight = nn.Parameter(module.weight.detach().new_empty(0), requires_grad=False)
+

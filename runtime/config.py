@@ -20,6 +20,7 @@ CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8",)
 ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
 SAMPLING_DEFAULTS = ("model", "openai")
 LOAD_FORMATS = ("auto", "safetensors", "gguf")
@@ -35,6 +36,9 @@ DETERMINISTIC_SEED = 42  # the sampling seed of requests without one, in determi
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
+    # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
+    # gpu/packed_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
+    quantization: Literal["int8"] | None = None
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings
     attention_backend: str = "auto"
@@ -182,6 +186,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}"),
+            (self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r} is unknown; choose int8 or leave it unset"),
+            (self.quantization is None or self.device.startswith("cpu"), f"quantization {self.quantization} runs on a CPU only (oneDNN's int8 matmul); drop it with device {self.device}"),
             (self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
             (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
             (_positive_or_none(self.prefill_max_requests), f"prefill_max_requests must be positive, got {self.prefill_max_requests}"),
