@@ -69,7 +69,7 @@ _LORA = "no LoRA adapters here"
 _SPEC = "no speculative decoding here"
 _MOE = "no mixture-of-experts models or expert parallelism here"
 _ARCH = "only dense full-attention models (Llama, Qwen2, Qwen3) run here: no hybrid, sliding-window, state-space or sparse attention"
-_HICACHE = "no KV storage tier, external KV store or KV event stream here"
+_HICACHE = "only the file storage tier (--hicache-storage-backend file) here: no host-tier sizing in GB, other I/O backends or layouts, backend config, external KV store or KV event stream"
 _DISAGG = "no prefill/decode or encoder disaggregation here"
 _MM = "only text generation models run here (no embedding, scoring or multimodal models)"
 _PARSERS = "no completion templates, files API or tool servers here"
@@ -137,8 +137,8 @@ REFUSED: dict[str, str] = {
     ),
     # A flag that the parser defines itself (honoured) overrides its entry here (api/serve_cli.py).
     **_each(
-        _HICACHE, "--hicache-size", "--hicache-io-backend", "--hicache-mem-layout", "--hicache-storage-backend",
-        "--hicache-storage-prefetch-policy", "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",
+        _HICACHE, "--hicache-size", "--hicache-io-backend", "--hicache-mem-layout",
+        "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",
     ),
     **_each(
         _DISAGG, "--disaggregation-mode", "--disaggregation-transfer-backend", "--disaggregation-bootstrap-port",
