@@ -186,10 +186,11 @@ class StorageTier:
     # -- reads (the Policy starts a prefetch, the reader thread reads)
 
     def prefetch(self, token_ids: Sequence[int], extra_key: str | None, matched: int) -> Prefetch | None:
-        """Start reading the blocks of `token_ids` (the request's match key) past `matched`
-        tokens (its device match); None when not one whole block is left."""
+        """Start reading the blocks of `token_ids` (the request's match key) from the one that
+        holds token `matched` (its device match ends there: the host tier continues a match from
+        that block) on; None when no whole block is left."""
         b = self.block_tokens
-        first, last = -(-matched // b), len(token_ids) // b
+        first, last = matched // b, len(token_ids) // b
         if last <= first:
             return None
         keys = chain_digests(token_ids, extra_key, b, last)[first:]

@@ -59,7 +59,7 @@ def test_blocks_written_are_read_back_bit_for_bit_and_only_under_the_same_identi
     blocks = _read_all(reader, tokens)
     assert [torch.equal(b, _block(float(i))) for i, b in enumerate(blocks)] == [True] * 3
     assert len(_read_all(reader, tokens, matched=4)) == 2  # from the block after a device match
-    assert len(_read_all(reader, tokens, matched=6)) == 1  # a match inside a block: the next whole one
+    assert len(_read_all(reader, tokens, matched=6)) == 2  # a match inside a block: from that block on
     changed = _read_all(reader, tokens[:4] + [0] + tokens[5:])
     assert len(changed) == 1  # block 2 differs: the chain (and the read) stops there
     other = _tier(tmp_path, identity="model-b")
@@ -263,3 +263,23 @@ def test_a_failed_or_overflowing_write_is_dropped_and_counted(tmp_path: Path, mo
     overflowing.close()
     assert [(t.stats.dropped_writes, t.stats.written_blocks) for t in (full, overflowing)] == [(1, 0), (1, 0)]
     assert list(full.dir.glob("*.kv")) == []
+
+
+async def test_a_device_match_ending_inside_a_block_continues_from_storage(tiny_model_factory, tmp_path: Path):
+    """The restarted engine first serves a prompt sharing 12 tokens (a block and a half) with the
+    stored one: the stored prompt's device match then ends inside block 1, which storage must
+    supply with the rest, or the chain stops at 12 tokens."""
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 3) % 300 for j in range(60)]
+    sharing = prompt[:12] + [301 + j for j in range(20)]
+    params = {**GREEDY, "max_new_tokens": 4}
+    expected = await _expected(path, [prompt], params)
+    await _fill_storage(path, tmp_path, [prompt], params)
+    engine = _engine(path, tmp_path, "wait_complete")
+    async with engine:
+        await engine.generate(input_ids=sharing, sampling_params=params)
+        out = await engine.generate(input_ids=prompt, sampling_params=params)
+        assert out.output_ids == expected[0]
+        assert out.cached_tokens >= 48
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
