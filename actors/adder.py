@@ -277,8 +277,7 @@ class Adder(Actor[AdderMsg]):
                     return candidates[i:]  # not matched, as SGLang breaks before matching
             # After a preemption too: releasing victims may have evicted what an earlier match found.
             prefetch, req.sched.prefetch = req.sched.prefetch, None
-            self.kv.adopt_prefetch(prefetch)  # type: ignore[arg-type]
-            match = self.kv.match(match_key(req), req.extra_key)
+            match = self.kv.match(match_key(req), req.extra_key, prefetch)  # type: ignore[arg-type]
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted

@@ -64,19 +64,25 @@ class KVLedger:
             available = self.allocator.available_size()
         return available
 
-    def match(self, token_ids: Sequence[int], extra_key: str | None) -> MatchResult:
+    def match(self, token_ids: Sequence[int], extra_key: str | None, prefetch: Prefetch | None = None) -> MatchResult:
         """The cached prefix of `token_ids`, extended from the host tier where it continues there:
-        those pages get device slots now (their copies go with the next batch) and join the tree."""
+        those pages get device slots now (their copies go with the next batch) and join the tree.
+        `prefetch`: the request's storage read, ended here; the blocks it read join the host tier
+        after room was made, so the host copies of evicted pages cannot push them out first."""
         match = self.cache.match_prefix(token_ids, extra_key)
         host = self.host_tier
         if host is None:
             return match
         end = len(token_ids) // self.page_size * self.page_size
-        if host.find(token_ids, extra_key, match.length, end) <= match.length:
+        staged = prefetch.take() if prefetch is not None else []
+        if not staged and host.find(token_ids, extra_key, match.length, end) <= match.length:
             return match
         self.cache.inc_lock_ref(match.last_node)  # making room must not evict the match itself
         self.make_room(end - match.length)
         self.cache.dec_lock_ref(match.last_node)
+        if staged:
+            assert prefetch is not None
+            host.adopt(prefetch.keys, prefetch.tokens, staged)
         reach = host.find(token_ids, extra_key, match.length, end)  # making room may have dropped blocks
         slots = self.allocator.alloc(reach - match.length) if reach > match.length else None
         if slots is None:
@@ -84,15 +90,6 @@ class KVLedger:
         host.load(token_ids, extra_key, match.length, slots)
         self.cache.insert(token_ids[:reach], torch.cat([match.slots, slots]), extra_key)
         return self.cache.match_prefix(token_ids, extra_key)
-
-    def adopt_prefetch(self, prefetch: Prefetch | None) -> None:
-        """End a request's storage prefetch: the blocks it read join the host tier, where
-        `match` continues from the device into them."""
-        if prefetch is None or self.host_tier is None:
-            return
-        blocks = prefetch.take()
-        if blocks:
-            self.host_tier.adopt(prefetch.keys, prefetch.tokens, blocks)
 
     def take_kv_copies(self) -> list[KVCopy]:
         return self.host_tier.take_pending() if self.host_tier is not None else []

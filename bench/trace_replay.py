@@ -18,16 +18,19 @@ tokens. "unbounded" gives the pool every token of the trace.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgspec
+import torch
 
 from actors.kv_ledger import KVLedger
 from cache import RadixCache
-from cache.host_tier import HostTier
+from cache.host_tier import HostTier, chain_digests
+from cache.storage_tier import Prefetch
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 
 BLOCK = 512  # tokens per hash id in Mooncake's traces
@@ -48,11 +51,16 @@ class Replay:
     prompt_tokens: int = 0
     device_hit_tokens: int = 0
     host_hit_tokens: int = 0
+    storage_hit_tokens: int = 0
     seconds: float = 0.0
 
     @property
+    def hit_tokens(self) -> int:
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+
+    @property
     def hit_rate(self) -> float:
-        return (self.device_hit_tokens + self.host_hit_tokens) / max(self.prompt_tokens, 1)
+        return self.hit_tokens / max(self.prompt_tokens, 1)
 
     def row(self) -> dict[str, object]:
         total = max(self.prompt_tokens, 1)
@@ -61,7 +69,8 @@ class Replay:
             "hit_rate": round(self.hit_rate, 4),
             "device_hit_rate": round(self.device_hit_tokens / total, 4),
             "host_hit_rate": round(self.host_hit_tokens / total, 4),
-            "prefill_tokens_saved": self.device_hit_tokens + self.host_hit_tokens,
+            "storage_hit_rate": round(self.storage_hit_tokens / total, 4),
+            "prefill_tokens_saved": self.hit_tokens,
             "prompt_tokens": self.prompt_tokens,
             "replay_s": round(self.seconds, 1),
         }
@@ -84,10 +93,15 @@ def prompt_tokens(req: TraceRequest) -> list[int]:
 
 def replay(
     trace: list[TraceRequest], name: str, device_tokens: int, host_tokens: int = 0,
-    page_size: int = 64, block_tokens: int = BLOCK, write_policy: str = "write_through",
+    page_size: int = 64, block_tokens: int = BLOCK, write_policy: str = "write_through", storage: bool = False,
 ) -> Replay:
+    """`storage`: a storage tier (L3) of unbounded size under the host tier, read completely
+    before each request is admitted (`wait_complete`)."""
     allocator = TokenSlotAllocator(device_tokens, page_size)
     host = HostTier(host_tokens, block_tokens, page_size, write_policy) if host_tokens else None
+    stored: dict[bytes, bytes] | None = {} if storage and host is not None else None  # every block written, by chain key
+    if stored is not None:
+        host.persist = True  # type: ignore[union-attr]
     longest = max(r.input_length for r in trace)
     ledger = KVLedger(allocator, ReqToTokenPool(1, longest + page_size), RadixCache(allocator, host_tier=host))
     out = Replay(name)
@@ -98,8 +112,15 @@ def replay(
             continue  # cannot run on this pool at all
         key = tokens[:-1]  # the last token is always computed
         on_device = ledger.cache.match_prefix(key).length
-        match = ledger.match(key, None)
-        ledger.take_kv_copies()  # no KV data here: the Executor would do these copies
+        on_host, prefetch = None, None  # on_host: how far device and host reach without storage
+        if stored is not None:
+            assert host is not None
+            on_host = host.find(key, None, on_device, len(key) // page_size * page_size)
+            prefetch = _stored_blocks(stored, key, host.block_tokens, on_host)
+        match = ledger.match(key, None, prefetch)
+        for copy in ledger.take_kv_copies():  # no KV data here: the Executor would do these copies
+            if stored is not None and copy.persist is not None:
+                stored[copy.persist.key] = copy.persist.tokens
         ledger.cache.inc_lock_ref(match.last_node)
         row = ledger.open_row(match)
         ledger.make_room(len(tokens) - match.length + page_size)
@@ -108,17 +129,34 @@ def replay(
         ledger.close_row(row, tokens, None)
         out.prompt_tokens += len(tokens)
         out.device_hit_tokens += on_device
-        out.host_hit_tokens += match.length - on_device
+        from_host = match.length if on_host is None else min(on_host, match.length)
+        out.host_hit_tokens += from_host - on_device
+        out.storage_hit_tokens += match.length - from_host
     ledger.check()
     out.seconds = time.perf_counter() - start
     return out
 
 
-def configurations(device_tokens: int, host_ratios: list[float], total_tokens: int) -> Iterator[tuple[str, int, int]]:
-    yield "unbounded", total_tokens + BLOCK, 0
-    yield f"radix, device {device_tokens:,}", device_tokens, 0
+def _stored_blocks(stored: dict[bytes, bytes], key: list[int], block_tokens: int, on_host: int) -> Prefetch | None:
+    """What a completed storage prefetch holds: the stored blocks that continue the match from
+    the block holding token `on_host` (no KV data: empty tensors stand for it)."""
+    first, last = on_host // block_tokens, len(key) // block_tokens
+    if last <= first:
+        return None
+    keys = chain_digests(key, None, block_tokens, last)[first:]
+    found = list(itertools.takewhile(lambda k: k in stored, keys))
+    return Prefetch(found, [stored[k] for k in found], deadline=0.0, blocks=[torch.empty(0)] * len(found))
+
+
+def configurations(
+    device_tokens: int, host_ratios: list[float], total_tokens: int, storage: bool = False,
+) -> Iterator[tuple[str, int, int, bool]]:
+    yield "unbounded", total_tokens + BLOCK, 0, False
+    yield f"radix, device {device_tokens:,}", device_tokens, 0, False
     for ratio in host_ratios:
-        yield f"+ host {ratio:g}x", device_tokens, int(device_tokens * ratio)
+        yield f"+ host {ratio:g}x", device_tokens, int(device_tokens * ratio), False
+        if storage:
+            yield f"+ host {ratio:g}x + storage", device_tokens, int(device_tokens * ratio), True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-ratio", type=float, nargs="*", default=[2.0, 4.0], help="host tier sizes, times the device pool")
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"))
+    p.add_argument("--storage", action="store_true", help="also each host tier size with an unbounded storage tier (L3) under it")
     p.add_argument("--output", default=None, help="append one JSON line per configuration")
     args = p.parse_args(argv)
     trace = read_trace(args.trace, args.limit)
     total = sum(r.input_length for r in trace)
     print(f"{len(trace)} requests, {total:,} prompt tokens")
-    print(f"{'cache':<28} {'hit rate':>9} {'device':>8} {'host':>8} {'saved tokens':>14} {'s':>6}")
-    for name, device, host in configurations(args.device_tokens, args.host_ratio, total):
-        result = replay(trace, name, device, host, args.page_size, write_policy=args.write_policy).row()
+    print(f"{'cache':<28} {'hit rate':>9} {'device':>8} {'host':>8} {'storage':>8} {'saved tokens':>14} {'s':>6}")
+    for name, device, host, storage in configurations(args.device_tokens, args.host_ratio, total, args.storage):
+        result = replay(trace, name, device, host, args.page_size, write_policy=args.write_policy, storage=storage).row()
         print(f"{name:<28} {result['hit_rate']:>9.1%} {result['device_hit_rate']:>8.1%} {result['host_hit_rate']:>8.1%} "
-              f"{result['prefill_tokens_saved']:>14,} {result['replay_s']:>6}")
+              f"{result['storage_hit_rate']:>8.1%} {result['prefill_tokens_saved']:>14,} {result['replay_s']:>6}")
         if args.output:
             with open(args.output, "a") as f:
                 f.write(json.dumps({**result, "requests": len(trace), "page_size": args.page_size}) + "\n")

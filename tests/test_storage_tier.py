@@ -14,6 +14,8 @@ import torch
 
 from api.engine import Engine
 from api.metrics import ServerMetrics
+from bench.trace_replay import BLOCK as REPLAY_BLOCK
+from bench.trace_replay import TraceRequest, replay
 from cache.host_tier import HostTier, chain_digests
 from cache.keys import encode_tokens
 from cache import storage_tier
@@ -283,3 +285,20 @@ async def test_a_device_match_ending_inside_a_block_continues_from_storage(tiny_
         assert out.cached_tokens >= 48
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
+
+
+def test_the_trace_replay_with_storage_finds_what_the_host_tier_dropped(tmp_path: Path):
+    """bench/trace_replay.py: a host tier of two blocks cannot keep request 0's two blocks past
+    request 1's; the storage tier gives them back to request 2, as an unbounded pool would."""
+    trace = [
+        TraceRequest(0, 2 * REPLAY_BLOCK, 4, [0, 1]),
+        TraceRequest(10, 2 * REPLAY_BLOCK, 4, [2, 3]),
+        TraceRequest(20, 3 * REPLAY_BLOCK, 4, [0, 1, 4]),
+    ]
+    pool, host = 3 * REPLAY_BLOCK + 64, 2 * REPLAY_BLOCK
+    unbounded = replay(trace, "unbounded", 8 * REPLAY_BLOCK, page_size=16)
+    tiered = replay(trace, "host", pool, host_tokens=host, page_size=16)
+    stored = replay(trace, "storage", pool, host_tokens=host, page_size=16, storage=True)
+    assert unbounded.hit_tokens == 2 * REPLAY_BLOCK
+    assert tiered.hit_tokens < unbounded.hit_tokens
+    assert stored.hit_tokens == unbounded.hit_tokens and stored.storage_hit_tokens > 0
