@@ -16,9 +16,9 @@ Three parts, three users, each on its own thread:
 - prefetch: the Policy, when a request is queued, starts reading the blocks that continue its
   device match (`prefetch`, on a second thread); with `wait_complete` or `timeout` it holds the
   request until `Prefetch.may_end` says so, with `best_effort` it does not hold it;
-- adoption: the Adder, when it first tries to admit the request, ends the prefetch and hands
-  what was read to the host tier (`HostTier.adopt`); the host tier's usual match then loads it
-  into device pages, so storage -> host -> device all happen before the step that reads them.
+- adoption: the Adder's first try to admit the request ends the prefetch: `KVLedger.match` makes
+  room, hands what was read to the host tier (`HostTier.adopt`) and loads it into device pages
+  as any host hit, so storage -> host -> device all happen before the step that reads them.
 """
 
 from __future__ import annotations
