@@ -16,6 +16,7 @@ Text guarantees (for one request, everything streamed concatenated):
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,6 +213,100 @@ class _StreamDecoder:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
 
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character each byte is written as in a
+    byte-level BPE vocabulary, inverted (character -> byte)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class ByteTable:
+    """Each token's bytes, for a byte-level BPE tokenizer (GPT-2, Llama 3, Qwen, SmolLM2): there
+    a decode is the tokens' bytes joined and read as UTF-8, so a stream needs one table lookup
+    per token and an incremental UTF-8 decoder, no tokenizer call. `of` builds it once per
+    tokenizer (the owner keeps it) and checks every entry against the tokenizer's own decode;
+    None where the tokenizer is not purely byte-level or any entry disagrees."""
+
+    __slots__ = ("tokens", "special")
+
+    def __init__(self, tokens: list[bytes], special: frozenset[int]):
+        self.tokens = tokens
+        self.special = special  # ids that skip_special_tokens leaves out
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ByteTable | None:
+        from tokenizers import decoders
+
+        backend = _rust_backend(tokenizer)
+        if backend is None or type(backend.decoder) is not decoders.ByteLevel:
+            return None
+        alphabet = _bytes_to_unicode()
+        added = backend.get_added_tokens_decoder()
+        size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=-1) + 1)
+        tokens = [b""] * size
+        for text, i in backend.get_vocab(with_added_tokens=False).items():
+            if i in added or any(c not in alphabet for c in text):
+                continue
+            tokens[i] = bytes(alphabet[c] for c in text)
+        for i, token in added.items():
+            tokens[i] = token.content.encode()
+        table = cls(tokens, frozenset(i for i, token in added.items() if token.special))
+        return table if table._agrees_with(backend) else None
+
+    def _agrees_with(self, backend: Any) -> bool:
+        """Every id whose bytes are whole UTF-8 decodes alone to them (the others cannot be
+        compared one by one; they are the same table lookup)."""
+        ids = list(range(len(self.tokens)))
+        decoded = backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        for i, text in zip(ids, decoded):
+            try:
+                expected = self.tokens[i].decode()
+            except UnicodeDecodeError:
+                continue
+            if text != expected:
+                return False
+        return True
+
+
+class _ByteDecoder:
+    """The contract of `_WindowDecoder` through a `ByteTable`. Byte-level text does not depend on
+    what came before, except where the context ends inside a character: its bytes then start the
+    UTF-8 decoder, and the first character they make is dropped (the prompt's text already shows
+    it, as U+FFFD), which is what the window's offsets do."""
+
+    __slots__ = ("_table", "_skip", "_utf8", "_held", "_drop")
+
+    def __init__(self, table: ByteTable, context_ids: list[int], skip_special_tokens: bool) -> None:
+        self._table = table.tokens
+        self._skip = table.special if skip_special_tokens else frozenset()
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._utf8.decode(self._bytes(context_ids))
+        self._held = self._utf8.getstate()[0]  # bytes of an incomplete character, for `rest`
+        self._drop = bool(self._held)
+
+    def step(self, token_ids: Sequence[int]) -> str:
+        text = self._utf8.decode(self._bytes(token_ids))
+        self._held = self._utf8.getstate()[0]
+        if self._drop and text:
+            text, self._drop = text[1:], False
+        return text
+
+    def rest(self) -> str:
+        text = self._held.decode("utf-8", "replace")
+        return text[1:] if self._drop else text
+
+    def _bytes(self, token_ids: Sequence[int]) -> bytes:
+        table, skip = self._table, self._skip
+        return b"".join([table[t] for t in token_ids if t not in skip])
+
+
 def _rust_backend(tokenizer: Any) -> Any | None:
     """The `tokenizers.Tokenizer` behind a transformers fast tokenizer (or the tokenizer itself)."""
     from tokenizers import Tokenizer
@@ -236,23 +331,28 @@ class IncrementalDetokenizer:
         stop: Sequence[str],
         no_stop_trim: bool,
         min_new_tokens: int = 0,
+        byte_table: ByteTable | None = None,
     ) -> None:
+        """`byte_table`: the tokenizer's `ByteTable`, if it has one (the fastest decoder)."""
         context = list(prompt_ids_tail or ())
         backend = _rust_backend(tokenizer)
         # DecodeStream re-emits a context that ends inside a character: take the window then.
-        usable = backend is not None and not backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT)
-        self._decoder: _WindowDecoder | _StreamDecoder = (
-            _StreamDecoder(backend, context, skip_special_tokens)
-            if usable
-            else _WindowDecoder(tokenizer, context, skip_special_tokens)
-        )
+        clean = byte_table is None and backend is not None and not backend.decode(
+            context, skip_special_tokens=skip_special_tokens).endswith(_REPLACEMENT)
+        self._decoder: _WindowDecoder | _StreamDecoder | _ByteDecoder
+        if byte_table is not None:
+            self._decoder = _ByteDecoder(byte_table, context, skip_special_tokens)
+        elif clean:
+            self._decoder = _StreamDecoder(backend, context, skip_special_tokens)
+        else:
+            self._decoder = _WindowDecoder(tokenizer, context, skip_special_tokens)
         self._scan = _StopScanner(tuple(stop), keep_stop=no_stop_trim)
         self._min_new = min_new_tokens
         self._n_out = 0
         self._closed = False
 
     @classmethod
-    def for_req(cls, tokenizer: Any, req: Req) -> IncrementalDetokenizer:
+    def for_req(cls, tokenizer: Any, req: Req, byte_table: ByteTable | None = None) -> IncrementalDetokenizer:
         p = req.sampling
         return cls(
             tokenizer,
@@ -261,6 +361,7 @@ class IncrementalDetokenizer:
             stop=p.stop,
             no_stop_trim=p.no_stop_trim,
             min_new_tokens=p.min_new_tokens,
+            byte_table=byte_table,
         )
 
     @property

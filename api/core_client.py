@@ -46,12 +46,13 @@ from runtime.ipc import (
     FromCore,
     ToCore,
 )
-from actors.detokenizer import IncrementalDetokenizer, delta_text
+from actors.detokenizer import ByteTable, IncrementalDetokenizer, delta_text
 from runtime.req import FinishReason, Req, end_request
 from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
 EXIT_TIMEOUT_S = 10.0
+READ_RECHECK_MS = 50
 CONNECT_TIMEOUT_S = 10.0  # from the core's CoreHello until the frontend's socket sees its connection
 OUTPUT_TAIL_BYTES = 4096  # how much of the core's last output an error message quotes
 OUTPUT_TAIL_LINES = 20
@@ -73,6 +74,7 @@ class CoreClient:
         self.config = config
         self.setup = setup
         self.tokenizer = tokenizer
+        self.byte_table = ByteTable.of(tokenizer)  # None: the tokenizer is not byte-level BPE
         self.on_failure = on_failure
         self.on_tokens = on_tokens
         self.on_end = on_end
@@ -251,6 +253,11 @@ class CoreClient:
 
     async def _read(self) -> None:
         while True:
+            # ZMQ's notification FD is edge-triggered and a wakeup can be missed (seen: a frontend
+            # that read nothing for seconds while the core's outputs queued, until another
+            # socket call looked again); a poll with a timeout looks again at least this often.
+            if not await self._from_core.poll(READ_RECHECK_MS):
+                continue
             msg = self._decoder.decode(await self._from_core.recv())
             if isinstance(msg, CoreOutputs):
                 self._deliver(msg)
@@ -296,6 +303,12 @@ class CoreClient:
                 continue  # already ended here (the frontend failed it)
             if delta is None:
                 delta = self._plain_delta(req, token)
+                detok = req.out.detokenizer
+                if detok is not None:  # the common case: a decoding request's next token
+                    delta.text = detok.push(delta.output_ids)
+                    tokens += 1
+                    req.stream.push(delta)
+                    continue
             else:
                 req.out.output_ids.extend(delta.output_ids)
                 req.sched.cached_tokens = delta.cached_tokens
@@ -304,7 +317,7 @@ class CoreClient:
             tokens += len(delta.output_ids)
             detok = req.out.detokenizer
             if detok is None and delta.output_ids:
-                detok = req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
+                detok = req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req, self.byte_table)
             if detok is not None:
                 delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.sampling.no_stop_trim)
             if delta.finish_reason is not None:

@@ -30,7 +30,11 @@ Scenarios:
   null device installed there by a `CoreSetup`. The core reports its own counters: `sched` is its
   actors' CPU (`Actor.cpu_s`), `loop` all CPU of its loop thread, `busy` the device's share of the
   wall time; `frontend` is this process's loop thread (validating, detokenizing, streaming to
-  the `Engine.generate` callers). Each row is against the inline `decode` row of the same run.
+  the callers), per `running` tokens its callers received, so a frontend that falls behind the
+  core is measured by its work. The window opens on monotone counts (every caller has its first
+  token, none has finished); a run whose window could not open says why instead of a row.
+  `--split-cores process` leaves out the inline rows, `--stream-interval N` sets the engine's.
+  Each row is against the inline `decode` row of the same run.
 - busy: 256 running, overlap on and off.
 - prefill: 1,024 requests in 16 groups sharing 512-token system prompts (+64-token questions)
   are queued at once behind a hot cache (one request per group ran before); per prefill round
@@ -324,9 +328,14 @@ class DecodeResult:
     gc_pauses: list[tuple[int, float]]
     profile: str = ""
     frontend_cpu_s: float | None = None  # core process: this process's loop thread; inline: None
+    frontend_tokens: int = 0  # core process: the tokens its callers received over the same time
 
     def frontend_ms(self) -> float | None:
-        return None if self.frontend_cpu_s is None else self.frontend_cpu_s / self.steps * 1e3
+        """The frontend's CPU per step of `running` tokens: per token delivered, so a frontend
+        that lags behind the core (saturated) is measured by its work, not by the core's steps."""
+        if self.frontend_cpu_s is None or not self.frontend_tokens:
+            return None
+        return self.frontend_cpu_s / (self.frontend_tokens / self.running) * 1e3
 
     def per_step_ms(self, what: str) -> float:
         if what == "loop":
@@ -409,6 +418,7 @@ class Progress:
 
     decoding: int = 0
     finished: int = 0
+    tokens: int = 0  # received by the callers
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
     def count(self, *, decoding: int = 0, finished: int = 0) -> None:
@@ -425,8 +435,9 @@ class Progress:
 
 def split_max_new(running: int, prompt_len: int, warmup: int, steps: int) -> int:
     """Output length of each request of a split run: admitting them all takes about one prefill
-    round per 8k prompt tokens, then the window, and everyone still decodes after it."""
-    return warmup + steps + 64 + running * prompt_len // 1024
+    round per 8k prompt tokens; the frontend sees the last first token some steps after the core
+    made it (more when it is saturated); then the window, and everyone still decodes after it."""
+    return warmup + steps + 64 + running // 2 + running * prompt_len // 1024
 
 
 def stream_counted(engine: Engine, reqs: Iterable[Request], progress: Progress) -> list[asyncio.Task[int]]:
@@ -438,6 +449,7 @@ def stream_counted(engine: Engine, reqs: Iterable[Request], progress: Progress) 
             if tokens == 0 and delta.output_ids:
                 progress.count(decoding=1)
             tokens += len(delta.output_ids)
+            progress.tokens += len(delta.output_ids)
             finish = delta.finish_reason
         progress.count(finished=1)
         assert finish == "length", finish
@@ -448,15 +460,18 @@ def stream_counted(engine: Engine, reqs: Iterable[Request], progress: Progress) 
 
 async def run_decode_split(
     running: int, *, step_ms: float, steps: int, warmup: int, prompt_len: int = 128, device_model: DeviceModel | None = None,
-    max_new: int | None = None,
+    max_new: int | None = None, stream_interval: int = 1,
 ) -> DecodeResult | Unopened:
     """`running` requests decode together through a core process; the window opens once all of
-    them decode (each has its first token, none has finished) and `warmup` more steps have run,
-    and closes `steps` steps later. Unopened if a request finished first (`max_new`: each
-    request's output length, default `split_max_new`)."""
+    them decode (the callers have each request's first token, none has finished) and `warmup`
+    more steps have run, and closes `steps` steps later. Unopened if a request finished first, in
+    the frontend or in the core (its `num_running` at either end of the window, read off
+    snapshots: all were admitted before it opens, so the count can only fall). `max_new`: each
+    request's output length, default `split_max_new`."""
     max_new = max_new or split_max_new(running, prompt_len, warmup, steps)
     engine = Engine(
         model_path=str(micro_model_dir()), random_seed=0, inline_core=False, core_setup=device_setup(step_ms / 1e3, device_model),
+        stream_interval=stream_interval,
         max_running_requests=running, max_total_tokens=running * (prompt_len + max_new + 8) + 4096,
     )
     await engine.start()
@@ -472,10 +487,10 @@ async def run_decode_split(
         # Forward steps only grow; a finished request breaks the window, so the waits stop there too.
         start = (await engine.current_stats())["forward_steps"]
         s0 = await _stats_when(engine, lambda s: progress.finished > 0 or s["forward_steps"] >= start + warmup)
-        cpu0 = time.thread_time()
+        cpu0, tokens0 = time.thread_time(), progress.tokens
         s1 = await _stats_when(engine, lambda s: progress.finished > 0 or s["forward_steps"] >= s0["forward_steps"] + steps)
-        cpu1 = time.thread_time()
-        finished_in_window = progress.finished
+        cpu1, tokens1 = time.thread_time(), progress.tokens
+        finished_in_window = progress.finished or running - min(s0["num_running"], s1["num_running"])
         outs = await asyncio.gather(*tasks)
     finally:
         gc.callbacks.remove(probe.on_gc)
@@ -496,6 +511,7 @@ async def run_decode_split(
         generated=sum(outs),
         gc_pauses=pauses,
         frontend_cpu_s=cpu1 - cpu0,
+        frontend_tokens=tokens1 - tokens0,
     )
 
 
@@ -756,11 +772,15 @@ async def scenario_split(args: argparse.Namespace) -> list[dict[str, Any]]:
     _print(_header(SPLIT_COLS))
     rows = []
     for n in args.running:
-        for core in ("inline", "process"):
+        for core in args.split_cores:
             if core == "inline":
                 runs = [await run_decode(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
             else:
-                tries = [await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args)) for _ in range(args.repeats)]
+                tries = [
+                    await run_decode_split(n, step_ms=args.step_ms, steps=args.steps, warmup=args.warmup, device_model=_device_model(args),
+                                           stream_interval=args.stream_interval)
+                    for _ in range(args.repeats)
+                ]
                 runs = [r for r in tries if isinstance(r, DecodeResult)]
                 for r in tries:
                     if isinstance(r, Unopened):
@@ -855,6 +875,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=50, help="decode steps measured per run")
     p.add_argument("--warmup", type=int, default=10, help="full decode steps before the window opens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--split-cores", type=lambda s: s.split(","), default=["inline", "process"], help="split: inline, process or both")
+    p.add_argument("--stream-interval", type=int, default=1, help="split: the engine's stream_interval (tokens per streamed delta)")
     p.add_argument("--profile", action="store_true", help="also print cProfile top functions of decode and lpm / dfs-weight rounds")
     p.add_argument("--json", type=Path, default=None, help="append the rows as JSON lines here")
     return p.parse_args(argv)

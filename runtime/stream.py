@@ -34,17 +34,24 @@ class Delta(msgspec.Struct, kw_only=True):
     status: int | None = None  # HTTP-like status for refusals: 400 invalid, 503 rejected, 500 engine
 
     def merge(self, later: Delta) -> None:
-        """Fold a later delta into this one (the reader has not taken this one yet)."""
+        """Fold a later delta into this one (the reader has not taken this one yet). Called for
+        every token a slow reader has not taken: an empty field of `later` costs one test."""
         self.text += later.text
         self.output_ids = self.output_ids + later.output_ids
-        self.logprobs = self.logprobs + later.logprobs
-        self.top_logprobs = self.top_logprobs + later.top_logprobs
-        self.input_token_ids = self.input_token_ids + later.input_token_ids
-        self.input_logprobs = self.input_logprobs + later.input_logprobs
-        self.input_top_logprobs = self.input_top_logprobs + later.input_top_logprobs
-        for name in ("finish_reason", "matched_stop", "queue_time", "error", "param", "code", "status"):
-            if getattr(later, name) is not None:
-                setattr(self, name, getattr(later, name))
+        if later.logprobs or later.top_logprobs:
+            self.logprobs = self.logprobs + later.logprobs
+            self.top_logprobs = self.top_logprobs + later.top_logprobs
+        if later.input_token_ids or later.input_logprobs or later.input_top_logprobs:
+            self.input_token_ids = self.input_token_ids + later.input_token_ids
+            self.input_logprobs = self.input_logprobs + later.input_logprobs
+            self.input_top_logprobs = self.input_top_logprobs + later.input_top_logprobs
+        if (later.finish_reason is not None or later.matched_stop is not None or later.error is not None
+                or later.param is not None or later.code is not None or later.status is not None):
+            for name in ("finish_reason", "matched_stop", "error", "param", "code", "status"):
+                if getattr(later, name) is not None:
+                    setattr(self, name, getattr(later, name))
+        if later.queue_time is not None:
+            self.queue_time = later.queue_time
         self.prompt_tokens = later.prompt_tokens or self.prompt_tokens
         self.completion_tokens = later.completion_tokens
         self.cached_tokens = later.cached_tokens or self.cached_tokens

@@ -33,7 +33,7 @@ async def test_decode_through_a_core_process_with_null_device() -> None:
     r = await run_decode_split(8, step_ms=1.0, steps=3, warmup=1, prompt_len=16)
     assert isinstance(r, DecodeResult), r
     assert r.finished == 8 and r.generated == 8 * split_max_new(8, 16, warmup=1, steps=3)
-    assert r.steps >= 3 and r.wall_s > 0 and r.loop_cpu_s > 0 and r.frontend_cpu_s > 0
+    assert r.steps >= 3 and r.wall_s > 0 and r.loop_cpu_s > 0 and r.frontend_cpu_s > 0 and r.frontend_tokens > 0
     assert set(r.actor_cpu_s) == {"policy", "adder", "executor", "output"} and r.actor_cpu_s["adder"] > 0
     assert r.busy_fraction > 0  # steps are counted as they report: over 3 steps it can pass 1
 

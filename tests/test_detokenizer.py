@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.detokenizer import IncrementalDetokenizer, check_finish, delta_text, process_token
+from actors.detokenizer import ByteTable, IncrementalDetokenizer, check_finish, delta_text, process_token
 from runtime.req import FinishReason, OutputState, Req
 from runtime.sampling_params import SamplingParams
 
@@ -61,13 +61,16 @@ class _DecodeOnly:
 
 
 def make(tokenizer: Any, stop: Sequence[str] = (), *, no_stop_trim: bool = False, skip: bool = True,
-         tail: list[int] | None = None, min_new_tokens: int = 0, native: bool = True) -> IncrementalDetokenizer:
+         tail: list[int] | None = None, min_new_tokens: int = 0, native: bool | str = True) -> IncrementalDetokenizer:
+    """native: True (DecodeStream), False (the Python window) or "bytes" (a ByteTable where the
+    tokenizer is byte-level, else DecodeStream)."""
+    table = ByteTable.of(tokenizer) if native == "bytes" else None
     tokenizer = tokenizer if native else _DecodeOnly(tokenizer)
-    return IncrementalDetokenizer(tokenizer, tail, skip, list(stop), no_stop_trim, min_new_tokens)
+    return IncrementalDetokenizer(tokenizer, tail, skip, list(stop), no_stop_trim, min_new_tokens, byte_table=table)
 
 
-# Both decoders: tokenizers' native DecodeStream and the Python window over `decode`.
-both_decoders = pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+# Every decoder: tokenizers' native DecodeStream, the Python window over `decode`, the byte table.
+both_decoders = pytest.mark.parametrize("native", [True, False, "bytes"], ids=["native", "python", "bytes"])
 
 
 def stream(
@@ -146,7 +149,7 @@ def test_incomplete_character_at_finish_is_flushed_as_replacement(tok: Any, nati
     # The Python window emits the whole characters ahead of an incomplete one; DecodeStream holds
     # the whole step back. Either way nothing is lost or shown twice.
     ahead = detok.push(partial)
-    assert ahead == ("" if native else "a")
+    assert ahead == ("" if native is True else "a")
     assert ahead + detok.flush() == "a\ufffd" == decode(tok, partial)
     assert detok.push(ids[-1:]) == ""  # closed after flush
 
@@ -154,6 +157,15 @@ def test_incomplete_character_at_finish_is_flushed_as_replacement(tok: Any, nati
 def test_native_decoder_used_for_fast_tokenizers(tok: Any) -> None:
     assert type(make(tok)._decoder).__name__ == "_StreamDecoder"
     assert type(make(tok, native=False)._decoder).__name__ == "_WindowDecoder"
+    assert type(make(tok, native="bytes")._decoder).__name__ == "_ByteDecoder"
+
+
+def test_a_byte_table_only_for_byte_level_tokenizers(tok: Any, sp_tok: Any) -> None:
+    table = ByteTable.of(tok)
+    assert table is not None and table.tokens[EOS] == b"<|im_end|>" and EOS in table.special
+    assert table.tokens[tok.encode(" the")[0]].startswith(b" ")  # "Ġ" is the space byte
+    assert ByteTable.of(sp_tok) is None  # Metaspace: a token's text depends on its neighbours
+    assert ByteTable.of(_DecodeOnly(tok)) is None  # no Rust backend to read the vocabulary from
 
 
 @both_decoders
@@ -467,12 +479,15 @@ def test_smollm2_tokenizer_streams_exactly(smol_tok: Any) -> None:
     chunks = stream(make(smol_tok), ids)
     assert not any("\ufffd" in c for c in chunks)
     assert "".join(chunks) == text
+    assert ByteTable.of(smol_tok) is not None
+    assert "".join(stream(make(smol_tok, native="bytes"), ids)) == text
     rng = random.Random(0)
     for _ in range(200):
         ids = [rng.randrange(len(smol_tok)) for _ in range(rng.randrange(30))]
         skip = rng.random() < 0.5
         sizes = [rng.randint(1, 3)]
         assert "".join(stream(make(smol_tok, skip=skip), ids, sizes)) == decode(smol_tok, ids, skip)
+        assert "".join(stream(make(smol_tok, skip=skip, native="bytes"), ids, sizes)) == decode(smol_tok, ids, skip)
 
 
 def test_smollm2_stop_string_in_chat_reply(smol_tok: Any) -> None:
@@ -489,6 +504,22 @@ def test_prompt_tail_ending_inside_a_character_is_not_emitted_again(tok: Any) ->
     full = decode(tok, ids)
     assert full.endswith("".join(stream(make(tok, tail=tail[-5:]), out)))
     assert "".join(stream(make(tok, tail=tail[-5:]), out)) == "".join(stream(make(tok, tail=tail[-5:], native=False), out))
+    assert "".join(stream(make(tok, tail=tail[-5:], native="bytes"), out)) == "".join(stream(make(tok, tail=tail[-5:], native=False), out))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tail=st.lists(st.integers(0, VOCAB - 1), max_size=5),
+    ids=st.lists(st.integers(0, VOCAB - 1), max_size=12),
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    skip=st.booleans(),
+)
+def test_byte_table_text_equals_the_window_after_any_prompt_tail(tok: Any, tail: list[int], ids: list[int], sizes: list[int], skip: bool) -> None:
+    """Any context (ending inside a character or not), any chunking: the same chunks' text as the
+    Python window over the tokenizer's own decode, which is the reference."""
+    window = stream(make(tok, tail=tail, skip=skip, native=False), ids, sizes)
+    table = stream(make(tok, tail=tail, skip=skip, native="bytes"), ids, sizes)
+    assert "".join(table) == "".join(window)
 
 
 # --- the frontend's text for ids decided by the core process -----------------------------------
@@ -531,7 +562,7 @@ def test_frontend_text_of_core_decided_tokens_equals_inline_text(
     ids, reason = _decided_by_the_core(tok, output, params)
     assert (len(ids), reason) == (n, inline_reason)
     req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
-    detok = IncrementalDetokenizer.for_req(tok, req)
+    detok = IncrementalDetokenizer.for_req(tok, req, ByteTable.of(tok))  # as the frontend (CoreClient) has it
     text, start = "", 0
     for size in _cycle(sizes):
         chunk = ids[start : start + size]
@@ -544,5 +575,6 @@ def test_frontend_text_of_core_decided_tokens_equals_inline_text(
             break
     if reason is not None:
         assert text == inline_text
-    else:  # unfinished: pushed several ids at once, the native decoder may still hold some back
-        assert inline_text.startswith(text)
+    else:  # unfinished: each may still hold some back (DecodeStream holds a U+FFFD the table emits)
+        full = decode(tok, ids, skip)
+        assert full.startswith(text) and full.startswith(inline_text)
