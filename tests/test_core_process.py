@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from api.engine import Engine, EngineError, InvalidRequest
+from runtime.ipc import CoreSockets
 from tests.engine_helpers import assert_idle_invariants, decoding, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -158,13 +158,26 @@ async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_p
     assert not process_alive(pid) and not sockets.exists()
 
 
-async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_path):
-    socket_dirs = set(Path(tempfile.gettempdir()).glob("actorserve-*"))
+@pytest.fixture
+def socket_dirs(monkeypatch) -> list[CoreSockets]:
+    """The socket directories the engines of a test create (other tests' engines may run beside)."""
+    created: list[CoreSockets] = []
+    create = CoreSockets.create
+
+    def recorded(cls) -> CoreSockets:
+        created.append(create())
+        return created[-1]
+
+    monkeypatch.setattr(CoreSockets, "create", classmethod(recorded))
+    return created
+
+
+async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_path, socket_dirs):
     engine = Engine(model_path=model_path, inline_core=False, attention_backend="flashinfer")
     with pytest.raises(RuntimeError, match="could not start.*flashinfer"):
         await engine.start()
     assert not engine._started
-    assert set(Path(tempfile.gettempdir()).glob("actorserve-*")) <= socket_dirs  # its socket files are gone
+    assert socket_dirs and not any(s.exists() for s in socket_dirs)  # its socket files are gone
     assert not _core_children()
 
 
@@ -203,13 +216,14 @@ def die_loudly(core) -> None:
     os._exit(3)
 
 
-async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model_path):
+async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model_path, socket_dirs):
     from api.core import CoreSetup
 
     engine = Engine(model_path=model_path, inline_core=False, core_setup=CoreSetup("tests.test_core_process:die_loudly"))
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*the device caught fire"):
         await engine.start()
     assert not engine._started and not _core_children()
+    assert socket_dirs and not any(s.exists() for s in socket_dirs)
 
 
 def _readme_embedded_example(model_path: str) -> str:
