@@ -233,17 +233,23 @@ async def test_tp2_chunked_prefill_pages_and_prompt_logprobs(tiny_model_factory)
 
 async def test_tp2_retraction_keeps_tp1_answers(tiny_model_factory):
     path = tiny_model_factory("qwen3")
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(4 + i)] for i in range(12)]
-    sampling = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(20)] for i in range(4)]
+    sampling = {"max_new_tokens": 118, "temperature": 0, "ignore_eos": True}
 
     async def run(tp: int):
-        # Admission reserves only part of each request's decode tokens: a small pool must retract.
-        engine = Engine(model_path=str(path), dtype="float32", core_threads=1, tp_size=tp, max_total_tokens=256)
+        # A new request is charged its whole max_new_tokens, a running one new_token_ratio (0.07
+        # here) of what it has left: requests that arrive once the first decodes are admitted
+        # beside it and together outgrow the pool, so decode must retract.
+        engine = Engine(model_path=str(path), dtype="float32", core_threads=1, tp_size=tp, max_total_tokens=256, schedule_conservativeness=0.1)
         async with engine:
-            outs = await asyncio.gather(*(engine.generate(input_ids=p, sampling_params=sampling) for p in prompts))
+            first = engine.stream(input_ids=prompts[0], sampling_params=sampling)
+            head = [await anext(first) for _ in range(3)]
+            later = asyncio.gather(*(engine.generate(input_ids=p, sampling_params=sampling) for p in prompts[1:]))
+            rest = [delta async for delta in first]
+            outs = [[t for d in head + rest for t in d.output_ids]] + [o.output_ids for o in await later]
             assert (await engine.current_stats())["retractions"] > 0
             await assert_idle_invariants(engine)
-        return [o.output_ids for o in outs]
+        return outs
 
     assert await run(2) == await run(1)
 
