@@ -295,7 +295,8 @@ async def _started_with_its_rank(path: Path, **kw) -> AsyncIterator[tuple[Engine
 
 async def test_kill_9_of_a_rank_mid_stream_fails_its_requests_and_stops_the_core(tiny_model_factory):
     async with _started_with_its_rank(tiny_model_factory("llama")) as (engine, core, rank):
-        streams = await decoding(engine, PROMPTS, {**GREEDY, "max_new_tokens": 1500})
+        # 900: all four fit the pool at once (a new request is charged its whole max_new_tokens)
+        streams = await decoding(engine, PROMPTS, {**GREEDY, "max_new_tokens": 900})
         os.kill(rank, signal.SIGKILL)
         results = await drain(streams, 30)  # a hang guard
         assert all(isinstance(r, EngineError) for r in results), results
