@@ -166,7 +166,8 @@ def test_http_overhead_rows_are_consistent(monkeypatch, capsys):
     assert set(rows) == {"Engine.generate", "HTTP /generate", "HTTP /v1/completions"}
     for path, row in rows.items():
         req_s, p50, p99, cpu = (_number(c) for c in row[2:])
-        assert row[1] == "1" and 0 < p50 <= p99 and cpu > 0, row
+        # CPU per request is printed to 0.01 ms: a short request can show 0.00
+        assert row[1] == "1" and 0 < p50 <= p99 and cpu >= 0, row
         # One in flight: the wall time is at least the sum of the latencies, and half of them are
         # at least the median, so req/s <= 2 / p50.
         assert req_s <= 2 * 1e3 / (p50 - 0.005) + 0.5, row
