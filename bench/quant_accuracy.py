@@ -1,0 +1,85 @@
+"""Accuracy of `--quantization int8` against the same engine unquantized, on the default model.
+
+    python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32]
+
+Logits: every position of the parity prompts (tests/test_smollm2.py's), max and mean |int8 - unquantized|
+beside the mean |logit|. Greedy: for each prompt of a fixed set, the unquantized model's own greedy
+continuation; at each of its steps, does the int8 model (teacher-forced on the same prefix) pick the
+same token? Also the free-running length over which the two greedy outputs stay identical.
+tests/test_quantization.py asserts bounds on the same measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import AutoTokenizer
+
+from gpu.forward_batch import ForwardBatch
+from gpu.gguf_loader import default_model_path
+from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.offline import generate
+from runtime.sampling_params import SamplingParams
+
+PARITY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
+]
+GREEDY_PROMPTS = [
+    *PARITY_PROMPTS,
+    "Once upon a time",
+    "The quick brown fox",
+    "import numpy as np\n",
+    "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n",
+    "Water boils at",
+    "The largest planet in the solar system is",
+    "for i in range(10):",
+]
+
+
+def all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
+    row = runner.req_to_token.alloc()
+    slots = runner.allocator.alloc(len(ids))
+    try:
+        runner.req_to_token.write(row, 0, slots)
+        return runner.forward(ForwardBatch.build([ids], [row], [0], slots, runner.device, return_all_logits=True)).float()
+    finally:
+        runner.allocator.free(slots)
+        runner.req_to_token.free(row)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    args = p.parse_args()
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    runners = [
+        ModelRunner(RunnerConfig(model_path=None, dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS)))
+        for q in (None, "int8")
+    ]
+    base, quantized = runners
+    print(f"dtype={args.dtype}: int8 against unquantized")
+    for prompt in PARITY_PROMPTS:
+        ids = tokenizer.encode(prompt)
+        ref = all_logits(base, ids)
+        error = (all_logits(quantized, ids) - ref).abs()
+        print(f"  logits {prompt[:28]!r:<32} max {error.max():.3f}  mean {error.mean():.3f}  (mean |logit| {ref.abs().mean():.3f})")
+    prompts = [tokenizer.encode(t) for t in GREEDY_PROMPTS]
+    params = [SamplingParams(max_new_tokens=args.tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
+    agree = same_prefix = 0
+    for prompt, out, q_out in zip(prompts, generate(base, prompts, params), generate(quantized, prompts, params)):
+        ids = prompt + out.output_ids
+        steps = slice(len(prompt) - 1, len(ids) - 1)
+        agree += int((all_logits(quantized, ids)[steps].argmax(-1) == all_logits(base, ids)[steps].argmax(-1)).sum())
+        same_prefix += next((i for i, (a, b) in enumerate(zip(out.output_ids, q_out.output_ids)) if a != b), args.tokens)
+    total = len(prompts) * args.tokens
+    print(f"  greedy, teacher-forced: {agree}/{total} = {agree / total:.3f} of steps pick the same token")
+    print(f"  greedy, free-running: identical for {same_prefix}/{total} tokens (each prompt up to its first difference)")
+
+
+if __name__ == "__main__":
+    main()
