@@ -89,6 +89,22 @@ def class_figure(title: str, results: Mapping[str, Mapping[str, Sequence[float]]
     return fig
 
 
+def hit_rate_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], title: str) -> Figure:
+    """bench.trace_replay's figure: hit rate over the trace's time, one line per cache;
+    `series[cache]` is (minutes, hit rate) per window."""
+    fig, (ax,) = _grid(1, cols=1)
+    fig.set_size_inches(2 * PANEL_INCHES[0], 1.5 * PANEL_INCHES[1])
+    for run, (name, (minutes, rates)) in enumerate(series.items()):
+        ax.plot(minutes, [100.0 * r for r in rates], label=name, gid=f"run{run}")
+    ax.set_title(title)
+    ax.set_xlabel("trace time (min)")
+    ax.set_ylabel("prompt tokens found in the cache (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+    return fig
+
+
 def save(fig: Figure, path: Path | str) -> Path:
     """Write `fig` to `path` in the format its extension names, and release it."""
     import matplotlib

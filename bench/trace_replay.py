@@ -22,12 +22,14 @@ import itertools
 import json
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import torch
 
 from actors.kv_ledger import KVLedger
+from bench.serving_plot import hit_rate_figure, plot_problem, save
 from cache import RadixCache
 from cache.host_tier import HostTier, chain_digests
 from cache.storage_tier import Prefetch
@@ -53,6 +55,10 @@ class Replay:
     host_hit_tokens: int = 0
     storage_hit_tokens: int = 0
     seconds: float = 0.0
+    # Per request, in trace order: arrival (ms), prompt tokens, tokens found in any tier (the plot's).
+    arrivals_ms: list[float] = field(default_factory=list)
+    prompts: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
 
     @property
     def hit_tokens(self) -> int:
@@ -132,6 +138,9 @@ def replay(
         from_host = match.length if on_host is None else min(on_host, match.length)
         out.host_hit_tokens += from_host - on_device
         out.storage_hit_tokens += match.length - from_host
+        out.arrivals_ms.append(req.timestamp)
+        out.prompts.append(len(tokens))
+        out.hits.append(match.length)
     ledger.check()
     out.seconds = time.perf_counter() - start
     return out
@@ -169,19 +178,40 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-policy", default="write_through", choices=("write_through", "write_back"))
     p.add_argument("--storage", action="store_true", help="also each host tier size with an unbounded storage tier (L3) under it")
     p.add_argument("--output", default=None, help="append one JSON line per configuration")
+    p.add_argument("--plot", type=Path, default=None, help="hit rate over the trace's time, a line per cache, to this .png, .svg or .pdf")
+    p.add_argument("--plot-window-s", type=float, default=120.0, help="the plot's hit rate is over windows of this many trace seconds")
     args = p.parse_args(argv)
+    if args.plot is not None and (problem := plot_problem(args.plot)):
+        p.error(problem)
     trace = read_trace(args.trace, args.limit)
     total = sum(r.input_length for r in trace)
     print(f"{len(trace)} requests, {total:,} prompt tokens")
     print(f"{'cache':<28} {'hit rate':>9} {'device':>8} {'host':>8} {'storage':>8} {'saved tokens':>14} {'s':>6}")
+    replays = []
     for name, device, host, storage in configurations(args.device_tokens, args.host_ratio, total, args.storage):
-        result = replay(trace, name, device, host, args.page_size, write_policy=args.write_policy, storage=storage).row()
+        replays.append(replay(trace, name, device, host, args.page_size, write_policy=args.write_policy, storage=storage))
+        result = replays[-1].row()
         print(f"{name:<28} {result['hit_rate']:>9.1%} {result['device_hit_rate']:>8.1%} {result['host_hit_rate']:>8.1%} "
               f"{result['storage_hit_rate']:>8.1%} {result['prefill_tokens_saved']:>14,} {result['replay_s']:>6}")
         if args.output:
             with open(args.output, "a") as f:
                 f.write(json.dumps({**result, "requests": len(trace), "page_size": args.page_size}) + "\n")
+    if args.plot is not None:
+        series = {r.name: hit_rate_over_time(r, args.plot_window_s) for r in replays}
+        save(hit_rate_figure(series, f"{Path(args.trace).name}, {args.plot_window_s:g} s windows"), args.plot)
+        print(f"plot: {args.plot}")
     return 0
+
+
+def hit_rate_over_time(r: Replay, window_s: float) -> tuple[list[float], list[float]]:
+    """(window start in minutes, share of that window's prompt tokens found in any tier)."""
+    by_window: dict[int, list[int]] = {}
+    for at_ms, prompt, hit in zip(r.arrivals_ms, r.prompts, r.hits):
+        tally = by_window.setdefault(int(at_ms / 1000 // window_s), [0, 0])
+        tally[0] += hit
+        tally[1] += prompt
+    windows = sorted(by_window)
+    return [w * window_s / 60 for w in windows], [by_window[w][0] / by_window[w][1] for w in windows]
 
 
 if __name__ == "__main__":

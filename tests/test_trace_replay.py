@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.trace_replay import BLOCK, TraceRequest, main, prompt_tokens, read_trace, replay
+from bench.trace_replay import BLOCK, TraceRequest, hit_rate_over_time, main, prompt_tokens, read_trace, replay
 
 # Request 2 repeats request 0's two blocks and adds one; request 3 shares request 1's first block.
 TRACE = [
@@ -50,3 +50,24 @@ def test_the_command_prints_a_row_per_cache_and_writes_json(tmp_path: Path, caps
     assert [r["cache"].split(",")[0] for r in rows] == ["unbounded", "radix", "+ host 2x"]
     assert all(abs(r["prefill_tokens_saved"] / r["prompt_tokens"] - r["hit_rate"]) < 1e-4 for r in rows)
     assert "unbounded" in capsys.readouterr().out
+
+
+def test_the_plot_has_a_hit_rate_line_per_cache(tmp_path: Path):
+    """Issue 41's trace-replay figure: read back from the SVG, a line (gid run<i>) per cache."""
+    out = tmp_path / "hits.svg"
+    assert main(["--trace", _trace(tmp_path), "--device-tokens", str(3 * BLOCK + 64), "--page-size", "16",
+                 "--host-ratio", "2", "--plot", str(out), "--plot-window-s", "0.01"]) == 0
+    svg = out.read_text()
+    assert [f'id="run{i}"' in svg for i in range(4)] == [True, True, True, False]
+    assert "unbounded" in svg and "+ host 2x" in svg and "trace time (min)" in svg
+
+
+def test_hit_rate_over_time_divides_each_window():
+    r = replay(read_trace_from(TRACE), "unbounded", 100 * BLOCK, page_size=16)
+    minutes, rates = hit_rate_over_time(r, window_s=0.015)  # requests at 0, 10, 20, 30 ms: windows 0, 0, 1, 2
+    assert [round(m * 60, 3) for m in minutes] == [0.0, 0.015, 0.03]
+    assert rates == [0.0, 2 * BLOCK / (3 * BLOCK), BLOCK / (BLOCK + 100)]
+
+
+def read_trace_from(rows: list[dict]) -> list[TraceRequest]:
+    return [TraceRequest(**row) for row in rows]
