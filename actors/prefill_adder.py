@@ -368,12 +368,12 @@ def select_preemption_victims(
 ) -> list[Req] | None:
     """Running requests to preempt so that `new_req` fits, or None when preemption cannot help.
 
-    Least important first, newest first among equals; each victim gives back its own
+    Least important first, the newest in the queue first among equals; each victim gives back its own
     reserved tokens until `need_tokens` is covered; with `need_tokens <= 0` (the batch is full of
     requests, not of tokens) one victim is taken.
     """
-    order = {id(r): i for i, r in enumerate(running)}
-    candidates = sorted(running, key=lambda r: (-rule.level(r.priority), -r.sched.enqueue_time, -order[id(r)]))
+    # A stable sort: of equal priority and queue-entry time, the one admitted first goes first (SGLang).
+    candidates = sorted(running, key=lambda r: (-rule.level(r.priority), -r.sched.enqueue_time))
     victims: list[Req] = []
     for cand in candidates:
         if not rule.may_preempt(new_req.priority, cand.priority):

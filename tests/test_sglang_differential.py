@@ -31,8 +31,11 @@ Where we deviate from SGLang on purpose, the scenarios are adjusted explicitly (
 - D8 when the last request alone does not fit after retraction, SGLang raises and we abort
   it: compared as "still does not fit", with the victims as a set (the raise loses their order).
 
-A difference that is not deliberate is a strict xfail (`known`, the reason names the rule of
-issue 29 and the finding) until the code follows; then the mark goes and the test guards it.
+- D9 prompt logprobs from logprob_start_len k reuse at most k - 1 cached tokens (the logits at
+  k - 1 score token k); SGLang reuses up to k: compared as one token less.
+
+A new difference that is not deliberate goes in as a strict xfail naming the rule until the code
+follows; none is left.
 """
 
 from __future__ import annotations
@@ -78,9 +81,8 @@ SGL = sglang_reference.load()
 if SGL is None:
     pytest.skip(f"sglang=={sglang_reference.SGLANG_VERSION} is not installed (make setup installs it, --no-deps)", allow_module_level=True)
 
-# derandomize: the same examples every run, so a strict xfail is a stable verdict. No shrinking
-# (a known difference would spend minutes on it) unless SGLANG_DIFF_SHRINK=1 asks for the
-# minimal scenario of a new one.
+# derandomize: the same examples every run. No shrinking (a difference would spend minutes on it)
+# unless SGLANG_DIFF_SHRINK=1 asks for the minimal scenario of a new one.
 FEW = settings(
     max_examples=60,
     deadline=None,
@@ -88,20 +90,6 @@ FEW = settings(
     suppress_health_check=[HealthCheck.too_slow],
     phases=list(Phase) if os.environ.get("SGLANG_DIFF_SHRINK") == "1" else [Phase.explicit, Phase.generate],
 )
-
-# Where our decisions still differ from SGLang's (issue 29): each is a strict xfail until the
-# code follows, then its mark goes.
-KNOWN: dict[str, str] = {
-    "F4": "preemption tie-break: of running requests with equal priority and queue-entry time we take the "
-    "one admitted last; SGLang's stable sort takes the one admitted first",
-    "F8": "a request with prompt logprobs from logprob_start_len k matches at most k - 1 cached tokens; "
-    "SGLang's init_next_round_input matches up to k (README states ours; not named as a deviation)",
-}
-
-
-def known(rule: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=KNOWN[rule])
-
 
 # ---------------------------------------------------------------------------------------------
 # Prefix cache: RadixCache vs SGLang's RadixCache
@@ -821,7 +809,6 @@ def test_preemption_as_sglang(page: int, data: st.DataObject) -> None:
     assert pair.ours_alloc.available_size() + pair.ours.evictable_size() == pair.sgl_alloc.available_size() + pair.sgl.evictable_size()
 
 
-@known("F4")
 def test_preemption_tie_takes_the_first_admitted() -> None:
     rnd = PreemptRound(
         state=DecodeState(page=1, pool=128, cached=[], running=[Spec([0], max_new=1, generated=1)] * 2, slack=2),
@@ -1045,9 +1032,10 @@ def test_requests_through_the_cache_as_sglang(page: int, first: list[tuple], ops
     assert pair.ours.protected_size() == 0
 
 
-@known("F8")
 @pytest.mark.parametrize("start", [1, 5, 9])
-def test_prompt_logprob_request_matches_as_sglang(start: int) -> None:
+def test_prompt_logprob_request_matches_one_token_less_than_sglang(start: int) -> None:
+    """A deliberate deviation (README): with prompt logprobs from k we reuse at most k - 1 cached
+    tokens, so the logits at k - 1 score token k; SGLang reuses up to k."""
     pair = CachePair.new(1)
     warm_cache(pair, [(list(range(1, 11)), None)])
     prompt = list(range(1, 12))
@@ -1060,4 +1048,4 @@ def test_prompt_logprob_request_matches_as_sglang(start: int) -> None:
         return_logprob=True, logprob_start_len=start,
     )
     sgl.init_next_round_input(pair.sgl)
-    assert match_for_admission(pair.ours, ours).length == len(sgl.prefix_indices)
+    assert match_for_admission(pair.ours, ours).length == max(len(sgl.prefix_indices) - 1, 0)
