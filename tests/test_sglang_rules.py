@@ -87,7 +87,7 @@ async def _four_decoding() -> tuple[Rig, list[Req]]:
 async def test_retract_decode_stops_once_the_next_decode_fits_counting_the_victims_prompt():
     """Rules 1 and 2 (schedule_batch.py retract_decode/release_req): one victim frees its output
     and, once unlocked and evicted, its cached prompt; that covers the next decode step of the three
-    that stay, so SGLang retracts one. (A reserve of 20 tokens per survivor retracted three.)"""
+    that stay, so SGLang retracts one. (A reserve of 20 tokens per survivor retracted two.)"""
     rig, reqs = await _four_decoding()
     requeued = await _decode_until_retraction(rig)
     assert rig.adder.counters["retractions"] == 1
