@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from api.cli import _parser
 from api.serve_cli import engine_kwargs
+from bench.quant_accuracy import all_logits
 from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension, cxx_compiler
-from gpu.forward_batch import ForwardBatch
 from gpu.gguf_loader import default_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
@@ -147,17 +147,6 @@ def _runner(dtype: str, quantization: str | None) -> ModelRunner:
     return ModelRunner(RunnerConfig(model_path=None, dtype=dtype, quantization=quantization, max_total_tokens=2048, max_running_requests=len(GREEDY_PROMPTS)))
 
 
-def _all_logits(runner: ModelRunner, ids: list[int]) -> torch.Tensor:
-    row = runner.req_to_token.alloc()
-    slots = runner.allocator.alloc(len(ids))
-    try:
-        runner.req_to_token.write(row, 0, slots)
-        return runner.forward(ForwardBatch.build([ids], [row], [0], slots, runner.device, return_all_logits=True)).float()
-    finally:
-        runner.allocator.free(slots)
-        runner.req_to_token.free(row)
-
-
 @pytest.fixture(scope="module")
 def smollm2_pair(smollm2_dir) -> tuple[ModelRunner, ModelRunner, AutoTokenizer]:
     gguf = default_model_path()
@@ -172,7 +161,7 @@ def test_int8_logits_stay_near_the_unquantized_model(smollm2_pair) -> None:
     assert isinstance(quantized.model.packed_head, Int8Linear) and not isinstance(base.model.packed_head, Int8Linear)
     for prompt in PARITY_PROMPTS:
         ids = tokenizer.encode(prompt)
-        ref, got = _all_logits(base, ids), _all_logits(quantized, ids)
+        ref, got = all_logits(base, ids), all_logits(quantized, ids)
         error = (got - ref).abs()
         assert error.max() <= MAX_LOGIT_ERROR and error.mean() <= MEAN_LOGIT_ERROR, (prompt, error.max(), error.mean())
         assert error.max() > 0  # really the quantized path
@@ -189,7 +178,7 @@ def test_int8_greedy_choices_agree_with_the_unquantized_model(smollm2_pair) -> N
     for prompt, out in zip(prompts, generate(base, prompts, params)):
         ids = prompt + out.output_ids
         steps = slice(len(prompt) - 1, len(ids) - 1)  # the logits that chose each output token
-        ref_choice = _all_logits(base, ids)[steps].argmax(-1)
-        agree += int((_all_logits(quantized, ids)[steps].argmax(-1) == ref_choice).sum())
+        ref_choice = all_logits(base, ids)[steps].argmax(-1)
+        agree += int((all_logits(quantized, ids)[steps].argmax(-1) == ref_choice).sum())
     total = len(prompts) * GREEDY_TOKENS
     assert agree / total >= MIN_GREEDY_AGREEMENT, f"{agree}/{total}"
