@@ -370,7 +370,9 @@ def select_preemption_victims(
 
     Least important first, the newest in the queue first among equals; each victim gives back its own
     reserved tokens until `need_tokens` is covered; with `need_tokens <= 0` (the batch is full of
-    requests, not of tokens) one victim is taken.
+    requests, not of tokens) one victim is taken. The victims come back in `running`'s order, the
+    order they leave in: SGLang releases them walking its batch, evicting for the survivors after
+    each, so the order decides which cached prefixes are unlocked when an eviction runs.
     """
     # A stable sort: of equal priority and queue-entry time, the one admitted first goes first (SGLang).
     candidates = sorted(running, key=lambda r: (-rule.level(r.priority), -r.sched.enqueue_time))
@@ -384,7 +386,8 @@ def select_preemption_victims(
             break
     if not victims or need_tokens > 0:
         return None
-    return victims
+    chosen = {id(r) for r in victims}
+    return [r for r in running if id(r) in chosen]
 
 
 

@@ -418,13 +418,13 @@ def test_preemption_needs_a_difference_strictly_greater_than_the_threshold():
     assert select_preemption_victims(new, [below], 5, PriorityRule(False, 10), _reserved({below.rid: 100})) == [below]
 
 
-def test_preemption_victim_order_least_important_then_newest():
+def test_preemption_victims_chosen_least_important_then_newest_and_listed_in_running_order():
     new = req(4, priority=20)
     old0, new0, five = req(4, priority=0, enqueue=1.0), req(4, priority=0, enqueue=2.0), req(4, priority=5, enqueue=3.0)
     reserved = _reserved({old0.rid: 10, new0.rid: 10, five.rid: 10})
     running = [five, old0, new0]
-    assert select_preemption_victims(new, running, 15, PriorityRule(False, 10), reserved) == [new0, old0]
-    assert select_preemption_victims(new, running, 25, PriorityRule(False, 10), reserved) == [new0, old0, five]
+    assert select_preemption_victims(new, running, 15, PriorityRule(False, 10), reserved) == [old0, new0]
+    assert select_preemption_victims(new, running, 25, PriorityRule(False, 10), reserved) == [five, old0, new0]
     assert select_preemption_victims(new, running, 31, PriorityRule(False, 10), reserved) is None  # still short
     assert select_preemption_victims(new, running, 0, PriorityRule(False, 10), reserved) == [new0]  # full by count
 
