@@ -24,8 +24,8 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet --no-deps sglang==0.5.7
 	# The compiled CPU kernels (gpu/csrc/); without a C++ compiler the torch path runs instead.
 	$(PY) -m gpu.cpu_ops
-	# The router's compiled data plane (api/csrc/); without a C compiler the Python one runs instead.
-	$(PY) -m api.native
+	# The router's compiled data plane (api/router/csrc/); without a C compiler the Python one runs instead.
+	$(PY) -m api.router.native
 	touch $(STAMP)
 
 serve: setup

@@ -24,6 +24,7 @@ import torch
 
 from actors.json_schema import json_schema_grammar
 from gpu.cuda_streams import host_to_device
+from runtime.req import Constraint
 
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 CACHE_SIZE = 1024  # compiled grammars kept, least recently used dropped first
@@ -95,15 +96,6 @@ class GrammarCompiler:
                 self._xgr = xgr.GrammarCompiler(info, max_threads=1)
             return self._xgr
 
-
-@dataclass(slots=True)
-class Constraint:
-    """A request's matcher, and the tokens a grammar never allows (special tokens that are not
-    end-of-sequence: xgrammar lets some through, and then refuses them)."""
-
-    matcher: Any  # xgrammar.GrammarMatcher
-    never: torch.Tensor  # token ids
-    eos: torch.Tensor  # token ids
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], constraints: list[Constraint]) -> None:

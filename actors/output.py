@@ -1,7 +1,7 @@
 """OutputProcessor: turns each step's sampled tokens into stream deltas and finish decisions.
 
 In the engine core process (with an `outbox`) it decides only: deltas carry token ids, and the
-frontend turns them into text (api/core_client.py); only a request with stop strings is
+frontend turns them into text (api/frontend/core_client.py); only a request with stop strings is
 detokenized here, to find them.
 Under overlap a request finished at step N is also in step N+1: that extra token is dropped here.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from actors.detokenizer import IncrementalDetokenizer, check_finish, process_token
+from runtime.detokenize import IncrementalDetokenizer, check_finish, process_token
 from runtime.actor import Actor, Mailbox
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, InputLogprobs, StepDone, StepOut

@@ -1,30 +1,17 @@
-"""The faces of actorserve: `Engine` (embedded asyncio library), the HTTP server and the CLI.
+"""The programs around the engine core, one folder each: `frontend/` (the caller's process:
+`Engine`, the Receiver, the core client), `core/` (the engine core's process), `server/` (the
+HTTP server) and `router/` (the HTTP router); `cli.py` is the `actorserve` command.
 
-    from api import Engine, SamplingParams
-
-Names are imported on first use, so `actorserve --help` does not pay for torch.
+The public import is `from actorserve import Engine, SamplingParams`; `from api import ...`
+stays as an alias of the same names.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-_EXPORTS = {
-    "Engine": "api.engine",
-    "EngineError": "api.engine",
-    "GenerateOutput": "api.engine",
-    "InvalidRequest": "api.engine",
-    "Rejected": "api.engine",
-    "SamplingParams": "runtime.sampling_params",
-    "EngineConfig": "runtime.config",
-}
-
-__all__ = list(_EXPORTS)
-
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'api' has no attribute {name!r}")
-    import importlib
+    import actorserve
 
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    return getattr(actorserve, name)

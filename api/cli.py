@@ -26,10 +26,10 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actorserve", description="SGLang's scheduler as asyncio actors.")
     commands = parser.add_subparsers(title="commands")
     _add_generate(commands.add_parser("generate", help="generate text offline (no server)"))
-    from api import serve_cli
+    from api.server import cli as serve_cli
 
     serve_cli.add_parser(commands)
-    from api import http_router
+    from api.router import http_router
 
     http_router.add_parser(commands)
     tiny = commands.add_parser("make-tiny-model", help="write a tiny random-weight checkpoint for tests")
@@ -65,7 +65,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 
 async def _generate_async(args: argparse.Namespace) -> int:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     sampling = {
         "max_new_tokens": args.max_new_tokens,

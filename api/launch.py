@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from actors.receiver import InvalidInput
+from api.frontend.receiver import InvalidInput
 from runtime.config import EngineConfig
 
 log = logging.getLogger("actorserve.launch")

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 
 from api import Engine
-from api.routing import Router, RouterConfig
+from api.router.routing import Router, RouterConfig
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Workload, make_workload
 from runtime.config import ROUTER_POLICIES

@@ -364,7 +364,7 @@ def _agreement(results: list[StepResult], reference: list[StepResult]) -> float:
 async def _engine_run(
     path: str, variant: Variant, overlap: bool, running: int, requests: int, tp_size: int = 1
 ) -> tuple[float, float, list[list[int]]]:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     gen = torch.Generator().manual_seed(0)
     config = dict(

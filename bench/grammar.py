@@ -78,7 +78,7 @@ def _masking(path: str | None, rows: list[int], steps: int) -> None:
 
 
 async def _w1(path: str | None, dtype: str, repeats: int) -> None:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     config = {"model_path": path, "dtype": dtype}
     requests = make_workload("W1-mixed-64", engine_vocab_size(config)).requests

@@ -14,7 +14,7 @@ Engine rows (the load generator included, which costs little), the server proces
 CPU, so the cpu column is the steadier measure of the server's own cost.
 
 Both sides freeze the objects loaded at startup out of the garbage collector's view, as
-`actorserve serve` does (see api/server.py `freeze_startup_objects`).
+`actorserve serve` does (see api/server/app.py `freeze_startup_objects`).
 """
 
 from __future__ import annotations
@@ -114,11 +114,11 @@ async def _measured(send: Send, args: argparse.Namespace, concurrency: int, pid:
 
 
 async def _engine_rows(model: str, args: argparse.Namespace) -> None:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     sampling = {"max_new_tokens": 1, "temperature": 0.0}
     async with Engine(model_path=model) as engine:
-        from api.server import freeze_startup_objects
+        from api.server.app import freeze_startup_objects
 
         freeze_startup_objects()
 

@@ -38,8 +38,8 @@ import msgspec
 import torch
 import uvloop
 
-from api.engine import Engine, GenerateOutput
-from api.serve_cli import _add_field  # the one definition of how EngineConfig fields become flags
+from api.frontend.engine import Engine, GenerateOutput
+from api.server.cli import _add_field  # the one definition of how EngineConfig fields become flags
 from bench.workloads import Request, make_workload
 from runtime.config import EngineConfig
 

@@ -69,8 +69,8 @@ import uvloop
 
 from actors.executor import ModelStepRunner, PendingStep, StepRunner
 from actors.policy_order import QueueOrderer
-from api.core import CoreSetup
-from api.engine import Engine
+from api.core.engine_core import CoreSetup
+from api.frontend.engine import Engine
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.offline import tiny_qwen3_dir
 from bench.workloads import Request, shared_prefix_requests

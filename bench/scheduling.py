@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from api.engine import Engine, Rejected
+from api.frontend.engine import Engine, Rejected
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.overhead import Probe, micro_model_dir, start_engine, stop_engine
 from bench.serving_plot import class_figure, plot_problem, save

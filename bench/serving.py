@@ -366,7 +366,7 @@ def parse_rate(text: str) -> float:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    from api.serve_cli import _add_field, _converter  # the one definition of how EngineConfig fields become flags
+    from api.server.cli import _add_field, _converter  # the one definition of how EngineConfig fields become flags
 
     p = argparse.ArgumentParser(prog="python -m bench.serving", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     t = p.add_argument_group("target")
@@ -582,7 +582,7 @@ def device_busy(before: dict[str, Any], after: dict[str, Any], duration_s: float
 async def amain(args: argparse.Namespace) -> list[RunResult]:
     extra = dict(args.extra_request_body)
     if args.engine:
-        from api.engine import Engine
+        from api.frontend.engine import Engine
 
         kwargs = engine_kwargs(args)
         async with Engine(**kwargs) as engine:

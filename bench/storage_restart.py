@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any
 
-from api.engine import Engine
+from api.frontend.engine import Engine
 
 
 def _engine(model_path: str | None, storage_dir: str, pool: int) -> Engine:

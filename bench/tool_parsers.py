@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import msgspec
 
-from api.chat_tools import ChatParsers, ChoiceParser, plan_chat
-from api.openai_schema import ChatCompletionRequest
-from api.reasoning_parser import ReasoningParser
-from api.tool_parsers import HermesParser, Llama3JsonParser, PlainText
+from api.server.chat_tools import ChatParsers, ChoiceParser, plan_chat
+from api.server.openai_schema import ChatCompletionRequest
+from api.server.reasoning_parser import ReasoningParser
+from api.server.tool_parsers import HermesParser, Llama3JsonParser, PlainText
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris", "days": 3, "unit": "celsius", "note": "a <b> and </tool in text"}}
 THINKING = "<think>\nThe user asks for the weather in two cities; I should call the tool twice, once per city.\n</think>\n\n"
@@ -93,7 +93,7 @@ def forced_schema() -> str:
 
 
 async def engine_runs(repeats: int) -> dict[str, list[float]]:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
     from bench.offline import engine_vocab_size, tiny_qwen3_dir
 
     config = {"model_path": str(tiny_qwen3_dir())}

@@ -7,7 +7,7 @@ back to admission. If `handle` raises, the actor stops and the `on_exit` callbac
 
 Mailboxes exist before the actors: whoever wires actors together creates every mailbox first
 and hands each actor its own (`inbox`) and its peers' at construction, so the edges between
-actors are all in one place (api/core.py, api/engine.py) and a test can drive one actor by
+actors are all in one place (api/core/engine_core.py, api/frontend/engine.py) and a test can drive one actor by
 calling `handle` and reading its peers' mailboxes.
 """
 

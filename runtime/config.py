@@ -54,7 +54,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     core_backlog: int = 4096
 
     # data parallelism: dp_size engine cores, each a process with its own KV pool, prefix cache
-    # and scheduler, behind this frontend's router (api/routing.py)
+    # and scheduler, behind this frontend's router (api/router/routing.py)
     dp_size: int = 1
     router_policy: str = "cache_aware"
     cache_threshold: float = 0.3  # cache_aware: the match share above which the cache decides
@@ -125,7 +125,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     stream_interval: int = 1
     tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
 
-    # SGLang launch flags (api/sglang_flags.py lists what each of SGLang's flags does here).
+    # SGLang launch flags (api/server/sglang_flags.py lists what each of SGLang's flags does here).
     tokenizer_path: str | None = None  # None: the model's directory
     trust_remote_code: bool = False  # let transformers run a tokenizer's own code
     chat_template: str | None = None  # a Jinja file or a known name (api/tokenizers.py); None: the tokenizer's

@@ -5,7 +5,7 @@ over ZMQ IPC sockets in a private temporary directory. Two one-way channels, eac
 pair: requests and aborts go to the core; the core answers with at most one `CoreOutputs` per
 loop iteration, carrying every request's part of that step.
 
-Starting: the core process is a fresh interpreter (`python -m api.core_process DIR PID`) that
+Starting: the core process is a fresh interpreter (`python -m api.core.process DIR PID`) that
 connects, says `CoreHello`, and is told what to load by one `CoreStart`; then `CoreReady` or
 `CoreFailed`.
 """
@@ -27,7 +27,7 @@ from runtime.stream import Delta
 
 
 class CoreStart(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """The first message to a core process: what to load. `setup`: an encoded `api.core.CoreSetup`
+    """The first message to a core process: what to load. `setup`: an encoded `api.core.engine_core.CoreSetup`
     (runtime imports nothing of api); `sys_path`: the frontend's, so that the functions a setup
     names ("module:name") import in the core as they would in the frontend."""
 

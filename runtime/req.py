@@ -17,7 +17,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -26,8 +26,9 @@ from runtime.service import ServiceClass
 from runtime.stream import Delta, RemoteStream, RequestStream
 
 if TYPE_CHECKING:
-    from actors.detokenizer import IncrementalDetokenizer
-    from actors.grammar import Constraint
+    import torch
+
+    from runtime.detokenize import IncrementalDetokenizer
 
 
 @dataclass(slots=True)
@@ -54,6 +55,17 @@ def token_finish(
     if not params.ignore_eos and new_token in eos_token_ids:
         return FinishReason("stop", matched=new_token)
     return None
+
+
+@dataclass(slots=True)
+class Constraint:
+    """A request's grammar matcher (actors/grammar.py builds and advances it), and the tokens a
+    grammar never allows (special tokens that are not end-of-sequence: xgrammar lets some
+    through, and then refuses them)."""
+
+    matcher: Any  # xgrammar.GrammarMatcher
+    never: torch.Tensor  # token ids
+    eos: torch.Tensor  # token ids
 
 
 @dataclass(slots=True)

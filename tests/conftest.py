@@ -3,7 +3,7 @@
 - Hugging Face offline mode is forced (unless the caller set it): tests never touch the network.
 - Async tests run on uvloop, the loop `actorserve` itself runs on.
 - Tiny random-weight models are made once per session, on demand (see gpu/tiny_model.py).
-- Our own compiled code (gpu/csrc, api/csrc) is skipped only where no compiler exists; with one
+- Our own compiled code (gpu/csrc, api/router/csrc) is skipped only where no compiler exists; with one
   (always in CI), a failed build fails every test that needs it, with the compiler's message.
 """
 
@@ -93,7 +93,7 @@ def _kernels_or_raise() -> CpuKernels:
 
 
 def _native_library_or_raise() -> ctypes.CDLL:
-    from api import native
+    from api.router import native
 
     library = native.native_library()
     if library is None:
@@ -110,8 +110,8 @@ def kernels() -> CpuKernels:
 
 @pytest.fixture(scope="session")
 def native_plane() -> ctypes.CDLL:
-    """The router's compiled data plane (api/native.py)."""
-    return built_or_skipped("the router's compiled data plane (api/csrc)", shutil.which("cc"), _native_library_or_raise)
+    """The router's compiled data plane (api/router/native.py)."""
+    return built_or_skipped("the router's compiled data plane (api/router/csrc)", shutil.which("cc"), _native_library_or_raise)
 
 
 @pytest.fixture(scope="session")
@@ -135,7 +135,7 @@ def core_mode(request: pytest.FixtureRequest) -> dict[str, bool]:
 
 @pytest.fixture(params=["python", "compiled"])
 def router_plane(request: pytest.FixtureRequest) -> str:
-    """`actorserve router`'s data planes (api/http_router.py's `data_plane`): router tests take
+    """`actorserve router`'s data planes (api/router/http_router.py's `data_plane`): router tests take
     this and run on both; the compiled one skips only where no C compiler exists."""
     if request.param == "compiled":
         request.getfixturevalue("native_plane")

@@ -8,7 +8,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from api.engine import Engine
+from api.frontend.engine import Engine
 from runtime.stream import Delta
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.policy_order import QueueOrderer
-from api.engine import Engine
+from api.frontend.engine import Engine
 from cache import token_array
 from runtime.config import SJF_DEFAULT_AGING_S, EngineConfig
 from runtime.req import Req, SchedState

@@ -16,9 +16,9 @@ import numpy as np
 import orjson
 import pytest
 
-from api import openai_schema
-from api.engine import Engine
-from api.server import ServerSettings
+from api.server import openai_schema
+from api.frontend.engine import Engine
+from api.server.app import ServerSettings
 from bench import serving, serving_backends
 from bench.serving_backends import Backend, Call, EngineBackend, HttpBackend
 from bench.serving_datasets import (

@@ -20,9 +20,9 @@ import jsonschema
 import openai
 import pytest
 
-from api.chat_tools import ChatParsers, plan_chat
-from api.openai_schema import ApiError, ChatCompletionRequest, decode
-from api.server import ServerSettings
+from api.server.chat_tools import ChatParsers, plan_chat
+from api.server.openai_schema import ApiError, ChatCompletionRequest, decode
+from api.server.app import ServerSettings
 from gpu.tiny_model import CHAT_TEMPLATE
 from runtime.messages import Batch, StepOut
 from tests.engine_helpers import assert_idle_invariants
@@ -133,7 +133,7 @@ def serve(model: Path, template: Path, **engine: Any) -> ServerThread:
 
 @pytest.fixture(scope="module")
 def echo(tiny_qwen3: Path, tool_template: Path) -> Iterator[ServerThread]:
-    from api.core import CoreSetup
+    from api.core.engine_core import CoreSetup
     from gpu.loader import load_tokenizer
 
     header = len(load_tokenizer(tiny_qwen3).encode("user\n", add_special_tokens=False))
@@ -510,7 +510,7 @@ async def test_bad_responses_requests_are_400s(echo: ServerThread, body: dict[st
 def test_serve_takes_the_parser_flags_by_sglang_names(capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from api import serve_cli
+    from api.server import cli as serve_cli
 
     parser = argparse.ArgumentParser()
     serve_cli.add_parser(parser.add_subparsers())

@@ -68,7 +68,7 @@ def test_bad_sampling_values_and_ids_are_refused(tiny_llama, capsys):
 
 def test_served_model_names_comma_or_space_separated():
     from api.cli import _parser
-    from api.serve_cli import served_model_names
+    from api.server.cli import served_model_names
 
     args = _parser().parse_args(["serve", "--served-model-name", "a,b", "c", "a"])
     assert served_model_names(args.served_model_name) == ("a", "b", "c")

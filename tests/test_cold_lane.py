@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from actors.cold_lane import ColdLane
 from actors.policy_order import QueueOrderer
-from api.engine import Engine
+from api.frontend.engine import Engine
 from runtime.config import EngineConfig
 from runtime.req import Req, SchedState
 from runtime.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""Our own compiled code (gpu/csrc, api/csrc) is skipped in the suite only where no compiler exists:
+"""Our own compiled code (gpu/csrc, api/router/csrc) is skipped in the suite only where no compiler exists:
 a compile error with a compiler present (always in CI) must fail the run, not turn into skips."""
 
 from __future__ import annotations

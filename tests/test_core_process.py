@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from api.engine import Engine, EngineError, InvalidRequest
+from api.frontend.engine import Engine, EngineError, InvalidRequest
 from runtime.ipc import CoreSockets
 from tests.engine_helpers import assert_idle_invariants, decoding, process_alive
 
@@ -184,7 +184,7 @@ async def test_core_startup_failure_is_a_clear_error_without_leftovers(model_pat
 def _core_children() -> list[str]:
     """This process's children that run the engine core (zombies too: an unreaped one leaks)."""
     children = subprocess.run(["pgrep", "-P", str(os.getpid())], capture_output=True, text=True).stdout.split()
-    return [c for c in children if "api.core_process" in _read(f"/proc/{c}/cmdline") or _read(f"/proc/{c}/stat").endswith(" Z")]
+    return [c for c in children if "api.core.process" in _read(f"/proc/{c}/cmdline") or _read(f"/proc/{c}/stat").endswith(" Z")]
 
 
 def _read(path: str) -> str:
@@ -199,7 +199,7 @@ def _read(path: str) -> str:
 def _cores_running_in(directory: Path) -> list[str]:
     """Engine core processes (anyone's children) whose working directory is `directory`."""
     pids = [p.name for p in Path("/proc").iterdir() if p.name.isdigit()]
-    return [pid for pid in pids if "api.core_process" in _read(f"/proc/{pid}/cmdline") and _cwd(pid) == directory]
+    return [pid for pid in pids if "api.core.process" in _read(f"/proc/{pid}/cmdline") and _cwd(pid) == directory]
 
 
 def _cwd(pid: str) -> Path | None:
@@ -217,7 +217,7 @@ def die_loudly(core) -> None:
 
 
 async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model_path, socket_dirs):
-    from api.core import CoreSetup
+    from api.core.engine_core import CoreSetup
 
     engine = Engine(model_path=model_path, inline_core=False, core_setup=CoreSetup("tests.test_core_process:die_loudly"))
     with pytest.raises(RuntimeError, match=r"(?s)exited with code 3.*the device caught fire"):
@@ -229,7 +229,7 @@ async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model
 def _readme_embedded_example(model_path: str) -> str:
     """README's embedded example as written, with the tiny model in place of the default one."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from api.engine import Engine" in b]
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from api.frontend.engine import Engine" in b]
     assert "__main__" not in block  # run as most people write a script: unguarded
     return block.replace("Engine(", f"Engine(model_path={model_path!r}, ", 1)
 
@@ -252,7 +252,7 @@ def test_readme_embedded_example_runs_unguarded_from_another_directory(model_pat
 def test_the_core_exits_when_its_frontend_is_killed(model_path, tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, sys
-        from api.engine import Engine
+        from api.frontend.engine import Engine
 
         async def main():
             engine = Engine(model_path={model_path!r}, inline_core=False)
@@ -286,7 +286,7 @@ def test_http_server_over_a_core_process(model_path):
     import http.client
     import json
 
-    from api.server import ServerSettings
+    from api.server.app import ServerSettings
     from tests.test_server import ServerThread
 
     with ServerThread({"model_path": model_path, "inline_core": False}, ServerSettings()) as server:

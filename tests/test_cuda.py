@@ -276,7 +276,7 @@ def _parity_prompts() -> list[list[int]]:
 
 
 async def _engine_greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     params = {"max_new_tokens": PARITY_NEW_TOKENS, "min_new_tokens": PARITY_NEW_TOKENS, "temperature": 0}
     settings = dict(cuda_graph_max_bs=32) if device == "cuda" else {}

@@ -1,4 +1,4 @@
-"""dp_size > 1: several engine core processes behind the frontend's router (api/replicas.py)."""
+"""dp_size > 1: several engine core processes behind the frontend's router (api/frontend/replicas.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import pytest
 
 from api import Engine
-from api.engine import EngineError
+from api.frontend.engine import EngineError
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
@@ -154,7 +154,7 @@ def test_server_shows_each_replica_and_the_sum(model_path):
     import http.client
     import json
 
-    from api.server import ServerSettings
+    from api.server.app import ServerSettings
     from tests.test_server import ServerThread
 
     config = {"model_path": model_path, "dtype": "float32", "core_threads": 1, "dp_size": 2, "router_policy": "round_robin"}

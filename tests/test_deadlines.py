@@ -13,7 +13,7 @@ import pytest
 import actors.policy
 from actors.policy import BacklogRate, Policy, estimated_first_token_s
 from actors.policy_order import QueueOrderer
-from api.engine import Engine, InvalidRequest
+from api.frontend.engine import Engine, InvalidRequest
 from cache import RadixCache
 from gpu.kv_pool import TokenSlotAllocator
 from runtime.config import EngineConfig

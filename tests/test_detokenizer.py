@@ -1,4 +1,4 @@
-"""IncrementalDetokenizer, stop strings and finish checks (actors/detokenizer.py).
+"""IncrementalDetokenizer, stop strings and finish checks (runtime/detokenize.py).
 
 Most tests use the tiny model's byte-level BPE tokenizer (GPT-2 style: a multi-byte character is
 often split over several tokens); spacing across the sliding window is checked on a small
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.detokenizer import ByteTable, IncrementalDetokenizer, check_finish, delta_text, process_token
+from runtime.detokenize import ByteTable, IncrementalDetokenizer, check_finish, delta_text, process_token
 from runtime.req import FinishReason, OutputState, Req
 from runtime.sampling_params import SamplingParams
 

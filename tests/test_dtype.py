@@ -106,7 +106,7 @@ def test_explicit_dtype_is_logged_and_bad_names_rejected(tiny_llama: Path, caplo
 
 
 async def test_runner_and_engine_config_show_the_resolved_dtype(tiny_llama: Path) -> None:
-    from api.engine import Engine
+    from api.frontend.engine import Engine
 
     expected = "bfloat16" if _kernel_bf16_flags() else "float32"  # what `auto` is on this machine
     async with Engine(model_path=str(tiny_llama), max_total_tokens=256, inline_core=True) as engine:

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from api.core import CoreSetup
-from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from api.core.engine_core import CoreSetup
+from api.frontend.engine import Engine, EngineError, InvalidRequest, Rejected
 from gpu.model_runner import ModelRunner
 from runtime.actor import Mailbox
 from runtime.messages import Batch, StepOut

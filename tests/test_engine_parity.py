@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from api.engine import Engine
+from api.frontend.engine import Engine
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 NUM_REQUESTS = 32

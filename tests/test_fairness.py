@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, tenant_of
-from api.engine import Engine
+from api.frontend.engine import Engine
 from runtime.config import EngineConfig
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams

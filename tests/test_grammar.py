@@ -16,8 +16,8 @@ import pytest
 
 from actors.grammar import Compiled, GrammarCompiler
 from api import Engine
-from api.core import Core, CoreSetup
-from api.engine import InvalidRequest
+from api.core.engine_core import Core, CoreSetup
+from api.frontend.engine import InvalidRequest
 from tests.engine_helpers import assert_idle_invariants
 
 SCHEMA = {

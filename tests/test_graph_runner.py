@@ -513,8 +513,8 @@ def test_flashinfer_on_cpu_fails_at_startup(tiny_path):
 
 
 def test_engine_passes_gpu_settings_to_the_runner():
-    from api.core import runner_config
-    from api.engine import Engine
+    from api.core.engine_core import runner_config
+    from api.frontend.engine import Engine
 
     config = runner_config(Engine(attention_backend="torch", disable_cuda_graph=True, cuda_graph_max_bs=24).config)
     assert (config.attention_backend, config.disable_cuda_graph, config.cuda_graph_max_bs) == ("torch", True, 24)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from actors.kv_ledger import KVLedger
-from api.engine import Engine
+from api.frontend.engine import Engine
 from cache import RadixCache
 from cache.host_tier import HostTier
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator

@@ -1,4 +1,4 @@
-"""`actorserve router` (api/http_router.py) over live `actorserve serve` workers on loopback ports."""
+"""`actorserve router` (api/router/http_router.py) over live `actorserve serve` workers on loopback ports."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from contextlib import asynccontextmanager, contextmanager
 import aiohttp
 import pytest
 
-from api.http_router import HttpRouter, RouterSettings
-from api.routing import RouterConfig
+from api.router.http_router import HttpRouter, RouterSettings
+from api.router.routing import RouterConfig
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 8}
 

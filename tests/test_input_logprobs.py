@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.output import OutputProcessor
-from api.engine import Engine, InvalidRequest
+from api.frontend.engine import Engine, InvalidRequest
 from runtime.messages import InputLogprobs
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 
 import gpu.model_runner
-from api.core import CoreSetup
-from api.engine import Engine, InvalidRequest
+from api.core.engine_core import CoreSetup
+from api.frontend.engine import Engine, InvalidRequest
 from api.launch import CHAT_TEMPLATES, IdsOnlyTokenizer, chat_template_text, load_tokenizer
-from api.server import Server, ServerSettings, serve, start_site, stop_site
-from api.watchdog import Watchdog
+from api.server.app import Server, ServerSettings, serve, start_site, stop_site
+from api.server.watchdog import Watchdog
 from gpu.model_runner import ModelRunner, RunnerConfig
 from runtime.config import EngineConfig
 from runtime.messages import Batch

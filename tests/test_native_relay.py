@@ -1,4 +1,4 @@
-"""The router's compiled data plane (api/csrc/relay.c) alone: what only it does (a head size limit,
+"""The router's compiled data plane (api/router/csrc/relay.c) alone: what only it does (a head size limit,
 distrust of bytes past a response) and how it leaves (its thread and every socket it opened). The
 cases both planes share are in tests/test_relay.py."""
 

@@ -1,6 +1,6 @@
-"""The compiled router (api/csrc/route.c) against the Python one: every choice, load and tree size
-of api/routing.py's Router on byte prompts, and every prompt and routing key of
-api/http_router.py's _routing_of."""
+"""The compiled router (api/router/csrc/route.c) against the Python one: every choice, load and tree size
+of api/router/routing.py's Router on byte prompts, and every prompt and routing key of
+api/router/http_router.py's _routing_of."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.http_router import _routing_of
-from api.native import native_library
-from api.routing import NoHealthyReplica, Router, RouterConfig
+from api.router.http_router import _routing_of
+from api.router.native import native_library
+from api.router.routing import NoHealthyReplica, Router, RouterConfig
 from bench.workloads import make_workload
 from runtime.config import ROUTER_POLICIES
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer
 
 from api.cli import _parser
-from api.serve_cli import engine_kwargs
+from api.server.cli import engine_kwargs
 from bench.quant_accuracy import all_logits
 from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension, cxx_compiler
 from gpu.gguf_loader import default_model_path

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from api.server import ServerSettings
+from api.server.app import ServerSettings
 from tests.test_server import ServerThread
 
 README = Path(__file__).parent.parent / "README.md"

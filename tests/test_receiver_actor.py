@@ -1,4 +1,4 @@
-"""The Receiver actor driven message by message (actors/receiver.py): what it hands the Policy,
+"""The Receiver actor driven message by message (api/frontend/receiver.py): what it hands the Policy,
 what it refuses, and how it routes aborts."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from actors.receiver import WORST_PRIORITY, ModelLimits, Receiver
+from api.frontend.receiver import WORST_PRIORITY, ModelLimits, Receiver
 from cache import token_array
 from runtime.actor import Mailbox
 from runtime.config import EngineConfig

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 import torch
 
-from api.engine import Engine
-from api.server import ServerSettings
+from api.frontend.engine import Engine
+from api.server.app import ServerSettings
 from tests.conftest import CORE_MODES
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 from tests.test_server import ServerThread

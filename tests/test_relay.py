@@ -1,4 +1,4 @@
-"""The router's data planes (api/relay.py in Python, api/csrc/relay.c compiled) over scripted
+"""The router's data planes (api/router/relay.py in Python, api/router/csrc/relay.c compiled) over scripted
 workers (aiohttp, or raw asyncio streams for what aiohttp would not write): framing, keep-alive,
 pipelining, bad requests and the ways a client or a worker can leave mid-request. Each test runs on
 both planes."""
@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from api import relay
-from api.http_router import HttpRouter, RouterSettings
-from api.routing import RouterConfig
+from api.router import relay
+from api.router.http_router import HttpRouter, RouterSettings
+from api.router.routing import RouterConfig
 
 
 class Worker:

@@ -1,4 +1,4 @@
-"""`actorserve router --api-key` / `--worker-api-key` (api/http_router.py) on both data planes:
+"""`actorserve router --api-key` / `--worker-api-key` (api/router/http_router.py) on both data planes:
 the router's own key checked before any worker is asked, and the credentials each request to a
 worker carries. Scripted aiohttp workers record every request; one test runs real keyed
 `actorserve serve` workers to see an abort through the router free the request's KV."""
@@ -15,8 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from api.http_router import HttpRouter, RouterSettings
-from api.routing import RouterConfig
+from api.router.http_router import HttpRouter, RouterSettings
+from api.router.routing import RouterConfig
 from tests.test_http_router import GREEDY, model_path, workers  # noqa: F401  (model_path: a fixture)
 
 ROUTER_KEY, WORKER_KEY = "router-key", "worker-key"

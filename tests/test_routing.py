@@ -1,4 +1,4 @@
-"""The router's policies and its approximate prefix tree (api/routing.py)."""
+"""The router's policies and its approximate prefix tree (api/router/routing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.routing import NoHealthyReplica, PrefixTree, Router, RouterConfig
+from api.router.routing import NoHealthyReplica, PrefixTree, Router, RouterConfig
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=40)
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import uvloop
 
-from api.engine import Engine
-from api.server import Server, ServerSettings, start_site, stop_site
+from api.frontend.engine import Engine
+from api.server.app import Server, ServerSettings, start_site, stop_site
 from tests.conftest import CORE_MODES
 from tests.engine_helpers import assert_idle_invariants
 
@@ -608,7 +608,7 @@ async def test_metrics_split_by_class_and_count_slo_attainment(server: ServerThr
 
 
 def test_class_labels_keep_a_bounded_number_of_values() -> None:
-    from api.metrics import MAX_LABEL_VALUES, ServerMetrics
+    from api.server.metrics import MAX_LABEL_VALUES, ServerMetrics
     from runtime.service import ServiceClass
 
     metrics = ServerMetrics(lambda: {"running": False})

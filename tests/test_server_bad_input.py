@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.server import ServerSettings
+from api.server.app import ServerSettings
 from tests.engine_helpers import assert_idle_invariants
 from tests.test_server import ServerThread
 

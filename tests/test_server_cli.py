@@ -80,7 +80,7 @@ def test_serve_exits_non_zero_when_the_core_process_dies(tiny_llama: Path) -> No
     try:
         _wait_for_line(proc, "ready", 120)
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        core = next(int(c) for c in children if b"api.core_process" in Path(f"/proc/{c}/cmdline").read_bytes())
+        core = next(int(c) for c in children if b"api.core.process" in Path(f"/proc/{c}/cmdline").read_bytes())
         body = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "stream": True}
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec import inspect as mi
 
-from api.openai_schema import (
+from api.server.openai_schema import (
     ERROR_TYPES,
     AbortRequestBody,
     ChatCompletionRequest,
@@ -31,7 +31,7 @@ from api.openai_schema import (
     CompletionRequest,
     GenerateRequest,
 )
-from api.server import Server, ServerSettings
+from api.server.app import Server, ServerSettings
 from runtime.sampling_params import SamplingParams
 from tests.engine_helpers import assert_idle_invariants
 from tests.test_server import ServerThread

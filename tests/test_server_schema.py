@@ -8,10 +8,10 @@ import re
 import msgspec
 import pytest
 
-from api import serve_cli
-from api.chat_tools import ChatPlan
-from api.openai_response import ChatStream, Choice, completion_response, generate_body, usage
-from api.openai_schema import (
+from api.server import cli as serve_cli
+from api.server.chat_tools import ChatPlan
+from api.server.openai_response import ChatStream, Choice, completion_response, generate_body, usage
+from api.server.openai_schema import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from api.cli import _parser
-from api.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED
+from api.server.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED
 
 # Values that our parser accepts for SGLang flags whose generic sample (below) it would refuse.
 VALUES = {

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from api.engine import Engine
-from api.metrics import ServerMetrics
+from api.frontend.engine import Engine
+from api.server.metrics import ServerMetrics
 from bench.trace_replay import BLOCK as REPLAY_BLOCK
 from bench.trace_replay import TraceRequest, replay
 from cache.host_tier import HostTier, chain_digests

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from api import Engine
-from api.engine import EngineError
+from api.frontend.engine import EngineError
 from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import ReqToTokenPool
 from gpu.model_config import ModelConfig

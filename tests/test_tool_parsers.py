@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from api.chat_tools import ChoiceParser, Settled, delta_bodies, message
-from api.reasoning_parser import ReasoningParser
-from api.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, PlainText, RequiredCalls, detect_tool_parser
+from api.server.chat_tools import ChoiceParser, Settled, delta_bodies, message
+from api.server.reasoning_parser import ReasoningParser
+from api.server.tool_parsers import HermesParser, Llama3JsonParser, NamedCall, PlainText, RequiredCalls, detect_tool_parser
 
 Factory = Callable[[], ChoiceParser]
 Outcome = tuple[str, str, list[tuple[str, dict]]]  # reasoning, content, calls (name, arguments)

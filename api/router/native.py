@@ -1,13 +1,13 @@
-"""The router's compiled data plane (api/csrc/), built once by `make setup` and loaded with ctypes.
+"""The router's compiled data plane (api/router/csrc/), built once by `make setup` and loaded with ctypes.
 
 A Python hop costs more than the router's budget of 100 us of CPU per request before it parses or
 routes anything (bench/router_http.py: a bare uvloop relay ~80-105 us, the kernel's loopback TCP
 alone ~60-80), so `actorserve router` relays generation requests in C: relay.c runs an epoll loop
-on a thread of its own and routes with route.c, the C twin of api/routing.py for byte prompts.
+on a thread of its own and routes with route.c, the C twin of api/router/routing.py for byte prompts.
 It is plain C against libc, compiled with the system's `cc` into `build/native/`; without a
-compiler, or when the build fails, the router runs its Python data plane (api/relay.py) instead.
+compiler, or when the build fails, the router runs its Python data plane (api/router/relay.py) instead.
 
-    python -m api.native    # build (what `make setup` runs) and report
+    python -m api.router.native    # build (what `make setup` runs) and report
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "native"
+BUILD_DIR = Path(__file__).resolve().parents[2] / "build" / "native"
 FLAGS = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-pthread", "-Wl,-z,defs"]
 
 

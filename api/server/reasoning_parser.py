@@ -1,6 +1,6 @@
 """Reasoning parser: a thinking model's `<think>...</think>` into `reasoning_content`, the rest
 into `content`, incrementally (the same machine for streamed and whole answers, as in
-api/tool_parsers.py, so split markers never leak).
+api/server/tool_parsers.py, so split markers never leak).
 
 As SGLang names them (`--reasoning-parser`):
 - `qwen3`: reasoning only where the answer opens with `<think>` (Qwen3's template lets the model
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from api.tool_parsers import held_prefix
+from api.server.tool_parsers import held_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
 # Names a user may give --reasoning-parser, and whether the answer starts inside the reasoning.

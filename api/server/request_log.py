@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import orjson
 
-from api.openai_schema import EngineCall
+from api.server.openai_schema import EngineCall
 from runtime.stream import Delta
 
 log = logging.getLogger("actorserve.requests")

@@ -15,9 +15,9 @@ from typing import Any
 
 import msgspec
 
-from api.core import CoreSetup
-from api.core_client import CoreClient
-from api.routing import NoHealthyReplica, Router, RouterConfig
+from api.core.engine_core import CoreSetup
+from api.frontend.core_client import CoreClient
+from api.router.routing import NoHealthyReplica, Router, RouterConfig
 from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.ipc import CoreReady

@@ -1,5 +1,5 @@
-"""`actorserve router`'s compiled data plane (api/csrc/relay.c) on a thread of its own, and the
-control socket between it and the Python router (api/http_router.py).
+"""`actorserve router`'s compiled data plane (api/router/csrc/relay.c) on a thread of its own, and the
+control socket between it and the Python router (api/router/http_router.py).
 
 The thread owns the public listening socket, its clients, the connections to the workers and the
 routing state (route.c); ctypes releases the GIL for as long as `relay_run` runs. The Python side
@@ -23,9 +23,9 @@ import socket
 import threading
 from collections.abc import Callable
 
-from api.native import RelayConfig
-from api.relay import host_port
-from api.routing import RouterConfig
+from api.router.native import RelayConfig
+from api.router.relay import host_port
+from api.router.routing import RouterConfig
 from runtime.config import ROUTER_POLICIES
 
 log = logging.getLogger("actorserve.router")

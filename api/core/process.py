@@ -1,6 +1,6 @@
-"""The engine core in a process of its own: `python -m api.core_process SOCKETS_DIR PARENT_PID`.
+"""The engine core in a process of its own: `python -m api.core.process SOCKETS_DIR PARENT_PID`.
 
-The frontend (api/core_client.py) binds both IPC sockets and starts this module in a fresh
+The frontend (api/frontend/core_client.py) binds both IPC sockets and starts this module in a fresh
 interpreter, so the caller's main module is never imported here (a script without a
 `__main__` guard, a notebook or `python -c` all work). It connects, says `CoreHello`, is told
 what to load by a `CoreStart`, loads the model and answers `CoreReady` (or `CoreFailed`). Then
@@ -23,7 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from api.core import Core, CoreSetup, load_core
+from api.core.engine_core import Core, CoreSetup, load_core
 from cache import token_array
 from gpu.tp_ranks import TPRanks
 from runtime.actor import Actor

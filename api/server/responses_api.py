@@ -1,7 +1,7 @@
 """OpenAI's Responses API (`POST /v1/responses`) over the chat pipeline, as vLLM and SGLang serve it
 without state: the request's `input` items become chat messages (instructions a system turn,
 `function_call` items an assistant's tool calls, `function_call_output` items tool turns), the
-answer is read by the same parsers as chat (api/chat_tools.py), and comes back as output items:
+answer is read by the same parsers as chat (api/server/chat_tools.py), and comes back as output items:
 a `reasoning` item, a `message` with `output_text`, one `function_call` item per call.
 
 Streamed, the items open and close in the order the parsers settle them, with OpenAI's events
@@ -19,9 +19,9 @@ from typing import Any, Literal
 import msgspec
 import orjson
 
-from api.chat_tools import ChatPlan, ChoiceParser, Settled
-from api.openai_response import Choice
-from api.openai_schema import ChatCompletionRequest, invalid, param_of
+from api.server.chat_tools import ChatPlan, ChoiceParser, Settled
+from api.server.openai_response import Choice
+from api.server.openai_schema import ChatCompletionRequest, invalid, param_of
 from runtime.stream import Delta
 
 ItemKind = Literal["reasoning", "message", "function_call"]

@@ -36,11 +36,11 @@ import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from api.engine import Engine, EngineError, InvalidRequest, Rejected
+from api.frontend.engine import Engine, EngineError, InvalidRequest, Rejected
 from api.launch import generation_defaults
-from api.metrics import ServerMetrics
-from api.chat_tools import ChatParsers, plan_chat
-from api.openai_response import (
+from api.server.metrics import ServerMetrics
+from api.server.chat_tools import ChatParsers, plan_chat
+from api.server.openai_response import (
     Choice,
     ChatStream,
     chat_response,
@@ -50,7 +50,7 @@ from api.openai_response import (
     generate_body,
     usage_chunk,
 )
-from api.openai_schema import (
+from api.server.openai_schema import (
     AbortRequestBody,
     ApiError,
     ChatCompletionRequest,
@@ -68,9 +68,9 @@ from api.openai_schema import (
     generate_calls,
     invalid,
 )
-from api.request_log import RequestLog
-from api.responses_api import ResponseEvents, ResponseShell, ResponsesRequest, chat_request, whole_response
-from api.watchdog import watch
+from api.server.request_log import RequestLog
+from api.server.responses_api import ResponseEvents, ResponseShell, ResponsesRequest, chat_request, whole_response
+from api.server.watchdog import watch
 from runtime.service import ServiceClass
 from runtime.stream import Delta
 
@@ -95,14 +95,14 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 32 * 2**20
     health_timeout_s: float = 20.0
     shutdown_timeout_s: float = 5.0
-    # --log-requests (api/request_log.py)
+    # --log-requests (api/server/request_log.py)
     log_requests: bool = False
     log_requests_level: int = 2
     log_requests_format: Literal["text", "json"] = "text"
     # A replica running requests that finishes no forward step for this long fails the server
-    # (api/watchdog.py); None: no watchdog.
+    # (api/server/watchdog.py); None: no watchdog.
     watchdog_timeout_s: float | None = 300.0
-    # --tool-call-parser / --reasoning-parser (api/chat_tools.py); None: what the chat template names
+    # --tool-call-parser / --reasoning-parser (api/server/chat_tools.py); None: what the chat template names
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
@@ -232,7 +232,7 @@ class Server:
         return await self._stream(request, calls, lambda call, delta: chat.chunks(call.index, delta), chat.opening(), closing)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI's Responses API, served as one chat answer (api/responses_api.py)."""
+        """OpenAI's Responses API, served as one chat answer (api/server/responses_api.py)."""
         req = decode(await request.read(), ResponsesRequest)
         self._check_model(req.model)
         chat = _tenant_from_header(chat_request(req), request)

@@ -1,5 +1,5 @@
-/* The HTTP router's policies in C: api/routing.py's Router and PrefixTree for byte prompts, and
- * api/http_router.py's _routing_of, decision for decision (tests/test_native_routing.py checks
+/* The HTTP router's policies in C: api/router/routing.py's Router and PrefixTree for byte prompts, and
+ * api/router/http_router.py's _routing_of, decision for decision (tests/test_native_routing.py checks
  * them against the Python ones). Used by the compiled data plane (relay.c) from its thread; any
  * thread may read the load figures (route_requests, route_tokens) meanwhile. */
 #ifndef ACTORSERVE_ROUTE_H

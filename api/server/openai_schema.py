@@ -322,7 +322,7 @@ def chat_calls(
     """The response id and the engine calls; `input_ids`: the messages rendered by the chat
     template (see `chat_messages`); `model_defaults`: the model's sampling defaults
     (generation_config.json), for the fields of OPENAI_SAMPLING_DEFAULTS the request leaves out;
-    `tool_schema`: the JSON schema a forced tool call is decoded under (api/chat_tools.py)."""
+    `tool_schema`: the JSON schema a forced tool call is decoded under (api/server/chat_tools.py)."""
     _fill_sampling_defaults(req, model_defaults or {})
     _check_common(req)
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 import orjson
 
-from api.openai_schema import ChatCompletionRequest, NamedToolChoice, ToolDef, invalid
-from api.reasoning_parser import REASONING_PARSERS, THINK_START, ReasoningParser, Split
-from api.tool_parsers import (
+from api.server.openai_schema import ChatCompletionRequest, NamedToolChoice, ToolDef, invalid
+from api.server.reasoning_parser import REASONING_PARSERS, THINK_START, ReasoningParser, Split
+from api.server.tool_parsers import (
     TOOL_PARSERS,
     CallPiece,
     NamedCall,

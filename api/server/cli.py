@@ -16,9 +16,9 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import msgspec
 
-from api.reasoning_parser import REASONING_PARSERS
-from api.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED, Takes
-from api.tool_parsers import TOOL_PARSERS
+from api.server.reasoning_parser import REASONING_PARSERS
+from api.server.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED, Takes
+from api.server.tool_parsers import TOOL_PARSERS
 from runtime.config import (
     ATTENTION_BACKENDS,
     DTYPES,
@@ -129,7 +129,7 @@ FIELD_HELP: dict[str, str] = {
 
 def add_parser(commands: Any) -> None:
     """Add the `serve` subcommand to the CLI's subparsers."""
-    # "resolve": a flag of ours replaces the same SGLang flag's entry in api/sglang_flags.py, which
+    # "resolve": a flag of ours replaces the same SGLang flag's entry in api/server/sglang_flags.py, which
     # is added first, so honouring a flag needs no edit there to work.
     p = commands.add_parser(
         "serve",
@@ -181,7 +181,7 @@ def add_parser(commands: Any) -> None:
 
 
 def _add_sglang_compatibility(p: argparse.ArgumentParser) -> None:
-    """SGLang's flags that are not ours (api/sglang_flags.py): accepted ones listed in --help,
+    """SGLang's flags that are not ours (api/server/sglang_flags.py): accepted ones listed in --help,
     refused ones hidden and answered by name."""
     compat = p.add_argument_group("SGLang compatibility", "SGLang flags accepted because what they ask for is what actorserve does")
     for flag, spec in COMPATIBLE.items():
@@ -273,7 +273,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     import uvloop
 
-    from api.server import ServerSettings, serve
+    from api.server.app import ServerSettings, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kwargs = engine_kwargs(args)

@@ -1,5 +1,5 @@
-/* `actorserve router`'s compiled data plane: api/relay.py's HTTP/1.1 relay in C, on a thread of
- * its own (api/native_plane.py starts it).
+/* `actorserve router`'s compiled data plane: api/router/relay.py's HTTP/1.1 relay in C, on a thread of
+ * its own (api/router/native_plane.py starts it).
  *
  * One epoll loop. Clients' generation requests (POST /generate, /v1/completions,
  * /v1/chat/completions) go to the worker route.c picks; every other request goes to the Python
@@ -7,7 +7,7 @@
  * it as it does without this file. Worker health is the control plane's: it sends "down <worker>
  * <503 body>" and "up <worker>" lines on the control socket, and is told "failed <worker> <why>"
  * when a request's connection to a worker fails. With an API key, every request but /health is
- * checked here first (in constant time), as api/http_router.py checks it. Framing as in api/relay.py: requests go to workers
+ * checked here first (in constant time), as api/router/http_router.py checks it. Framing as in api/router/relay.py: requests go to workers
  * with a content-length; a response keeps the worker's content-length, or is sent chunked (one
  * chunk per piece received) so that an error event can always be appended at a chunk boundary.
  *
@@ -35,7 +35,7 @@
 #define MAX_HEADERS 100
 #define MAX_KEY 4096
 #define CLIENT_OUT_HIGH (1 << 20)  /* stop reading the worker while the client has this much unsent */
-#define UPSTREAM_IDLE_S 30.0       /* below aiohttp's keep-alive (75 s), as in api/relay.py */
+#define UPSTREAM_IDLE_S 30.0       /* below aiohttp's keep-alive (75 s), as in api/router/relay.py */
 #define READ_SIZE 16384
 #define READ_ROUND (256 * 1024)
 #define ACCEPT_PAUSE_S 0.1
@@ -291,7 +291,7 @@ static void free_retired(relay *r) {
     }
 }
 
-/* ---- error bodies: api/openai_schema.py's error_body ------------------------------------------ */
+/* ---- error bodies: api/server/openai_schema.py's error_body ------------------------------------------ */
 static const char *error_type(int status) {
     switch (status) {
     case 401: return "authentication_error";
@@ -369,7 +369,7 @@ static int client_flush(relay *r, client *cl) {
     return 0;
 }
 
-/* An error response, then the connection closes (what api/relay.py's _refuse does). */
+/* An error response, then the connection closes (what api/router/relay.py's _refuse does). */
 static void client_refuse(relay *r, client *cl, int status, const char *message) {
     buf body = {0};
     if (cl->exchange == NULL && add_error_body(&body, status, message, NULL) == 0)
@@ -899,7 +899,7 @@ static const header *find_header(const head *h, const char *name) {
     return NULL;
 }
 
-/* The client sent the router's key, read as api/http_router.py's client_key reads it
+/* The client sent the router's key, read as api/router/http_router.py's client_key reads it
  * (`authorization: Bearer <key>`, else `x-api-key`). The time taken depends on the key's length
  * only, never on how much of it a client guessed right. */
 static int has_key(const relay *r, const head *h) {

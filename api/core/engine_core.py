@@ -1,7 +1,7 @@
 """The engine core: Policy, Adder, Executor and OutputProcessor over one ModelRunner.
 
 Built the same way in the caller's process (`Engine(inline_core=True)`) and in a process of its
-own (api/core_process.py). Its peers reach it through the Policy's and the Adder's mailboxes.
+own (api/core/process.py). Its peers reach it through the Policy's and the Adder's mailboxes.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from actors.executor import Executor, ModelStepRunner, StepRunner
 from actors.grammar import GrammarCompiler
 from actors.output import OutputProcessor
 from actors.policy import Policy
-from actors.receiver import ModelLimits
+from api.frontend.receiver import ModelLimits
 from api.launch import check_load_format, load_tokenizer
 from cache import ChunkCache, PrefixCache, RadixCache
 from cache.host_tier import HostTier

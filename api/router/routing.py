@@ -125,7 +125,7 @@ class Router:
 
 # Rendezvous weights: 64-bit FNV-1a over the UTF-8 of f"{key}\0{replica}", then splitmix64's
 # finalizer (FNV-1a leaves its last bytes, the replica's digits, poorly mixed into the high bits).
-# Short enough for api/csrc/route.c to compute the same; the key comes first so that both hash it
+# Short enough for api/router/csrc/route.c to compute the same; the key comes first so that both hash it
 # once per request and only the replica's digits per replica.
 _FNV_OFFSET = 0xCBF29CE484222325
 _FNV_PRIME = 0x100000001B3

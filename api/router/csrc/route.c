@@ -1,4 +1,4 @@
-/* api/routing.py's Router and PrefixTree for byte prompts, and api/http_router.py's _routing_of.
+/* api/router/routing.py's Router and PrefixTree for byte prompts, and api/router/http_router.py's _routing_of.
  * Every decision, count and eviction equals the Python one (tests/test_native_routing.py). */
 #include "route.h"
 
@@ -402,7 +402,7 @@ void route_free(route_router *rt) {
     free(rt);
 }
 
-/* ---- rendezvous hashing: api/routing.py's _key_hash and _replica_weight ---- */
+/* ---- rendezvous hashing: api/router/routing.py's _key_hash and _replica_weight ---- */
 
 static const uint64_t FNV_OFFSET = 0xcbf29ce484222325u, FNV_PRIME = 0x100000001b3u;
 static const uint8_t SEPARATOR = 0;

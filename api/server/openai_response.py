@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from api.chat_tools import ChatPlan, ChoiceParser, delta_bodies, finish_reason, message
+from api.server.chat_tools import ChatPlan, ChoiceParser, delta_bodies, finish_reason, message
 from runtime.stream import Delta
 
 TokenText = Callable[[int], str]  # token id -> its text, for logprobs
@@ -146,7 +146,7 @@ def _completion_logprobs(
 def chat_response(
     rid: str, model: str, created: int, choices: Sequence[Choice], token_text: TokenText | None, plan: ChatPlan | None = None
 ) -> dict[str, Any]:
-    """`plan`: the request's tools and reasoning (api/chat_tools.py); None: plain text answers."""
+    """`plan`: the request's tools and reasoning (api/server/chat_tools.py); None: plain text answers."""
     return {
         "id": rid,
         "object": "chat.completion",

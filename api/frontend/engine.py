@@ -7,7 +7,7 @@
 
 Keyword arguments of `Engine(...)` are `EngineConfig` fields. Many tasks may call one Engine at
 once. With `inline_core=False` the core (Policy, Adder, Executor, OutputProcessor) runs in a
-process of its own (api/core_process.py) and this process keeps the Receiver and the streams.
+process of its own (api/core/process.py) and this process keeps the Receiver and the streams.
 Invalid requests raise `InvalidRequest`; a full queue, a queue timeout or eviction by a
 higher-priority request raise `Rejected`; an engine failure raises `EngineError`.
 """
@@ -24,11 +24,11 @@ from typing import Any
 
 import msgspec
 
-from actors.receiver import ModelLimits, Receiver
-from api.core import Core, CoreSetup, load_core
-from api.core_client import CoreClient
+from api.frontend.receiver import ModelLimits, Receiver
+from api.core.engine_core import Core, CoreSetup, load_core
+from api.frontend.core_client import CoreClient
 from api.launch import check_load_format, load_tokenizer, needs_tokenizer
-from api.replicas import CoreLink, Replicas
+from api.frontend.replicas import CoreLink, Replicas
 from gpu.loader import resolve_model_dir
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor

@@ -1,8 +1,8 @@
 """The frontend's side of the engine core process: starting it, talking to it, noticing its death.
 
-`CoreClient` starts api/core_process.py in a fresh interpreter (`CoreProcess`), owns the two IPC
+`CoreClient` starts api/core/process.py in a fresh interpreter (`CoreProcess`), owns the two IPC
 sockets and the requests the core holds, detokenizes the token ids of each `CoreOutputs` and hands
-every delta to its stream, all of a step in one pass. api/replicas.py holds one per data-parallel replica.
+every delta to its stream, all of a step in one pass. api/frontend/replicas.py holds one per data-parallel replica.
 
 Bounded both ways: at most `max_in_core` requests are in the core at once (a credit returned
 with each final delta: its running batch, its queue limit and `core_backlog` more); later ones
@@ -27,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from api.core import CoreSetup
+from api.core.engine_core import CoreSetup
 from runtime.config import EngineConfig
 from runtime.ipc import (
     CoreAbort,
@@ -46,7 +46,7 @@ from runtime.ipc import (
     FromCore,
     ToCore,
 )
-from actors.detokenizer import ByteTable, IncrementalDetokenizer, delta_text
+from runtime.detokenize import ByteTable, IncrementalDetokenizer, delta_text
 from runtime.req import FinishReason, Req, end_request
 from runtime.stream import Delta, StepOutbox
 
@@ -372,7 +372,7 @@ class CoreClient:
 
 
 class CoreProcess:
-    """The engine core's interpreter: `python -P -m api.core_process` (never the caller's main
+    """The engine core's interpreter: `python -P -m api.core.process` (never the caller's main
     module; -P keeps the working directory's modules from shadowing ours), its exit watched on the
     loop through a pidfd, its stdout and stderr copied to this process's stderr by `OutputTail`
     (the caller's stdout stays the caller's)."""
@@ -383,7 +383,7 @@ class CoreProcess:
         read_fd, write_fd = os.pipe()
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-P", "-m", "api.core_process", sockets.directory, str(os.getpid())],
+                [sys.executable, "-P", "-m", "api.core.process", sockets.directory, str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, env=_core_env(),
             )
         except BaseException:
@@ -478,6 +478,6 @@ def _write_stderr(text: str) -> None:
 
 def _core_env() -> dict[str, str]:
     """This environment, with our packages importable wherever the caller runs from."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     paths = [root, *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}

@@ -2,7 +2,7 @@
 
 A launch script carried over from SGLang must not stop at argparse's "unrecognized arguments".
 Every one of SGLang 0.5.7's 321 server flags (sglang/srt/server_args.py) is, here, either
-- honoured: a flag of `actorserve serve` with SGLang's meaning (api/serve_cli.py), or
+- honoured: a flag of `actorserve serve` with SGLang's meaning (api/server/cli.py), or
 - accepted for compatibility (COMPATIBLE): what the flag asks for is what actorserve always does,
   so it is taken and changes nothing, or
 - accepted with SGLang's default value only (DEFAULT_ONLY), refused with the reason otherwise, or
@@ -135,7 +135,7 @@ REFUSED: dict[str, str] = {
         "--ds-heavy-token-num", "--ds-heavy-channel-type", "--ds-sparse-decode-threshold", "--flashinfer-mla-disable-ragged",
         "--disable-chunked-prefix-cache",
     ),
-    # A flag that the parser defines itself (honoured) overrides its entry here (api/serve_cli.py).
+    # A flag that the parser defines itself (honoured) overrides its entry here (api/server/cli.py).
     **_each(
         _HICACHE, "--hicache-size", "--hicache-io-backend", "--hicache-mem-layout",
         "--hicache-storage-backend-extra-config", "--enable-lmcache", "--kv-events-config",

@@ -3,9 +3,9 @@
     actorserve router --worker-urls http://h1:30000 http://h2:30000 --port 31000
 
 The generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) are passed
-through to the worker the router picks (api/routing.py's policies; the prompt key is the JSON
+through to the worker the router picks (api/router/routing.py's policies; the prompt key is the JSON
 text of the body's token ids, prompt or chat messages), streaming
-included: the body's bytes pass unchanged as they arrive (api/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
+included: the body's bytes pass unchanged as they arrive (api/router/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
 `/health` is 200 while one worker is healthy; `/get_server_info` lists the workers.
 
 Keys: with `api_key` every path but `/health` (open for load balancers) needs it, sent as
@@ -16,8 +16,8 @@ router and workers needs nothing more; with `worker_api_key` the router sends
 `Authorization: Bearer <worker_api_key>` instead, on those and on its health checks, so that clients
 never hold the workers' key.
 
-Generation requests are relayed by the compiled data plane (api/csrc/relay.c, on a thread; see
-api/native_plane.py) where it could be built, else by api/relay.py in Python: `--data-plane`.
+Generation requests are relayed by the compiled data plane (api/router/csrc/relay.c, on a thread; see
+api/router/native_plane.py) where it could be built, else by api/router/relay.py in Python: `--data-plane`.
 
 A worker is taken out when its `/health` fails (checked every `health_check_interval_s`) or a
 request's connection to it fails; its requests in flight end with 503 `worker_unavailable` (an SSE
@@ -41,12 +41,12 @@ import aiohttp
 import msgspec
 import orjson
 
-from api import relay
-from api.native import native_library
-from api.native_plane import NativePlane
-from api.openai_schema import error_body
-from api.relay import CREDENTIAL_HEADERS, ClientConnection, Exchange, Request, UpstreamPool
-from api.routing import NoHealthyReplica, Router, RouterConfig
+from api.router import relay
+from api.router.native import native_library
+from api.router.native_plane import NativePlane
+from api.server.openai_schema import error_body
+from api.router.relay import CREDENTIAL_HEADERS, ClientConnection, Exchange, Request, UpstreamPool
+from api.router.routing import NoHealthyReplica, Router, RouterConfig
 from runtime.config import ROUTER_POLICIES
 
 log = logging.getLogger("actorserve.router")
@@ -82,7 +82,7 @@ class RouterSettings:
 
 class HttpRouter:
     """The workers' health and load, and what each request path does. Generation requests are
-    relayed by the compiled data plane, or by api/relay.py with `router`, `in_flight` and `pool`
+    relayed by the compiled data plane, or by api/router/relay.py with `router`, `in_flight` and `pool`
     (the Python data plane's state); the other paths are answered here (off the hot path, with
     aiohttp's client)."""
 
@@ -402,7 +402,7 @@ def add_parser(commands: Any) -> None:
     p.add_argument("--health-check-interval-s", type=float, default=5.0)
     p.add_argument("--health-check-timeout-s", type=float, default=2.0)
     p.add_argument("--data-plane", default="auto", choices=DATA_PLANES,
-                   help="who relays generation requests: compiled C (api/csrc/relay.c), Python (api/relay.py), or auto: compiled where it could be built")
+                   help="who relays generation requests: compiled C (api/router/csrc/relay.c), Python (api/router/relay.py), or auto: compiled where it could be built")
     p.add_argument("--api-key", default=None, help="the key clients must send (Authorization: Bearer KEY, or X-API-Key); /health stays open")
     p.add_argument("--worker-api-key", default=None,
                    help="the key the router sends the workers (Authorization: Bearer) in place of the client's; unset: the client's credentials pass on")

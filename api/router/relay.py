@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 import httptools
 import orjson
 
-from api.openai_schema import error_body
+from api.server.openai_schema import error_body
 
 MAX_BODY = 64 * 2**20
 # Dropped when passing headers on: they describe one connection, not the message.
