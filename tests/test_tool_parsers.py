@@ -95,6 +95,25 @@ CASES: list[tuple[str, Factory, str, Outcome]] = [
     ("llama3: plain text", llama3, "Hello {there}", ("", "Hello {there}", [])),
     ("llama3: JSON that is no call", llama3, '{"not": "a call"}', ("", '{"not": "a call"}', [])),
     (
+        "hermes: an end tag, braces and escaped quotes inside the arguments' strings",
+        hermes,
+        '<tool_call>{"name": "f", "arguments": {"y": "</tool_call> } {", "q": "a \\"}\\" b"}}</tool_call>after',
+        ("", "after", [("f", {"y": "</tool_call> } {", "q": 'a "}" b'})]),
+    ),
+    (
+        "hermes: arguments before the name are read whole",
+        hermes,
+        '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
+        ("", "", [("f", {"a": 1})]),
+    ),
+    ("hermes: no end tag after the call", hermes, '<tool_call>{"name": "f", "arguments": {}} and more', ("", "and more", [("f", {})])),
+    (
+        "llama3: nested objects, python tag, two calls",
+        llama3,
+        '<|python_tag|>{"name": "f", "parameters": {"a": {"b": {"c": "}}"}}}};{"name": "g", "parameters": {}}',
+        ("", "", [("f", {"a": {"b": {"c": "}}"}}}), ("g", {})]),
+    ),
+    (
         "qwen3: reasoning, then content",
         qwen3_hermes,
         "<think>\nI should answer.\n</think>\n\nThe answer.",
@@ -184,3 +203,63 @@ def test_without_parallel_calls_only_the_first_call_is_made() -> None:
         assert outcome == ("", "", [("a", {})]), pieces
     outcome, _ = run(lambda: ChoiceParser(Llama3JsonParser(parallel=False), None), ['{"name": "a", "parameters": {}}; {"name": "b", "parameters": {}}'])
     assert outcome == ("", "", [("a", {})])
+
+
+# --- arguments stream as the model writes them ---------------------------------------------------
+STREAMED: list[tuple[str, Factory, str, list[str]]] = [
+    (
+        "hermes",
+        hermes,
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris",  "days": 2, "note": "a } and </tool_call>"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": {"name": "utc"}}}\n</tool_call>',
+        ['{"city": "Paris",  "days": 2, "note": "a } and </tool_call>"}', '{"zone": {"name": "utc"}}'],
+    ),
+    (
+        "qwen3 + hermes",
+        qwen3_hermes,
+        '<think>two calls</think>\n<tool_call>{"name": "a", "arguments": {"x": [1, 2, 3]}}</tool_call><tool_call>{"name": "b", "arguments": {"s": "\\"q\\""}}</tool_call>',
+        ['{"x": [1, 2, 3]}', '{"s": "\\"q\\""}'],
+    ),
+    (
+        "llama3",
+        llama3,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}; {"name": "get_time", "parameters": {"zone": "a;b}"}}',
+        ['{"city": "Paris", "days": 2}', '{"zone": "a;b}"}'],
+    ),
+]
+
+
+def argument_pieces(settled: list[Settled]) -> dict[int, list[str]]:
+    """Each call's arguments pieces, in the order they were settled."""
+    pieces: dict[int, list[str]] = {}
+    for s in settled:
+        for piece in s.pieces:
+            if piece.id is not None:
+                pieces[piece.index] = []
+            elif piece.arguments:
+                pieces[piece.index].append(piece.arguments)
+    return pieces
+
+
+@pytest.mark.parametrize(("factory", "text", "arguments"), [c[1:] for c in STREAMED], ids=[c[0] for c in STREAMED])
+def test_arguments_stream_in_pieces_that_join_to_the_whole_answers(factory: Factory, text: str, arguments: list[str]) -> None:
+    from bench.tool_parsers import pieces as tokens
+
+    whole = [call["function"]["arguments"] for call in message(text, factory())["tool_calls"]]
+    assert whole == arguments  # the model's own text of each arguments object
+    for cut in [*splits(text), tokens(text)]:
+        _, settled = run(factory, cut)
+        assert ["".join(p) for p in argument_pieces(settled).values()] == whole, cut
+    for cut in (list(text), tokens(text)):  # token by token, every call's arguments come in pieces
+        _, settled = run(factory, cut)
+        assert all(len(p) > 1 for p in argument_pieces(settled).values()), cut
+
+
+def test_a_streamed_call_cut_off_keeps_what_came() -> None:
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": [1, 2'
+    for cut in splits(text):
+        parser = hermes()
+        settled = [parser.feed(p) for p in cut] + [parser.finish()]
+        assert [p.name for s in settled for p in s.pieces if p.id is not None] == ["f"]
+        assert "".join(p.arguments for s in settled for p in s.pieces) == '{"a": [1, 2'
+        assert "".join(s.content for s in settled) == ""

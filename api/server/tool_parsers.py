@@ -6,9 +6,14 @@ the non-streamed one by construction, and a marker split across tokens at any by
 `content`: text that could still be the start of a marker is held back until the next piece
 decides it.
 
-A call is emitted once its JSON is complete and parses (a header piece with id, type and name,
-then its `arguments`): a malformed call goes back into `content` as the model wrote it, instead of
-a call the client cannot decode. The formats, as SGLang and vLLM name their parsers:
+A call whose JSON opens as `{"name": "...", "arguments": {` (or `"parameters"`) streams: once that
+head is read, a header piece (id, type, name) goes out, then the arguments object in pieces, as
+the model writes it, until its braces close; its `arguments` are the model's own text of that
+object. From the header on the call stands (a streamed header cannot be taken back): arguments cut
+off by max_tokens stay cut off, as OpenAI's do. A call written any other way (keys in another
+order, arguments as a JSON string) is read whole once its JSON is complete, and one that does not
+parse goes back into `content` as the model wrote it, instead of a call the client cannot decode.
+The formats, as SGLang and vLLM name their parsers:
 
 - `hermes` (also `qwen25`, `qwen`, `qwen3`): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
   any number of them, after optional content (Hermes 2 Pro, Qwen2.5, Qwen3).
@@ -22,6 +27,7 @@ function: the arguments object itself; `required`: a JSON array of `{"name", "pa
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -89,6 +95,121 @@ def call_from_json(value: Any) -> tuple[str, str] | None:
     return value["name"], json.dumps(args, ensure_ascii=False)
 
 
+# --- a call object read as it arrives -----------------------------------------------------------
+_WHITESPACE = re.compile(r"\s*")
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_BRACE_OR_STRING = re.compile(r'["\\{}]')
+Undecided = Literal["wait", "no"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallHead:
+    """`{"name": "...", "arguments": ` read up to the arguments' `{`, at `arguments_at`."""
+
+    name: str
+    arguments_at: int
+
+
+def read_head(text: str) -> CallHead | Undecided:
+    """The head of the call object `text` starts with; "wait" while `text` may still become one,
+    "no" once it cannot (the call is then read whole, or is content)."""
+    pos = _literal(text, 0, ("{",))
+    if isinstance(pos, int):
+        pos = _literal(text, pos, ('"name"',))
+    if isinstance(pos, int):
+        pos = _literal(text, pos, (":",))
+    if not isinstance(pos, int):
+        return pos
+    pos = _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
+    if pos == len(text):
+        return "wait"
+    name = _JSON_STRING.match(text, pos)
+    if name is None:
+        return "wait" if text[pos] == '"' else "no"  # an open string, or no string at all
+    decoded = _string_value(name.group())
+    if not decoded:
+        return "no"
+    pos = _literal(text, name.end(), (",",))
+    if isinstance(pos, int):
+        pos = _literal(text, pos, ('"arguments"', '"parameters"'))
+    if isinstance(pos, int):
+        pos = _literal(text, pos, (":",))
+    if isinstance(pos, int):
+        pos = _literal(text, pos, ("{",))
+    return CallHead(decoded, pos - 1) if isinstance(pos, int) else pos
+
+
+def _literal(text: str, pos: int, options: tuple[str, ...]) -> int | Undecided:
+    """Past whitespace and one of `options` at `pos`: where it ends, or whether it may yet come."""
+    pos = _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
+    rest = text[pos:]
+    for option in options:
+        if rest.startswith(option):
+            return pos + len(option)
+    return "wait" if any(option.startswith(rest) for option in options) else "no"
+
+
+def _string_value(literal: str) -> str:
+    try:
+        value = json.loads(literal)
+    except ValueError:  # a bad escape
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+@dataclass(slots=True)
+class BraceDepth:
+    """How deep in `{}` a JSON text is, strings and escapes skipped, across pieces."""
+
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False  # the piece before ended in a string's backslash
+
+    def advance(self, text: str, until: int) -> int:
+        """Read `text` until the depth falls to `until`: the index after that `}`, or -1."""
+        pos = 0
+        if self.escaped and text:
+            self.escaped, pos = False, 1
+        while (found := _BRACE_OR_STRING.search(text, pos)) is not None:
+            char, pos = found.group(), found.end()
+            if self.in_string:
+                if char == "\\":
+                    self.escaped = pos == len(text)
+                    pos += 1
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char == "{":
+                self.depth += 1
+            elif char == "}":
+                self.depth -= 1
+                if self.depth == until:
+                    return pos
+        return -1
+
+
+@dataclass(slots=True)
+class OpenCall:
+    """A call whose header is out: its arguments object streams as written, then the rest of the
+    call object is read (and dropped) until the object closes."""
+
+    index: int | None  # None: a call made after the first without parallel_tool_calls, read, not sent
+    braces: BraceDepth = field(default_factory=lambda: BraceDepth(depth=1))
+    in_arguments: bool = True
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """(the arguments text in `text`, what follows the call object once it closed, else None)."""
+        arguments = ""
+        if self.in_arguments:
+            end = self.braces.advance(text, 1)
+            if end < 0:
+                return text, None
+            arguments, text, self.in_arguments = text[:end], text[end:], False
+        end = self.braces.advance(text, 0)
+        return arguments, None if end < 0 else text[end:]
+
+
 class ToolParser(ABC):
     """Incremental parser of one choice's text."""
 
@@ -117,13 +238,22 @@ class ToolParser(ABC):
         self._held_space += text[len(stripped):]
 
     def _call(self, out: Parsed, name: str, arguments: str) -> None:
+        """A call read whole: its header and all its arguments at once."""
+        self._stream_arguments(out, self._open(out, name), arguments)
+
+    def _open(self, out: Parsed, name: str) -> OpenCall:
+        """A call's header; its arguments follow through `_stream_arguments`."""
         self._held_space = ""
         if self.calls and not self.parallel:
-            return
-        index = self.calls
+            return OpenCall(None)
         self.calls += 1
-        out.pieces.append(CallPiece(index, "", new_call_id(), name))
-        out.pieces.append(CallPiece(index, arguments))
+        out.pieces.append(CallPiece(self.calls - 1, "", new_call_id(), name))
+        return OpenCall(self.calls - 1)
+
+    @staticmethod
+    def _stream_arguments(out: Parsed, call: OpenCall, arguments: str) -> None:
+        if arguments and call.index is not None:
+            out.pieces.append(CallPiece(call.index, arguments))
 
     def _release_space(self, out: Parsed) -> None:
         if not self.calls:
@@ -141,46 +271,84 @@ class PlainText(ToolParser):
         return Parsed()
 
 
+HermesState = Literal["content", "head", "whole", "arguments", "tail"]
+
+
 class HermesParser(ToolParser):
+    """Content, and calls inside `<tool_call>` tags. In a call: "head" until its head decides it,
+    then "arguments" (streamed) and "tail" (to the end tag), or "whole" (the body read at the end tag)."""
+
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self._buf = ""
-        self._in_call = False
-        self._searched = 0  # how much of a call's buffer has no end tag (a long call is scanned once)
+        self._state: HermesState = "content"
+        self._open_call = OpenCall(None)
+        self._searched = 0  # how much of a whole call's buffer has no end tag (a long call is scanned once)
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
         self._buf += text
-        while True:
-            if not self._in_call:
-                start = self._buf.find(HERMES_START)
-                if start < 0:
-                    keep = held_prefix(self._buf, HERMES_START)
-                    self._content(out, self._buf[: len(self._buf) - keep])
-                    self._buf = self._buf[len(self._buf) - keep :]
-                    return out
-                self._content(out, self._buf[:start])
-                self._buf = self._buf[start + len(HERMES_START) :]
-                self._in_call, self._searched = True, 0
-            end = self._buf.find(HERMES_END, max(0, self._searched - len(HERMES_END) + 1))
-            if end < 0:
-                self._searched = len(self._buf)
-                return out
+        while self._step(out):
+            pass
+        return out
+
+    def _step(self, out: Parsed) -> bool:
+        """One move of the state machine over the buffer; False once it needs more text."""
+        if self._state == "content":
+            return self._read_content(out)
+        if self._state == "head":
+            head = read_head(self._buf.lstrip())
+            if head == "wait":
+                return False
+            if head == "no":
+                self._state, self._searched = "whole", 0
+            else:
+                self._open_call = self._open(out, head.name)
+                self._buf, self._state = self._buf.lstrip()[head.arguments_at :], "arguments"
+            return True
+        if self._state == "arguments":
+            arguments, rest = self._open_call.feed(self._buf)
+            self._stream_arguments(out, self._open_call, arguments)
+            self._buf, self._state = (rest, "tail") if rest is not None else ("", "arguments")
+            return rest is not None
+        return self._find_end(out)
+
+    def _read_content(self, out: Parsed) -> bool:
+        start = self._buf.find(HERMES_START)
+        if start < 0:
+            keep = held_prefix(self._buf, HERMES_START)
+            self._content(out, self._buf[: len(self._buf) - keep])
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        self._content(out, self._buf[:start])
+        self._buf, self._state = self._buf[start + len(HERMES_START) :], "head"
+        return True
+
+    def _find_end(self, out: Parsed) -> bool:
+        """The end tag of a call read whole ("whole") or streamed ("tail": what the call object
+        left before the tag is dropped)."""
+        end = self._buf.find(HERMES_END, max(0, self._searched - len(HERMES_END) + 1))
+        if end < 0:
+            self._searched = len(self._buf)
+            return False
+        if self._state == "whole":
             self._close_call(out, self._buf[:end], HERMES_END)
-            self._buf = self._buf[end + len(HERMES_END) :]
+        self._buf, self._state, self._searched = self._buf[end + len(HERMES_END) :], "content", 0
+        return True
 
     def finish(self) -> Parsed:
         out = Parsed()
-        if self._in_call:  # cut off before its end tag: a call if what came is whole JSON
+        if self._state in ("head", "whole"):  # cut off before its end tag: a call if what came is whole JSON
             self._close_call(out, self._buf, "")
-        else:
+        elif self._state == "content":
             self._content(out, self._buf)
-        self._buf = ""
+        elif self._state == "tail":  # no end tag after the call: what the model wrote after it
+            self._content(out, self._buf.strip())
+        self._buf, self._state = "", "content"
         self._release_space(out)
         return out
 
     def _close_call(self, out: Parsed, body: str, end_tag: str) -> None:
-        self._in_call = False
         call = _loads_call(body)
         if call is None:
             self._content(out, HERMES_START + body + end_tag)
@@ -194,7 +362,9 @@ class Llama3JsonParser(ToolParser):
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self._buf = ""
-        self._mode: Literal["undecided", "content", "calls"] = "undecided"
+        # "rest": the calls ended in text that is no call, held for finish, which makes it content
+        self._mode: Literal["undecided", "content", "calls", "rest"] = "undecided"
+        self._open_call: OpenCall | None = None
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -210,35 +380,59 @@ class Llama3JsonParser(ToolParser):
         if self._mode == "content":
             self._content(out, self._buf)
             self._buf = ""
-        elif "}" in text:  # only a closing brace can complete a call
-            self._take_calls(out)
+        elif self._mode == "calls":
+            self._take_calls(out, text)
         return out
 
     def finish(self) -> Parsed:
         out = Parsed()
-        # After the calls, only separators may be left; anything else (a call cut off, JSON that
-        # is no call) is content, as the model wrote it.
-        rest = self._buf.strip().strip(";").strip() if self._mode == "calls" else self._buf
+        # After the calls, only separators may be left; anything else (a call cut off before its
+        # head was read, JSON that is no call) is content, as the model wrote it. A streamed call
+        # cut off has sent what it had.
+        if self._open_call is not None:
+            self._buf, self._open_call = "", None
+        rest = self._buf if self._mode in ("undecided", "content") else self._buf.strip().strip(";").strip()
         self._content(out, rest)
         self._buf = ""
         self._release_space(out)
         return out
 
-    def _take_calls(self, out: Parsed) -> None:
-        decoder = json.JSONDecoder()
+    def _take_calls(self, out: Parsed, piece: str) -> None:
         while True:
+            if self._open_call is not None:
+                arguments, rest = self._open_call.feed(self._buf)
+                self._stream_arguments(out, self._open_call, arguments)
+                if rest is None:
+                    self._buf = ""
+                    return
+                self._buf, self._open_call = rest, None
             text = self._buf.lstrip().lstrip(";").lstrip()
             if not text.startswith("{"):
                 return
-            try:
-                value, end = decoder.raw_decode(text)
-            except ValueError:
-                return  # not complete yet
-            call = call_from_json(value)
-            if call is None:
-                return  # JSON that is no call: left for finish, which makes it content
-            self._call(out, *call)
-            self._buf = text[end:]
+            head = read_head(text)
+            if head == "wait":
+                return
+            if head == "no":
+                self._take_whole_call(out, text, piece)
+                return
+            self._open_call = self._open(out, head.name)
+            self._buf = text[head.arguments_at :]
+
+    def _take_whole_call(self, out: Parsed, text: str, piece: str) -> None:
+        """A call written some other way: read once its JSON is complete."""
+        if "}" not in piece:  # only a closing brace can complete it
+            return
+        try:
+            value, end = json.JSONDecoder().raw_decode(text)
+        except ValueError:
+            return  # not complete yet
+        call = call_from_json(value)
+        if call is None:
+            self._mode = "rest"
+            return
+        self._call(out, *call)
+        self._buf = text[end:]
+        self._take_calls(out, self._buf)
 
 
 class NamedCall(ToolParser):
