@@ -126,19 +126,23 @@ def tool_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def serve(model: Path, template: Path, **engine: Any) -> ServerThread:
+def serve(model: Path, template: Path, tool_call_parser: str | None = None, **engine: Any) -> ServerThread:
     kwargs = {"model_path": str(model), "chat_template": str(template), "inline_core": True, "max_running_requests": 8, **engine}
-    return ServerThread(kwargs, ServerSettings(served_model_names=("tiny",)))
+    return ServerThread(kwargs, ServerSettings(served_model_names=("tiny",), tool_call_parser=tool_call_parser))
+
+
+def echo_server(model: Path, template: Path, tool_call_parser: str | None = None) -> ServerThread:
+    from api.core.engine_core import CoreSetup
+    from gpu.loader import load_tokenizer
+
+    header = len(load_tokenizer(model).encode("user\n", add_special_tokens=False))
+    setup = CoreSetup(step_runner="tests.test_chat_tools:echo_device", step_runner_kwargs={"header": header})
+    return serve(model, template, tool_call_parser, core_setup=setup)
 
 
 @pytest.fixture(scope="module")
 def echo(tiny_qwen3: Path, tool_template: Path) -> Iterator[ServerThread]:
-    from api.core.engine_core import CoreSetup
-    from gpu.loader import load_tokenizer
-
-    header = len(load_tokenizer(tiny_qwen3).encode("user\n", add_special_tokens=False))
-    setup = CoreSetup(step_runner="tests.test_chat_tools:echo_device", step_runner_kwargs={"header": header})
-    with serve(tiny_qwen3, tool_template, core_setup=setup) as s:
+    with echo_server(tiny_qwen3, tool_template) as s:
         yield s
         s.run(assert_idle_invariants(s.engine))
 
@@ -160,6 +164,16 @@ def said(text: str) -> list[dict[str, Any]]:
 
 def stream_of(server: ServerThread, **kwargs: Any) -> list[Any]:
     return list(client(server).chat.completions.create(model="tiny", stream=True, **kwargs))
+
+
+def argument_chunks(chunks: list[Any]) -> dict[int, list[str]]:
+    """Each call index's non-empty `arguments` deltas, in order."""
+    pieces: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for call in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if call.function.arguments:
+                pieces.setdefault(call.index, []).append(call.function.arguments)
+    return pieces
 
 
 def joined_calls(chunks: list[Any]) -> list[tuple[str, str, str]]:
@@ -202,6 +216,7 @@ def test_a_call_whole_and_streamed(echo: ServerThread, before: str) -> None:
     assert text_of(chunks, "content") == before.strip()
     [(_, name, arguments)] = joined_calls(chunks)
     assert (name, arguments) == (call.function.name, call.function.arguments)
+    assert len(argument_chunks(chunks)[0]) > 1  # the arguments stream as the model writes them
     [final] = finish_chunks(chunks)
     assert final.finish_reason == "tool_calls" and final.delta.content is None and not final.delta.tool_calls
     assert chunks[-1].choices[0] is final  # nothing after the finish chunk
@@ -216,6 +231,25 @@ def test_parallel_calls_get_their_own_indices(echo: ServerThread) -> None:
     assert text_of(chunks, "content") == ""
     one = client(echo).chat.completions.create(model="tiny", messages=said(CALL + "\n" + second), tools=[WEATHER, TIME], parallel_tool_calls=False)
     assert [c.function.name for c in one.choices[0].message.tool_calls] == ["get_weather"]
+
+
+LLAMA3_CALLS = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2, "unit": "c"}}; {"name": "get_time", "parameters": {"zone": "utc"}}'
+
+
+def test_llama3_json_calls_stream_their_arguments(tiny_qwen3: Path, tool_template: Path) -> None:
+    with echo_server(tiny_qwen3, tool_template, tool_call_parser="llama3") as server:
+        whole = client(server).chat.completions.create(model="tiny", messages=said(LLAMA3_CALLS), tools=[WEATHER, TIME])
+        [choice] = whole.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        expected = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert expected == [("get_weather", '{"city": "Paris", "days": 2, "unit": "c"}'), ("get_time", '{"zone": "utc"}')]
+        chunks = stream_of(server, messages=said(LLAMA3_CALLS), tools=[WEATHER, TIME])
+        assert [(n, a) for _, n, a in joined_calls(chunks)] == expected
+        assert all(len(pieces) > 1 for pieces in argument_chunks(chunks).values())
+        assert text_of(chunks, "content") == ""
+        [final] = finish_chunks(chunks)
+        assert final.finish_reason == "tool_calls" and chunks[-1].choices[0] is final and not final.delta.tool_calls
+        server.run(assert_idle_invariants(server.engine))
 
 
 def test_no_tools_or_tool_choice_none_leaves_the_text_alone(echo: ServerThread) -> None:
