@@ -22,6 +22,7 @@ import pytest
 
 from api.server.chat_tools import ChatParsers, plan_chat
 from api.server.openai_schema import ApiError, ChatCompletionRequest, decode
+from api.server.responses_api import ResponsesRequest
 from api.server.app import ServerSettings
 from gpu.tiny_model import CHAT_TEMPLATE
 from runtime.messages import Batch, StepOut
@@ -527,7 +528,7 @@ def test_a_forced_response_call_validates_and_a_short_one_is_incomplete(model: S
     ("body", "param"),
     [
         ({"previous_response_id": "resp_1"}, "previous_response_id"),
-        ({"store": True}, "store"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning"),
         ({"input": [{"type": "web_search_call"}]}, "input"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
@@ -563,3 +564,105 @@ def test_a_response_text_format_constrains_the_output(model: ServerThread) -> No
     )
     assert out.status == "completed"
     jsonschema.validate(json.loads(out.output_text), schema)
+
+
+async def _sse_events(server: ServerThread, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(the `event:` line, the data object) of each server-sent event, read raw; no [DONE]."""
+    async with aiohttp.ClientSession() as session, session.post(f"{server.url}/v1/responses", json=body) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: "), block
+        events.append((event.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    assert raw.endswith("\n\n") and "[DONE]" not in raw
+    return events
+
+
+async def test_a_streamed_response_names_each_event_as_openai_does(echo: ServerThread) -> None:
+    events = await _sse_events(echo, {"model": "tiny", "input": "<think>\nhm\n</think>\n\nOn it." + CALL, "tools": [RESPONSE_WEATHER], "stream": True})
+    assert all(name == data["type"] for name, data in events)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    names = [name for name, _ in events]
+    assert names[:3] == ["response.created", "response.in_progress", "response.output_item.added"] and names[-1] == "response.completed"
+    assert {"response.reasoning_text.delta", "response.output_text.delta", "response.function_call_arguments.delta", "response.output_item.done"} <= set(names)
+    arguments = [data["delta"] for name, data in events if name == "response.function_call_arguments.delta"]
+    assert len(arguments) > 1 and json.loads("".join(arguments)) == {"city": "Paris", "days": 2, "unit": "c"}
+
+
+def test_the_openai_clients_stream_helper_rebuilds_the_whole_response(echo: ServerThread) -> None:
+    text = "<think>\nplan\n</think>\n\nOn it." + CALL
+    whole = client(echo).responses.create(model="tiny", input=text, tools=[RESPONSE_WEATHER])
+    with client(echo).responses.stream(model="tiny", input=text, tools=[RESPONSE_WEATHER]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and "response.output_text.delta" in kinds
+    assert final.output_text == whole.output_text == "On it."
+    assert [(i.type, getattr(i, "arguments", None)) for i in final.output] == [(i.type, getattr(i, "arguments", None)) for i in whole.output]
+
+
+def test_stored_responses_are_retrieved_continued_and_deleted(echo: ServerThread, tiny_qwen3: Path) -> None:
+    from gpu.loader import load_tokenizer
+
+    first = client(echo).responses.create(model="tiny", input=CALL, instructions="Be brief.", tools=[RESPONSE_WEATHER])
+    assert first.store and [i.type for i in first.output] == ["function_call"]
+    assert client(echo).responses.retrieve(first.id).model_dump() == first.model_dump()
+    call = first.output[0]
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+    second = client(echo).responses.create(model="tiny", input=[output], previous_response_id=first.id, tools=[RESPONSE_WEATHER])
+    assert second.previous_response_id == first.id
+    assert second.output_text == "<tool_response>\nsunny\n</tool_response>"
+    # the prompt is the whole conversation (not the first's instructions), as the template renders it
+    tokenizer = load_tokenizer(tiny_qwen3)
+    tokenizer.chat_template = TOOL_TEMPLATE
+    history = [
+        {"role": "user", "content": CALL},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": json.loads(call.arguments)}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    rendered = tokenizer.apply_chat_template(history, tools=[WEATHER], tokenize=False, add_generation_prompt=True)
+    assert second.usage.input_tokens == len(tokenizer.encode(rendered, add_special_tokens=False))
+
+    client(echo).responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client(echo).responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client(echo).responses.delete(first.id)
+    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+        client(echo).responses.create(model="tiny", input="Hi", previous_response_id=first.id)
+    unstored = client(echo).responses.create(model="tiny", input="Hi", store=False)
+    assert not unstored.store
+    with pytest.raises(openai.NotFoundError):
+        client(echo).responses.retrieve(unstored.id)
+
+
+def test_a_streamed_response_is_stored_once_finished(echo: ServerThread) -> None:
+    events = list(client(echo).responses.create(model="tiny", input="Hello there", stream=True))
+    final = events[-1].response
+    assert client(echo).responses.retrieve(final.id).model_dump() == final.model_dump()
+
+
+def test_reasoning_effort_none_turns_thinking_off(echo: ServerThread) -> None:
+    text = "<think>\nhm\n</think>\n\nHello."
+    on = client(echo).responses.create(model="tiny", input=text, reasoning={"effort": "low"})
+    assert [i.type for i in on.output] == ["reasoning", "message"] and on.output[0].content[0].text == "hm"
+    assert on.output_text == "Hello." and on.reasoning.effort == "low"
+    off = client(echo).responses.create(model="tiny", input=text, reasoning={"effort": "none"})
+    assert [i.type for i in off.output] == ["message"] and off.output_text == text
+
+
+def test_the_response_store_keeps_the_most_recently_used() -> None:
+    from api.server.responses_api import Conversation, ResponseStore
+
+    store = ResponseStore(capacity=2)
+    req = decode(b'{"input": "Hi"}', ResponsesRequest)
+    talk = Conversation.of(req, store)
+    for name in ("a", "b"):
+        store.keep(req, talk, {"id": name, "output": []})
+    assert store.get("a") is not None  # "a" is now the most recently used
+    store.keep(req, talk, {"id": "c", "output": []})
+    assert (store.get("b"), len(store)) == (None, 2) and store.get("a") is not None
+    unstored = decode(b'{"input": "Hi", "store": false}', ResponsesRequest)
+    store.keep(unstored, talk, {"id": "d", "output": []})
+    assert store.get("d") is None

@@ -1,6 +1,7 @@
 """The HTTP server: an aiohttp application over one `api.Engine`.
 
     OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models
+                        GET and DELETE /v1/responses/{id} (stored responses)
     SGLang-native       POST /generate, GET /health, GET /health_generate, GET /server_info,
                         GET /model_info (and their older names /get_server_info, /get_model_info),
                         GET /get_load, POST /flush_cache, POST /abort_request,
@@ -69,7 +70,7 @@ from api.server.openai_schema import (
     invalid,
 )
 from api.server.request_log import RequestLog
-from api.server.responses_api import ResponseEvents, ResponseShell, ResponsesRequest, chat_request, whole_response
+from api.server.responses_api import Conversation, ResponseEvents, ResponseShell, ResponsesRequest, ResponseStore, chat_request, whole_response
 from api.server.watchdog import watch
 from runtime.service import ServiceClass
 from runtime.stream import Delta
@@ -121,6 +122,7 @@ class Server:
         template = getattr(engine.tokenizer, "chat_template", None)
         self.chat_parsers = ChatParsers.resolve(settings.tool_call_parser, settings.reasoning_parser, template if isinstance(template, str) else None)
         self.request_log = RequestLog(settings.log_requests_level, settings.log_requests_format) if settings.log_requests else None
+        self.stored_responses = ResponseStore()
         self.app = self._make_app()
 
     def _make_app(self) -> web.Application:
@@ -130,6 +132,8 @@ class Server:
             post("/v1/completions", self.completions),
             post("/v1/chat/completions", self.chat_completions),
             post("/v1/responses", self.responses),
+            get("/v1/responses/{response_id}", self.stored_response),
+            web.delete("/v1/responses/{response_id}", self.delete_response),
             get("/v1/models", self.models),
             post("/generate", self.generate),
             get("/health", self.health),
@@ -235,16 +239,27 @@ class Server:
         """OpenAI's Responses API, served as one chat answer (api/server/responses_api.py)."""
         req = decode(await request.read(), ResponsesRequest)
         self._check_model(req.model)
-        chat = _tenant_from_header(chat_request(req), request)
+        talk = Conversation.of(req, self.stored_responses)
+        chat = _tenant_from_header(chat_request(req, talk), request)
         plan = plan_chat(chat, self.chat_parsers)
         input_ids = await self._render_chat(chat_messages(chat), {**(chat.chat_template_kwargs or {}), **plan.template_kwargs})
         rid, calls = chat_calls(chat, input_ids, self.chat_defaults, plan.tool_schema)
         shell = ResponseShell(id=f"resp_{rid}", created_at=int(time.time()), model=self.model_name, req=req)
         if not req.stream:
             [choice] = await self._collect(calls)
-            return _json(whole_response(shell, choice, plan))
+            body = whole_response(shell, choice, plan)
+            self.stored_responses.keep(req, talk, body)
+            return _json(body)
         events, choice = ResponseEvents(shell, plan), Choice(0, 0)
-        return await self._stream(request, calls, lambda call, delta: events.chunks(choice, delta), events.opening(), list)
+        sse = await self._stream(request, calls, lambda call, delta: events.chunks(choice, delta), events.opening(), list, events=True)
+        self.stored_responses.keep(req, talk, events.response)  # empty unless it finished
+        return sse
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        return _json(self.stored_responses.body(request.match_info["response_id"]))
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        return _json(self.stored_responses.delete(request.match_info["response_id"]))
 
     async def models(self, request: web.Request) -> web.Response:
         root = self.engine.config.model_path or self.model_name
@@ -261,27 +276,31 @@ class Server:
         chunk: Callable[[EngineCall, Delta], dict[str, Any] | list[dict[str, Any]]],
         opening: list[dict[str, Any]],
         closing: Callable[[], list[dict[str, Any]]],
+        events: bool = False,
     ) -> web.StreamResponse:
-        """Server-sent events: `opening`, the `chunk` (or chunks) of each delta, `closing()`, then [DONE]."""
+        """Server-sent events: `opening`, the `chunk` (or chunks) of each delta, `closing()`, then [DONE].
+        `events`: a Responses stream, each body under an `event:` line naming its type, no [DONE] (as OpenAI's)."""
+        send = _send_event if events else _send
         async with contextlib.aclosing(self._deltas(calls)) as deltas:
             item = await anext(deltas, None)  # a refusal raises here, before any header
             sse = await _open_sse(request)
             try:
                 for body in opening:
-                    await _send(sse, body)
+                    await send(sse, body)
                 while item is not None:
                     bodies = chunk(*item)
                     for body in bodies if isinstance(bodies, list) else [bodies]:
-                        await _send(sse, body)
+                        await send(sse, body)
                     item = await anext(deltas, None)
                 for body in closing():
-                    await _send(sse, body)
+                    await send(sse, body)
             except (InvalidRequest, Rejected, EngineError) as exc:
-                await _send(sse, _exception_body(exc))
+                await send(sse, _exception_body(exc))
             except ConnectionResetError:
                 return sse  # the client is gone; leaving this block aborts its requests
-        with contextlib.suppress(ConnectionResetError):
-            await sse.write(DONE)
+        if not events:
+            with contextlib.suppress(ConnectionResetError):
+                await sse.write(DONE)
         return sse
 
     async def _render_chat(self, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
@@ -567,6 +586,12 @@ async def _open_sse(request: web.Request) -> web.StreamResponse:
 
 async def _send(response: web.StreamResponse, body: dict[str, Any]) -> None:
     await response.write(b"data: " + orjson.dumps(body) + b"\n\n")
+
+
+async def _send_event(response: web.StreamResponse, body: dict[str, Any]) -> None:
+    """One event of a Responses stream; an error body is of type "error"."""
+    kind = body.setdefault("type", "error")
+    await response.write(b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(body) + b"\n\n")
 
 
 def _default_model_name(model_path: str | None) -> str:

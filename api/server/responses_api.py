@@ -1,19 +1,28 @@
-"""OpenAI's Responses API (`POST /v1/responses`) over the chat pipeline, as vLLM and SGLang serve it
-without state: the request's `input` items become chat messages (instructions a system turn,
-`function_call` items an assistant's tool calls, `function_call_output` items tool turns), the
-answer is read by the same parsers as chat (api/server/chat_tools.py), and comes back as output items:
-a `reasoning` item, a `message` with `output_text`, one `function_call` item per call.
+"""OpenAI's Responses API (`POST /v1/responses`) over the chat pipeline, as vLLM and SGLang serve it:
+the request's `input` items become chat messages (instructions a system turn, `function_call`
+items an assistant's tool calls, `function_call_output` items tool turns), the answer is read by
+the same parsers as chat (api/server/chat_tools.py), and comes back as output items: a
+`reasoning` item, a `message` with `output_text`, one `function_call` item per call.
 
 Streamed, the items open and close in the order the parsers settle them, with OpenAI's events
 (`response.created`, `response.output_item.added`, `response.output_text.delta`,
-`response.function_call_arguments.delta`, ..., `response.completed`), each with a
-`sequence_number`. Nothing is stored: `previous_response_id` and `store: true` are refused.
+`response.function_call_arguments.delta`, ..., `response.completed`), each under an `event:`
+line and with a `sequence_number`.
+
+`reasoning.effort` "none" turns a thinking template's reasoning off (`enable_thinking: false`);
+any effort is also given to the template as `reasoning_effort` (templates that read it, as
+gpt-oss's does). With `store` (OpenAI's default), a finished response is kept in a bounded
+in-memory map per server (`ResponseStore`, the least recently used leaves first): `GET` and
+`DELETE /v1/responses/{id}` reach it, and `previous_response_id` continues its conversation
+(its input and output items, not its instructions, as OpenAI's does).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -21,7 +30,7 @@ import orjson
 
 from api.server.chat_tools import ChatPlan, ChoiceParser, Settled
 from api.server.openai_response import Choice
-from api.server.openai_schema import ChatCompletionRequest, invalid, param_of
+from api.server.openai_schema import ApiError, ChatCompletionRequest, invalid, param_of
 from runtime.stream import Delta
 
 ItemKind = Literal["reasoning", "message", "function_call"]
@@ -46,6 +55,11 @@ class ResponseText(msgspec.Struct, kw_only=True):
     format: ResponseTextFormat | None = None
 
 
+class ReasoningOptions(msgspec.Struct, kw_only=True):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # accepted; the reasoning itself is returned
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -58,24 +72,38 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     stream: bool = False
     text: ResponseText | None = None
-    reasoning: dict[str, Any] | None = None  # effort / summary: thinking models reason as their template says
+    reasoning: ReasoningOptions | None = None
     metadata: dict[str, str] | None = None
     previous_response_id: str | None = None
-    store: bool = False
+    store: bool = True
     user: str | None = None
     seed: int | None = None  # vLLM's and SGLang's extras
     top_k: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """The items an answer follows: the previous response's conversation, then this `input`."""
+
+    history: tuple[dict[str, Any], ...]
+    input: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, req: ResponsesRequest, store: ResponseStore) -> Conversation:
+        items = ({"type": "message", "role": "user", "content": req.input},) if isinstance(req.input, str) else tuple(req.input)
+        if req.previous_response_id is None:
+            return cls((), items)
+        previous = store.get(req.previous_response_id)
+        if previous is None:
+            raise invalid(f"previous_response_id: no stored response {req.previous_response_id!r} (never stored, deleted, or no longer kept)", "previous_response_id")
+        return cls(previous.items, items)
+
+
+def chat_request(req: ResponsesRequest, talk: Conversation) -> ChatCompletionRequest:
     """The chat request a Responses request is served as; 400s name the field."""
-    if req.previous_response_id is not None:
-        raise invalid("previous_response_id is not supported: responses are not stored here; send the whole input", "previous_response_id")
-    if req.store:
-        raise invalid("store: true is not supported: responses are not stored here", "store")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
-    messages += [{"role": "user", "content": req.input}] if isinstance(req.input, str) else _messages(req.input)
+    messages += _messages([*talk.history, *talk.input], len(talk.history))
     body: dict[str, Any] = {
         "model": req.model,
         "messages": messages,
@@ -85,7 +113,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "top_k": req.top_k,
         "seed": req.seed,
         "parallel_tool_calls": req.parallel_tool_calls,
-        "chat_template_kwargs": req.chat_template_kwargs,
+        "chat_template_kwargs": _template_kwargs(req),
     }
     if req.tools:
         body["tools"] = [{"type": "function", "function": _function(t)} for t in req.tools]
@@ -101,6 +129,15 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         raise invalid(f"invalid request: {exc}", param_of(str(exc))) from None
 
 
+def _template_kwargs(req: ResponsesRequest) -> dict[str, Any] | None:
+    """`reasoning.effort` for the chat template; the request's own kwargs win."""
+    effort = req.reasoning.effort if req.reasoning is not None else None
+    if effort is None:
+        return req.chat_template_kwargs
+    asked = {"reasoning_effort": effort, **({"enable_thinking": False} if effort == "none" else {})}
+    return {**asked, **(req.chat_template_kwargs or {})}
+
+
 def _function(tool: ResponseTool) -> dict[str, Any]:
     return {"name": tool.name, "description": tool.description, "parameters": tool.parameters, "strict": tool.strict}
 
@@ -113,10 +150,11 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
     raise invalid("tool_choice must be none, auto, required or {\"type\": \"function\", \"name\": ...}", "tool_choice")
 
 
-def _messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Chat messages of `input` items; consecutive function calls are one assistant turn."""
+def _messages(items: list[dict[str, Any]], history: int) -> list[dict[str, Any]]:
+    """Chat messages of the conversation's items (the first `history` of them stored, the rest
+    `input`, which errors index); consecutive function calls are one assistant turn."""
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(items):
+    for i, item in enumerate(items, -history):
         kind = item.get("type", "message")
         if kind == "message":
             messages.append({"role": _role(item, i), "content": _text(item.get("content"), i)})
@@ -200,7 +238,9 @@ class ResponseShell(msgspec.Struct, kw_only=True):
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": [msgspec.to_builtins(t) for t in req.tools or []],
             "text": {"format": msgspec.to_builtins(req.text.format) if req.text and req.text.format else {"type": "text"}},
-            "store": False,
+            "reasoning": msgspec.to_builtins(req.reasoning) if req.reasoning is not None else {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id,
+            "store": req.store,
             "usage": _usage(choice) if choice is not None and choice.final is not None else None,
         }
         if status == "completed":
@@ -218,6 +258,55 @@ def _usage(choice: Choice) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
     }
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]
+    items: tuple[dict[str, Any], ...]  # its conversation: input items, then its output items
+
+
+class ResponseStore:
+    """The responses stored on this server, at most `capacity`; the least recently used leave first."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._kept.get(response_id)
+        if stored is not None:
+            self._kept.move_to_end(response_id)
+        return stored
+
+    def keep(self, req: ResponsesRequest, talk: Conversation, response: dict[str, Any]) -> None:
+        """A finished response, where its request asked to store it."""
+        if not req.store or not response:
+            return
+        self._kept[response["id"]] = StoredResponse(response, (*talk.history, *talk.input, *response["output"]))
+        self._kept.move_to_end(response["id"])
+        while len(self._kept) > self.capacity:
+            self._kept.popitem(last=False)
+
+    def body(self, response_id: str) -> dict[str, Any]:
+        """GET /v1/responses/{id}."""
+        stored = self.get(response_id)
+        if stored is None:
+            raise _not_found(response_id)
+        return stored.response
+
+    def delete(self, response_id: str) -> dict[str, Any]:
+        """DELETE /v1/responses/{id}."""
+        if self._kept.pop(response_id, None) is None:
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"no stored response {response_id!r} (never stored, deleted, or no longer kept)", param="response_id", code="response_not_found")
 
 
 def whole_response(shell: ResponseShell, choice: Choice, plan: ChatPlan) -> dict[str, Any]:
