@@ -263,3 +263,15 @@ def test_a_streamed_call_cut_off_keeps_what_came() -> None:
         assert [p.name for s in settled for p in s.pieces if p.id is not None] == ["f"]
         assert "".join(p.arguments for s in settled for p in s.pieces) == '{"a": [1, 2'
         assert "".join(s.content for s in settled) == ""
+
+
+def test_required_calls_stream_their_arguments_too() -> None:
+    text = '[{"name": "f", "parameters": {"a": [1, {"b": "]"}]}}, {"name": "g", "parameters": {}}]'
+    whole = message(text, ChoiceParser(RequiredCalls(), None))["tool_calls"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in whole] == [("f", '{"a": [1, {"b": "]"}]}'), ("g", "{}")]
+    for cut in splits(text):
+        outcome, settled = run(lambda: ChoiceParser(RequiredCalls(), None), cut)
+        assert outcome == ("", "", [("f", {"a": [1, {"b": "]"}]}), ("g", {})]), cut
+        assert ["".join(p) for p in argument_pieces(settled).values()] == ['{"a": [1, {"b": "]"}]}', "{}"]
+    _, settled = run(lambda: ChoiceParser(RequiredCalls(), None), list(text))
+    assert len(argument_pieces(settled)[0]) > 1

@@ -359,6 +359,8 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     """An answer that starts with `{` (or `<|python_tag|>`) is calls; any other is content."""
 
+    SEPARATORS = "; \t\r\n"  # what may come between calls
+
     def __init__(self, parallel: bool = True) -> None:
         super().__init__(parallel)
         self._buf = ""
@@ -406,7 +408,7 @@ class Llama3JsonParser(ToolParser):
                     self._buf = ""
                     return
                 self._buf, self._open_call = rest, None
-            text = self._buf.lstrip().lstrip(";").lstrip()
+            text = self._buf.lstrip(self.SEPARATORS)
             if not text.startswith("{"):
                 return
             head = read_head(text)
@@ -456,31 +458,20 @@ class NamedCall(ToolParser):
         return self.feed("")
 
 
-class RequiredCalls(ToolParser):
-    """`tool_choice: required`: a JSON array of `{"name", "parameters"}`, read when it ends."""
+class RequiredCalls(Llama3JsonParser):
+    """`tool_choice: required`: a JSON array of `{"name", "parameters"}` (the grammar keeps it one),
+    its calls streamed as Llama 3's are; cut off (finish_reason length) before any call, the client
+    gets the text that came as content."""
+
+    SEPARATORS = "[,] \t\r\n"
 
     def __init__(self) -> None:
         super().__init__()
-        self._buf = ""
-
-    def feed(self, text: str) -> Parsed:
-        self._buf += text
-        return Parsed()
+        self._mode = "calls"
 
     def finish(self) -> Parsed:
-        out = Parsed()
-        try:
-            value = json.loads(self._buf)
-        except ValueError:
-            value = None
-        calls = [call_from_json(item) for item in value] if isinstance(value, list) else [None]
-        if not calls or None in calls:
-            out.content = self._buf  # cut off (finish_reason length): the client gets what came
-        else:
-            for call in calls:
-                assert call is not None
-                self._call(out, *call)
-        self._buf = ""
+        out = Parsed("" if self.calls else self._buf)
+        self._buf, self._open_call = "", None
         return out
 
 
