@@ -106,6 +106,12 @@ CASES: list[tuple[str, Factory, str, Outcome]] = [
         '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>',
         ("", "", [("f", {"a": 1})]),
     ),
+    (
+        "hermes: a call without its end tag, then the next call",
+        hermes,
+        '<tool_call>{"name": "a", "arguments": {}}\n<tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>',
+        ("", "", [("a", {}), ("b", {"x": 1})]),
+    ),
     ("hermes: no end tag after the call", hermes, '<tool_call>{"name": "f", "arguments": {}} and more', ("", "and more", [("f", {})])),
     (
         "llama3: nested objects, python tag, two calls",

@@ -311,7 +311,7 @@ class HermesParser(ToolParser):
             self._stream_arguments(out, self._open_call, arguments)
             self._buf, self._state = (rest, "tail") if rest is not None else ("", "arguments")
             return rest is not None
-        return self._find_end(out)
+        return self._find_end(out) if self._state == "whole" else self._skip_tail()
 
     def _read_content(self, out: Parsed) -> bool:
         start = self._buf.find(HERMES_START)
@@ -325,16 +325,32 @@ class HermesParser(ToolParser):
         return True
 
     def _find_end(self, out: Parsed) -> bool:
-        """The end tag of a call read whole ("whole") or streamed ("tail": what the call object
-        left before the tag is dropped)."""
-        end = self._buf.find(HERMES_END, max(0, self._searched - len(HERMES_END) + 1))
+        """The end tag of a call read whole."""
+        end = self._buf.find(HERMES_END, self._search_from())
         if end < 0:
             self._searched = len(self._buf)
             return False
-        if self._state == "whole":
-            self._close_call(out, self._buf[:end], HERMES_END)
+        self._close_call(out, self._buf[:end], HERMES_END)
         self._buf, self._state, self._searched = self._buf[end + len(HERMES_END) :], "content", 0
         return True
+
+    def _skip_tail(self) -> bool:
+        """After a streamed call's object: drop what comes before its end tag, or before the next
+        call's start tag where the model left the end tag out."""
+        end, start = self._buf.find(HERMES_END, self._search_from()), self._buf.find(HERMES_START, self._search_from())
+        if end < 0 and start < 0:
+            self._searched = len(self._buf)
+            return False
+        if start >= 0 and (end < 0 or start < end):
+            self._buf = self._buf[start:]
+        else:
+            self._buf = self._buf[end + len(HERMES_END) :]
+        self._state, self._searched = "content", 0
+        return True
+
+    def _search_from(self) -> int:
+        """Where a tag may start in the buffer: the scan before found none."""
+        return max(0, self._searched - len(HERMES_END) + 1)
 
     def finish(self) -> Parsed:
         out = Parsed()
