@@ -666,3 +666,14 @@ def test_the_response_store_keeps_the_most_recently_used() -> None:
     unstored = decode(b'{"input": "Hi", "store": false}', ResponsesRequest)
     store.keep(unstored, talk, {"id": "d", "output": []})
     assert store.get("d") is None
+    one = ResponseStore()
+    one.keep(req, talk, {"id": "a", "output": [{"type": "message", "content": "x" * 100}]})
+    budget = ResponseStore(capacity=10, max_bytes=5 * one.bytes // 2)  # room for two
+    for name in ("a", "b", "c"):
+        budget.keep(req, talk, {"id": name, "output": [{"type": "message", "content": "x" * 100}]})
+    assert [budget.get(n) is not None for n in "abc"] == [False, True, True] and budget.bytes == 2 * one.bytes
+    budget.keep(req, talk, {"id": "huge", "output": [{"type": "message", "content": "x" * 3 * one.bytes}]})
+    assert len(budget) == 0 and budget.bytes == 0  # more than the whole budget: not kept, and nothing else either
+    budget.keep(req, talk, {"id": "a", "output": []})
+    budget.delete("a")
+    assert (len(budget), budget.bytes) == (0, 0)

@@ -12,7 +12,8 @@ line and with a `sequence_number`.
 `reasoning.effort` "none" turns a thinking template's reasoning off (`enable_thinking: false`);
 any effort is also given to the template as `reasoning_effort` (templates that read it, as
 gpt-oss's does). With `store` (OpenAI's default), a finished response is kept in a bounded
-in-memory map per server (`ResponseStore`, the least recently used leaves first): `GET` and
+in-memory map per server (`ResponseStore`: 1,024 responses and 256 MiB of their JSON at most, the
+least recently used leaves first): `GET` and
 `DELETE /v1/responses/{id}` reach it, and `previous_response_id` continues its conversation
 (its input and output items, not its instructions, as OpenAI's does).
 """
@@ -264,13 +265,17 @@ def _usage(choice: Choice) -> dict[str, Any]:
 class StoredResponse:
     response: dict[str, Any]
     items: tuple[dict[str, Any], ...]  # its conversation: input items, then its output items
+    size: int  # bytes of its items and body as JSON: what it costs the store's budget
 
 
 class ResponseStore:
-    """The responses stored on this server, at most `capacity`; the least recently used leave first."""
+    """The responses stored on this server: at most `capacity` of them and `max_bytes` of their JSON
+    (a conversation's history counts in each of its responses); the least recently used leave first."""
 
-    def __init__(self, capacity: int = 1024):
+    def __init__(self, capacity: int = 1024, max_bytes: int = 256 * 2**20):
         self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
@@ -283,13 +288,23 @@ class ResponseStore:
         return stored
 
     def keep(self, req: ResponsesRequest, talk: Conversation, response: dict[str, Any]) -> None:
-        """A finished response, where its request asked to store it."""
+        """A finished response, where its request asked to store it (one larger than the whole
+        budget is not kept)."""
         if not req.store or not response:
             return
-        self._kept[response["id"]] = StoredResponse(response, (*talk.history, *talk.input, *response["output"]))
-        self._kept.move_to_end(response["id"])
-        while len(self._kept) > self.capacity:
-            self._kept.popitem(last=False)
+        items = (*talk.history, *talk.input, *response["output"])
+        stored = StoredResponse(response, items, len(orjson.dumps(items)) + len(orjson.dumps(response)))
+        self._drop(response["id"])
+        self._kept[response["id"]] = stored
+        self.bytes += stored.size
+        while len(self._kept) > self.capacity or self.bytes > self.max_bytes:
+            self._drop(next(iter(self._kept)))
+
+    def _drop(self, response_id: str) -> StoredResponse | None:
+        stored = self._kept.pop(response_id, None)
+        if stored is not None:
+            self.bytes -= stored.size
+        return stored
 
     def body(self, response_id: str) -> dict[str, Any]:
         """GET /v1/responses/{id}."""
@@ -300,7 +315,7 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> dict[str, Any]:
         """DELETE /v1/responses/{id}."""
-        if self._kept.pop(response_id, None) is None:
+        if self._drop(response_id) is None:
             raise _not_found(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
