@@ -110,33 +110,39 @@ class CallHead:
     arguments_at: int
 
 
-def read_head(text: str) -> CallHead | Undecided:
-    """The head of the call object `text` starts with; "wait" while `text` may still become one,
-    "no" once it cannot (the call is then read whole, or is content)."""
-    pos = _literal(text, 0, ("{",))
-    if isinstance(pos, int):
-        pos = _literal(text, pos, ('"name"',))
-    if isinstance(pos, int):
-        pos = _literal(text, pos, (":",))
-    if not isinstance(pos, int):
-        return pos
-    pos = _WHITESPACE.match(text, pos).end()  # type: ignore[union-attr]
-    if pos == len(text):
-        return "wait"
-    name = _JSON_STRING.match(text, pos)
-    if name is None:
-        return "wait" if text[pos] == '"' else "no"  # an open string, or no string at all
-    decoded = _string_value(name.group())
-    if not decoded:
-        return "no"
-    pos = _literal(text, name.end(), (",",))
-    if isinstance(pos, int):
-        pos = _literal(text, pos, ('"arguments"', '"parameters"'))
-    if isinstance(pos, int):
-        pos = _literal(text, pos, (":",))
-    if isinstance(pos, int):
-        pos = _literal(text, pos, ("{",))
-    return CallHead(decoded, pos - 1) if isinstance(pos, int) else pos
+# What a streamed call's head is made of, in order (None: the name, a JSON string).
+HEAD_STEPS: tuple[tuple[str, ...] | None, ...] = (("{",), ('"name"',), (":",), None, (",",), ('"arguments"', '"parameters"'), (":",), ("{",))
+
+
+@dataclass(slots=True)
+class HeadReader:
+    """Reads the head of the call object a growing text starts with, resuming each time at the
+    step the text before left off (so a head costs its length once, not once per token)."""
+
+    step: int = 0
+    pos: int = 0
+    name: str = ""
+
+    def read(self, text: str) -> CallHead | Undecided:
+        """The head; "wait" while `text` may still become one, "no" once it cannot (the call is
+        then read whole, or is content). `text` must extend the text of the calls before."""
+        while self.step < len(HEAD_STEPS):
+            options = HEAD_STEPS[self.step]
+            found = _literal(text, self.pos, options) if options is not None else self._name(text)
+            if not isinstance(found, int):
+                return found
+            self.step, self.pos = self.step + 1, found
+        return CallHead(self.name, self.pos - 1)
+
+    def _name(self, text: str) -> int | Undecided:
+        pos = _WHITESPACE.match(text, self.pos).end()  # type: ignore[union-attr]
+        if pos == len(text):
+            return "wait"
+        literal = _JSON_STRING.match(text, pos)
+        if literal is None:
+            return "wait" if text[pos] == '"' else "no"  # an open string, or no string at all
+        self.name = _string_value(literal.group())
+        return literal.end() if self.name else "no"
 
 
 def _literal(text: str, pos: int, options: tuple[str, ...]) -> int | Undecided:
@@ -283,6 +289,7 @@ class HermesParser(ToolParser):
         self._buf = ""
         self._state: HermesState = "content"
         self._open_call = OpenCall(None)
+        self._head = HeadReader()
         self._searched = 0  # how much of a whole call's buffer has no end tag (a long call is scanned once)
 
     def feed(self, text: str) -> Parsed:
@@ -297,14 +304,14 @@ class HermesParser(ToolParser):
         if self._state == "content":
             return self._read_content(out)
         if self._state == "head":
-            head = read_head(self._buf.lstrip())
+            head = self._head.read(self._buf)
             if head == "wait":
                 return False
             if head == "no":
                 self._state, self._searched = "whole", 0
             else:
                 self._open_call = self._open(out, head.name)
-                self._buf, self._state = self._buf.lstrip()[head.arguments_at :], "arguments"
+                self._buf, self._state = self._buf[head.arguments_at :], "arguments"
             return True
         if self._state == "arguments":
             arguments, rest = self._open_call.feed(self._buf)
@@ -321,7 +328,7 @@ class HermesParser(ToolParser):
             self._buf = self._buf[len(self._buf) - keep :]
             return False
         self._content(out, self._buf[:start])
-        self._buf, self._state = self._buf[start + len(HERMES_START) :], "head"
+        self._buf, self._state, self._head = self._buf[start + len(HERMES_START) :], "head", HeadReader()
         return True
 
     def _find_end(self, out: Parsed) -> bool:
@@ -383,6 +390,7 @@ class Llama3JsonParser(ToolParser):
         # "rest": the calls ended in text that is no call, held for finish, which makes it content
         self._mode: Literal["undecided", "content", "calls", "rest"] = "undecided"
         self._open_call: OpenCall | None = None
+        self._head = HeadReader()  # of the call the buffer starts with
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -423,11 +431,13 @@ class Llama3JsonParser(ToolParser):
                 if rest is None:
                     self._buf = ""
                     return
-                self._buf, self._open_call = rest, None
-            text = self._buf.lstrip(self.SEPARATORS)
+                self._buf, self._open_call, self._head = rest, None, HeadReader()
+            if self._head.step == 0:  # between calls
+                self._buf = self._buf.lstrip(self.SEPARATORS)
+            text = self._buf
             if not text.startswith("{"):
                 return
-            head = read_head(text)
+            head = self._head.read(text)
             if head == "wait":
                 return
             if head == "no":
@@ -449,7 +459,7 @@ class Llama3JsonParser(ToolParser):
             self._mode = "rest"
             return
         self._call(out, *call)
-        self._buf = text[end:]
+        self._buf, self._head = text[end:], HeadReader()
         self._take_calls(out, self._buf)
 
 
@@ -484,10 +494,15 @@ class RequiredCalls(Llama3JsonParser):
     def __init__(self) -> None:
         super().__init__()
         self._mode = "calls"
+        self._written: list[str] = []  # all of it, the content of an answer cut off before its first call
+
+    def feed(self, text: str) -> Parsed:
+        self._written.append(text)
+        return super().feed(text)
 
     def finish(self) -> Parsed:
-        out = Parsed("" if self.calls else self._buf)
-        self._buf, self._open_call = "", None
+        out = Parsed("" if self.calls else "".join(self._written))
+        self._buf, self._written, self._open_call = "", [], None
         return out
 
 
