@@ -13,9 +13,9 @@ line and with a `sequence_number`.
 any effort is also given to the template as `reasoning_effort` (templates that read it, as
 gpt-oss's does). With `store` (OpenAI's default), a finished response is kept in a bounded
 in-memory map per server (`ResponseStore`: 1,024 responses and 256 MiB of their JSON at most, the
-least recently used leaves first): `GET` and
-`DELETE /v1/responses/{id}` reach it, and `previous_response_id` continues its conversation
-(its input and output items, not its instructions, as OpenAI's does).
+least recently used leaves first): `GET` and `DELETE /v1/responses/{id}` reach it, and
+`previous_response_id` continues its conversation (its input and output items, not its
+instructions, as OpenAI's does).
 """
 
 from __future__ import annotations
