@@ -677,3 +677,22 @@ def test_the_response_store_keeps_the_most_recently_used() -> None:
     budget.keep(req, talk, {"id": "a", "output": []})
     budget.delete("a")
     assert (len(budget), budget.bytes) == (0, 0)
+
+
+async def test_an_error_in_a_responses_stream_is_an_error_event() -> None:
+    from api.server.app import _send_event
+    from api.server.openai_schema import error_body
+
+    class Sink:
+        def __init__(self) -> None:
+            self.data = b""
+
+        async def write(self, data: bytes) -> None:
+            self.data += data
+
+    sink = Sink()
+    await _send_event(sink, error_body(503, "the engine stopped", code="engine_stopped"))  # type: ignore[arg-type]
+    event, data = sink.data.decode().removesuffix("\n\n").split("\n")
+    assert event == "event: error"
+    body = json.loads(data.removeprefix("data: "))
+    assert body["type"] == "error" and body["error"]["message"] == "the engine stopped"  # the openai client raises on "error"
