@@ -185,12 +185,12 @@ class Adder(Actor[AdderMsg]):
         preemption possible)."""
         if not self.config.enable_priority_scheduling or not self.running:
             return None
-        return max((r.priority for r in self.running), key=self.priority_rule.level)
+        return max((r.asked.priority for r in self.running), key=self.priority_rule.level)
 
     def _routing_keys(self) -> dict[str, int]:
         if self.config.effective_schedule_policy != "routing-key":
             return {}
-        return dict(Counter(r.routing_key for r in self.running if r.routing_key is not None))
+        return dict(Counter(r.asked.routing_key for r in self.running if r.asked.routing_key is not None))
 
     async def _round(self, candidates: list[Req]) -> bool:
         """Form and launch one batch; False if there was nothing to launch."""
@@ -260,7 +260,7 @@ class Adder(Actor[AdderMsg]):
         if not adder.admitted:
             return None, leftover
         # As SGLang: the decodes join only when neither they nor the new requests want logprobs.
-        mixed = mixed and not any(r.return_logprob for r in [*self.running, *adder.can_run])
+        mixed = mixed and not any(r.asked.return_logprob for r in [*self.running, *adder.can_run])
         return self._prefill_batch(adder, mixed), leftover
 
     def _admit_candidates(self, adder: PrefillAdder, candidates: list[Req]) -> list[Req]:
@@ -277,7 +277,7 @@ class Adder(Actor[AdderMsg]):
                     return candidates[i:]  # not matched, as SGLang breaks before matching
             # After a preemption too: releasing victims may have evicted what an earlier match found.
             prefetch, req.sched.prefetch = req.sched.prefetch, None
-            match = self.kv.match(match_key(req), req.extra_key, prefetch)  # type: ignore[arg-type]
+            match = self.kv.match(match_key(req), req.asked.extra_key, prefetch)  # type: ignore[arg-type]
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted
@@ -321,7 +321,7 @@ class Adder(Actor[AdderMsg]):
         """The first `length` tokens of a running request go into the cache, so later requests
         match them before it finishes."""
         assert req.sched.req_row is not None
-        self.kv.cache_prefix(req.sched.req_row, prefix_tokens(req, length), req.extra_key)
+        self.kv.cache_prefix(req.sched.req_row, prefix_tokens(req, length), req.asked.extra_key)
 
     def _prefill_batch(self, adder: PrefillAdder, mixed: bool) -> Batch:
         step = self.next_step
@@ -350,7 +350,7 @@ class Adder(Actor[AdderMsg]):
             req.sched.last_step = step
             if not adm.truncated:
                 req.sched.launched_outputs += 1
-                if req.sched.launched_outputs >= req.sampling.max_new_tokens:
+                if req.sched.launched_outputs >= req.asked.sampling.max_new_tokens:
                     done.append(req)
         was_chunked, self.chunked = self.chunked, adder.new_chunked_req
         mode = ForwardMode.EXTEND
@@ -511,7 +511,7 @@ class Adder(Actor[AdderMsg]):
 
     def _release(self, req: Req, cache_it: bool) -> None:
         if req.sched.req_row is not None:
-            self.kv.close_row(req.sched.req_row, req.fill_ids if cache_it else None, req.extra_key)
+            self.kv.close_row(req.sched.req_row, req.fill_ids if cache_it else None, req.asked.extra_key)
             req.sched.req_row = None
 
     def _reset_for_requeue(self, req: Req) -> None:

@@ -165,7 +165,7 @@ class ModelStepRunner:
         fb = self._forward_batch(batch)
         # Tokens each request has generated before this step (the token pool is complete, the
         # requests' output_ids may lag one step behind under overlap).
-        prompt_lens = [len(r.origin_input_ids) for r in batch.reqs]
+        prompt_lens = [len(r.asked.input_ids) for r in batch.reqs]
         ends = [p + e for p, e in zip(batch.prefix_lens, batch.extend_lens)]
         generated = [end - n for end, n in zip(ends, prompt_lens)]
         scores = _prompt_scores(batch)
@@ -180,7 +180,7 @@ class ModelStepRunner:
         constraints = [c for i in constrained if (c := batch.reqs[i].sched.constraint) is not None]
         if constraints:
             mask_logits(logits, constrained, constraints)
-        info = SamplingInfo.from_params([r.sampling for r in batch.reqs], runner.device)
+        info = SamplingInfo.from_params([r.asked.sampling for r in batch.reqs], runner.device)
         # Penalties count prompt and output tokens in the token pool where it lies: on CUDA, reading
         # them back to the host would wait for the step in flight.
         result = runner.sample(
@@ -241,8 +241,8 @@ class ModelStepRunner:
         rows: list[int] = []
         banned: list[int] = []
         for i, r in enumerate(reqs):
-            if 0 <= generated[i] < r.sampling.min_new_tokens:
-                ids = list(r.sampling.stop_token_ids) + ([] if r.sampling.ignore_eos else list(eos))
+            if 0 <= generated[i] < r.asked.sampling.min_new_tokens:
+                ids = list(r.asked.sampling.stop_token_ids) + ([] if r.asked.sampling.ignore_eos else list(eos))
                 rows += [i] * len(ids)
                 banned += ids
         if rows:  # one indexed write; list indices would be copied to the device blocking
@@ -316,11 +316,11 @@ def _prompt_scores(batch: Batch) -> list[_PromptScore]:
     scores = []
     offset = 0
     for i, (req, prefix, extend) in enumerate(zip(batch.reqs, batch.prefix_lens, batch.extend_lens)):
-        if req.logprob_start_len >= 0:
+        if req.asked.logprob_start_len >= 0:
             # Token t is scored by the logits at position t - 1; the logits at the last prompt
             # position sample the first output token instead.
-            lo = max(prefix, req.logprob_start_len - 1, 0)
-            hi = min(prefix + extend, len(req.origin_input_ids) - 1)
+            lo = max(prefix, req.asked.logprob_start_len - 1, 0)
+            hi = min(prefix + extend, len(req.asked.input_ids) - 1)
             if lo < hi:
                 scores.append(_PromptScore(i, offset + lo - prefix, lo + 1, hi - lo))
         offset += extend
@@ -334,10 +334,10 @@ def _packed_indices(scores: list[_PromptScore]) -> list[int]:
 def _score_prompt_tokens(batch: Batch, scores: list[_PromptScore], logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Logprobs (raw, before any sampling transform) of the scored prompt tokens, and the top
     logprobs at their positions when any request wants them: (chosen, top values, top ids)."""
-    targets = [t for s in scores for t in batch.reqs[s.row].origin_input_ids[s.first : s.first + s.count]]
+    targets = [t for s in scores for t in batch.reqs[s.row].asked.input_ids[s.first : s.first + s.count]]
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, _on(targets, logits.device)[:, None])[:, 0]
-    k = max(batch.reqs[s.row].top_logprobs_num for s in scores)
+    k = max(batch.reqs[s.row].asked.top_logprobs_num for s in scores)
     if k == 0:
         return chosen, None, None
     top = logprobs.topk(k, dim=-1)
@@ -354,7 +354,7 @@ def _input_logprobs(
     values = chosen.tolist()
     start = 0
     for s in scores:
-        k = batch.reqs[s.row].top_logprobs_num
+        k = batch.reqs[s.row].asked.top_logprobs_num
         top = None
         if k and top_values is not None and top_ids is not None:
             top = _top_logprobs(top_values[start : start + s.count], top_ids[start : start + s.count], [batch.reqs[s.row]] * s.count)
@@ -367,5 +367,5 @@ def _top_logprobs(values: torch.Tensor | None, ids: torch.Tensor | None, reqs: l
     if values is None or ids is None:
         return None
     return [
-        list(zip(ids[i, : r.top_logprobs_num].tolist(), values[i, : r.top_logprobs_num].tolist())) for i, r in enumerate(reqs)
+        list(zip(ids[i, : r.asked.top_logprobs_num].tolist(), values[i, : r.asked.top_logprobs_num].tolist())) for i, r in enumerate(reqs)
     ]

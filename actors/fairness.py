@@ -27,7 +27,7 @@ DEFAULT_TENANT = ""  # requests that name no tenant share one
 
 
 def tenant_of(req: Req) -> str:
-    return req.service.tenant or DEFAULT_TENANT
+    return req.asked.service.tenant or DEFAULT_TENANT
 
 
 class VirtualTokenCounter:
@@ -61,13 +61,13 @@ class VirtualTokenCounter:
             req = queues[tenant][head]
             out.append(req)
             if head + 1 < len(queues[tenant]):
-                heapq.heappush(heap, (counter + self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids)), tenant, head + 1))
+                heapq.heappush(heap, (counter + self._cost(tenant, INPUT_WEIGHT * len(req.asked.input_ids)), tenant, head + 1))
         return out
 
     def charge_prompts(self, reqs: Iterable[Req], sign: float = 1.0) -> None:
         for req in reqs:
             tenant = tenant_of(req)
-            self.counters[tenant] = self.counters.get(tenant, 0.0) + sign * self._cost(tenant, INPUT_WEIGHT * len(req.origin_input_ids))
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + sign * self._cost(tenant, INPUT_WEIGHT * len(req.asked.input_ids))
 
     def charge_outputs(self, tokens: Mapping[str, int]) -> None:
         for tenant, n in tokens.items():

@@ -80,7 +80,7 @@ class OutputProcessor(Actor[StepOut]):
             req.out.unsent = Delta(rid=req.rid)
         delta = req.out.unsent
         _record_first_prompt_token(req)  # a 1-token prompt has no scored token to come with it
-        if req.sampling.max_new_tokens == 0:
+        if req.asked.sampling.max_new_tokens == 0:
             # Prefill only (prompt logprobs, cache warm-up): the token the step sampled is not
             # part of the answer, as in SGLang.
             return self._push(req, delta, FinishReason("length"))
@@ -90,10 +90,10 @@ class OutputProcessor(Actor[StepOut]):
         req.out.output_ids.append(token)
         self.generated_tokens += 1
         delta.output_ids.append(token)
-        if msg.logprobs is not None and req.return_logprob:
+        if msg.logprobs is not None and req.asked.return_logprob:
             req.out.output_logprobs.append(msg.logprobs[i])
             delta.logprobs.append(msg.logprobs[i])
-        if msg.top_logprobs is not None and req.top_logprobs_num:
+        if msg.top_logprobs is not None and req.asked.top_logprobs_num:
             req.out.output_top_logprobs.append(msg.top_logprobs[i])
             delta.top_logprobs.append(msg.top_logprobs[i])
         text, reason = self._decide(req, token)
@@ -106,16 +106,16 @@ class OutputProcessor(Actor[StepOut]):
         """At a request's first token: which later tokens `_decode_step` may pass as plain. Only
         in the core process with every token streamed, and not for requests that want
         logprobs or have stop strings (those always take the full path)."""
-        eos = () if req.sampling.ignore_eos else self.eos_token_ids
-        req.out.end_token_ids = frozenset((*req.sampling.stop_token_ids, *eos))
-        plain = self.outbox is not None and self.stream_interval == 1 and not (req.return_logprob or req.sampling.stop)
+        eos = () if req.asked.sampling.ignore_eos else self.eos_token_ids
+        req.out.end_token_ids = frozenset((*req.asked.sampling.stop_token_ids, *eos))
+        plain = self.outbox is not None and self.stream_interval == 1 and not (req.asked.return_logprob or req.asked.sampling.stop)
         # Below max_new_tokens - 1 outputs, one more token cannot reach the length limit.
-        req.out.plain_below = req.sampling.max_new_tokens - 1 if plain else 0
+        req.out.plain_below = req.asked.sampling.max_new_tokens - 1 if plain else 0
 
     def _decide(self, req: Req, token: int) -> tuple[str, FinishReason | None]:
         """The text to stream ("" in the core process) and the finish reason for `token`, just
         appended. Text is decoded where it is streamed, or to look for stop strings."""
-        if not (self.detokenize or req.sampling.stop):
+        if not (self.detokenize or req.asked.sampling.stop):
             return "", check_finish(req, token, self.eos_token_ids)
         if req.out.detokenizer is None:
             req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
@@ -139,7 +139,7 @@ class OutputProcessor(Actor[StepOut]):
         if req.out.unsent is None:
             req.out.unsent = Delta(rid=req.rid)
         _record_first_prompt_token(req)
-        skip = req.logprob_start_len + len(req.out.input_logprobs) - computed.start
+        skip = req.asked.logprob_start_len + len(req.out.input_logprobs) - computed.start
         if 0 <= skip < len(computed.logprobs):
             top = computed.top_logprobs[skip:] if computed.top_logprobs is not None else None
             _record_input(req, computed.logprobs[skip:], top)
@@ -147,17 +147,17 @@ class OutputProcessor(Actor[StepOut]):
 
 def _record_first_prompt_token(req: Req) -> None:
     """With logprob_start_len 0, the first prompt token comes first, as None: nothing scores it."""
-    if req.logprob_start_len == 0 and not req.out.input_logprobs:
-        _record_input(req, [None], [[]] if req.top_logprobs_num else None)
+    if req.asked.logprob_start_len == 0 and not req.out.input_logprobs:
+        _record_input(req, [None], [[]] if req.asked.top_logprobs_num else None)
 
 
 def _record_input(req: Req, logprobs: list[float | None], top: list[list[tuple[int, float]]] | None) -> None:
     delta = req.out.unsent
     assert delta is not None
-    first = req.logprob_start_len + len(req.out.input_logprobs)
+    first = req.asked.logprob_start_len + len(req.out.input_logprobs)
     req.out.input_logprobs.extend(logprobs)
     delta.input_logprobs.extend(logprobs)
-    delta.input_token_ids.extend(req.origin_input_ids[first : first + len(logprobs)])
+    delta.input_token_ids.extend(req.asked.input_ids[first : first + len(logprobs)])
     if top is not None:
         req.out.input_top_logprobs.extend(top)
         delta.input_top_logprobs.extend(top)

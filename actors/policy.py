@@ -135,14 +135,14 @@ class Policy(Actor[PolicyMsg]):
             if self.fairness is not None:
                 ordered = self.fairness.interleave(ordered)
             given, self.waiting = ordered[: pull.max_reqs], ordered[pull.max_reqs :]
-            if pull.preempt_priority is not None and not self.priority_rule.may_preempt(given[0].priority, pull.preempt_priority):
+            if pull.preempt_priority is not None and not self.priority_rule.may_preempt(given[0].asked.priority, pull.preempt_priority):
                 given, self.waiting = [], ordered  # it stays here, where a better newcomer can evict it
             self._charge(given)
         self.backlog_rate.answered(time.monotonic(), len(given), backlogged=bool(self.waiting))
         await self.adder.send(Ranked(reqs=given, num_waiting=len(self.waiting)))
 
     def _enqueue(self, req: Req) -> None:
-        grammar = req.sampling.grammar
+        grammar = req.asked.sampling.grammar
         if grammar is None:
             self._admit(req)
             return
@@ -165,7 +165,7 @@ class Policy(Actor[PolicyMsg]):
 
     def _grammar_compiled(self, req: Req, compiled: Compiled) -> None:
         self.compiling.pop(req.rid, None)
-        kind = req.sampling.grammar[0] if req.sampling.grammar else "grammar"
+        kind = req.asked.sampling.grammar[0] if req.asked.sampling.grammar else "grammar"
         if req.finished:
             return  # the abort scan ended it while it compiled
         if req.sched.abort_requested:  # aborted, and this came before the Wake that says so
@@ -224,7 +224,7 @@ class Policy(Actor[PolicyMsg]):
         if storage is None or req.sched.prefetch is not None:
             return False
         key = match_key(req)
-        prefetch = storage.prefetch(key, req.extra_key, self.prefix_cache.match_prefix(key, req.extra_key).length)
+        prefetch = storage.prefetch(key, req.asked.extra_key, self.prefix_cache.match_prefix(key, req.asked.extra_key).length)
         req.sched.prefetch = prefetch
         if prefetch is None or prefetch.may_end(storage.prefetch_policy, time.monotonic()):
             return False
@@ -269,12 +269,12 @@ class Policy(Actor[PolicyMsg]):
 
     def _late(self, req: Req) -> bool:
         default = self.config.default_slo_ttft_ms
-        due = req.service.first_token_due(req.arrival_time, default)
+        due = req.asked.service.first_token_due(req.asked.arrival_time, default)
         if due == math.inf:
             return False
-        ahead = [w for w in self.waiting if w.service.first_token_due(w.arrival_time, default) <= due]
+        ahead = [w for w in self.waiting if w.asked.service.first_token_due(w.asked.arrival_time, default) <= due]
         wait = estimated_first_token_s(
-            len(ahead), sum(len(w.origin_input_ids) for w in ahead), len(req.origin_input_ids),
+            len(ahead), sum(len(w.asked.input_ids) for w in ahead), len(req.asked.input_ids),
             self.backlog_rate.per_s, self.prefill_tokens_per_s,
         )
         blocked = self._blocked_s(req)
@@ -290,19 +290,19 @@ class Policy(Actor[PolicyMsg]):
         if pull is None or pull.first_exit_s is None:
             return None
         rows_full = pull.max_reqs == 0 and not (
-            pull.preempt_priority is not None and self.priority_rule.may_preempt(req.priority, pull.preempt_priority)
+            pull.preempt_priority is not None and self.priority_rule.may_preempt(req.asked.priority, pull.preempt_priority)
         )
-        kv_short = len(req.origin_input_ids) + req.max_new_tokens > pull.kv_free
+        kv_short = len(req.asked.input_ids) + req.max_new_tokens > pull.kv_free
         return pull.first_exit_s if rows_full or kv_short else None
 
     def _worst_waiting(self) -> Req | None:
         if not self.waiting:
             return None
         level = self.priority_rule.level
-        return max(self.waiting, key=lambda r: (level(r.priority), r.sched.enqueue_time))
+        return max(self.waiting, key=lambda r: (level(r.asked.priority), r.sched.enqueue_time))
 
     def _better(self, a: Req, b: Req) -> bool:
-        return self.priority_rule.level(a.priority) < self.priority_rule.level(b.priority)
+        return self.priority_rule.level(a.asked.priority) < self.priority_rule.level(b.asked.priority)
 
     def _drop_aborted_and_expired(self) -> None:
         for rid in [rid for rid, req in self.compiling.items() if req.sched.abort_requested]:

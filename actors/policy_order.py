@@ -99,7 +99,7 @@ class QueueOrderer:
             out = [out[i] for i in sorted(range(len(out)), key=levels.__getitem__)]
         if lane is not None:
             # The lane passes aging levels (its share bounds what that costs) but no priority.
-            return lane.interleave(out, cold, [self.priority_rule.level(req.priority) for req in out] if by_priority else None)
+            return lane.interleave(out, cold, [self.priority_rule.level(req.asked.priority) for req in out] if by_priority else None)
         if self.cold_lane is not None:
             self.cold_lane.pause()
         return out
@@ -122,13 +122,13 @@ class QueueOrderer:
             return self._sjf(waiting)
         if policy == "edf":
             default = self.default_slo_ttft_ms
-            return sorted(waiting, key=lambda req: (req.service.first_token_due(req.arrival_time, default), req.sched.enqueue_time))
+            return sorted(waiting, key=lambda req: (req.asked.service.first_token_due(req.asked.arrival_time, default), req.sched.enqueue_time))
         raise ValueError(f"unknown schedule policy {policy!r}")
 
     def _levels(self, reqs: Sequence[Req], by_priority: bool, now: float) -> list[int]:
         """Lower first: `PriorityRule.level`, less one per `aging_s` waited (see the module docstring)."""
         level_of, aging_s = self.priority_rule.level, self.aging_s
-        levels = [level_of(req.priority) for req in reqs] if by_priority else [0] * len(reqs)
+        levels = [level_of(req.asked.priority) for req in reqs] if by_priority else [0] * len(reqs)
         if aging_s is not None:
             levels = [level - int((now - req.sched.enqueue_time) // aging_s) for level, req in zip(levels, reqs)]
         return levels
@@ -146,8 +146,8 @@ class QueueOrderer:
             return list(waiting)
 
         def key(req: Req) -> tuple[int, int, str]:
-            n = counts.get(req.routing_key) if req.routing_key is not None else None
-            return (0, -n, req.routing_key) if n else (1, 0, req.routing_key or "")  # type: ignore[return-value]
+            n = counts.get(req.asked.routing_key) if req.asked.routing_key is not None else None
+            return (0, -n, req.asked.routing_key) if n else (1, 0, req.asked.routing_key or "")  # type: ignore[return-value]
 
         return sorted(waiting, key=key)
 
@@ -196,10 +196,10 @@ class QueueOrderer:
         for i, (req, key, cached) in enumerate(zip(waiting, keys, lengths)):
             if cached > self.in_batch_check_threshold:
                 continue
-            if in_batch.shares_prefix(key, req.extra_key, self.in_batch_deprioritize_threshold):
+            if in_batch.shares_prefix(key, req.asked.extra_key, self.in_batch_deprioritize_threshold):
                 held_back.add(i)
             else:
-                in_batch.insert(key, req.extra_key)
+                in_batch.insert(key, req.asked.extra_key)
         return held_back
 
     def _dfs_weight(self, waiting: Sequence[Req]) -> list[Req]:
@@ -227,7 +227,7 @@ class QueueOrderer:
         # The one sanctioned reach into another actor's state: the prefix cache belongs to the
         # Adder, but ordering needs match lengths. A match only splits nodes and touches access
         # times, never changes what is cached or locked, and both actors run on the loop thread.
-        return (cache.match_prefix(key, req.extra_key) for req, key in zip(waiting, keys))
+        return (cache.match_prefix(key, req.asked.extra_key) for req, key in zip(waiting, keys))
 
     @staticmethod
     def _keys_for(waiting: Sequence[Req]) -> list[array]:

@@ -67,7 +67,7 @@ def match_key(req: Req) -> array:
     """All but the last token of the request, encoded for the cache's memcmp walk; only up to
     the first position whose logits give a wanted prompt logprob."""
     if req.input_logprobs_pending:
-        return token_array(req.origin_input_ids[: max(req.logprob_start_len - 1, 0)])
+        return token_array(req.asked.input_ids[: max(req.asked.logprob_start_len - 1, 0)])
     if req.out.output_ids or req.prompt_key is None:
         key = token_array(req.fill_ids)
         if key:
@@ -78,13 +78,13 @@ def match_key(req: Req) -> array:
 
 def match_for_admission(cache: PrefixCache, req: Req) -> MatchResult:
     """The cached prefix of `req`, leaving at least one token to compute (its logits sample the next token)."""
-    return cache.match_prefix(match_key(req), req.extra_key)
+    return cache.match_prefix(match_key(req), req.asked.extra_key)
 
 
 def prefix_tokens(req: Req, length: int) -> Sequence[int]:
     """The request's first `length` tokens; inside the prompt, as the array('i') the cache reads
     without encoding."""
-    if req.prompt_key is not None and length <= len(req.origin_input_ids):
+    if req.prompt_key is not None and length <= len(req.asked.input_ids):
         return req.prompt_key[:length]
     return req.fill_ids[:length]
 
@@ -246,7 +246,7 @@ class PrefillAdder:
         return -(-tokens // self.page_size) * self.page_size
 
     def _candidate(self, req: Req, match: MatchResult) -> _Candidate:
-        extend = len(req.origin_input_ids) + len(req.out.output_ids) - match.length
+        extend = len(req.asked.input_ids) + len(req.out.output_ids) - match.length
         assert extend > 0, f"request {req.rid} has nothing to compute (match the prefix without its last token)"
         return _Candidate(extend, self._ceil_pages(extend), remaining_new_tokens(req), clipped_max_new_tokens(req))
 
@@ -259,7 +259,7 @@ class PrefillAdder:
         """
         assert self.rem_chunk_tokens is not None, "a chunked request needs chunked prefill"
         start = req.sched.computed_len
-        left = len(req.origin_input_ids) + len(req.out.output_ids) - start
+        left = len(req.asked.input_ids) + len(req.out.output_ids) - start
         assert left > 0, f"chunked request {req.rid} has nothing left to compute"
         take = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
         if take <= 0:
@@ -298,7 +298,7 @@ class PrefillAdder:
         return self.budget_state()
 
     def _memory_refusal(self, req: Req, cand: _Candidate) -> AddResult | None:
-        if self.simulate_ignore_eos and req.sampling.ignore_eos:
+        if self.simulate_ignore_eos and req.asked.sampling.ignore_eos:
             cur_rem = self._current_rem_tokens()
             if cand.paged > min(cur_rem, self.rem_total_tokens) or not self._ignore_eos_safe(req, cur_rem - cand.paged):
                 return AddResult.NO_TOKEN
@@ -309,7 +309,7 @@ class PrefillAdder:
 
     def _admit_locked(self, req: Req, match: MatchResult, cand: _Candidate, has_chunked_req: bool) -> AddResult | None:
         """Admit whole or cut to the chunk budget; None on success, else why not."""
-        if not (self.simulate_ignore_eos and req.sampling.ignore_eos):
+        if not (self.simulate_ignore_eos and req.asked.sampling.ignore_eos):
             if cand.extend + cand.new_tokens >= self.rem_total_tokens:
                 return AddResult.NO_TOKEN
         if self.rem_chunk_tokens is None or cand.paged <= self.rem_chunk_tokens:
@@ -353,9 +353,9 @@ class PrefillAdder:
         return True
 
     def _ignore_eos_state(self, req: Req) -> tuple[float, int]:
-        ratio = 1.0 if req.sampling.ignore_eos else self.new_token_ratio
+        ratio = 1.0 if req.asked.sampling.ignore_eos else self.new_token_ratio
         generated = generated_tokens(req)
-        return req.max_new_tokens * ratio - generated, len(req.origin_input_ids) + generated
+        return req.max_new_tokens * ratio - generated, len(req.asked.input_ids) + generated
 
 
 
@@ -375,10 +375,10 @@ def select_preemption_victims(
     each, so the order decides which cached prefixes are unlocked when an eviction runs.
     """
     # A stable sort: of equal priority and queue-entry time, the one admitted first goes first (SGLang).
-    candidates = sorted(running, key=lambda r: (-rule.level(r.priority), -r.sched.enqueue_time))
+    candidates = sorted(running, key=lambda r: (-rule.level(r.asked.priority), -r.sched.enqueue_time))
     victims: list[Req] = []
     for cand in candidates:
-        if not rule.may_preempt(new_req.priority, cand.priority):
+        if not rule.may_preempt(new_req.asked.priority, cand.asked.priority):
             break  # sorted: every later candidate is at least as important
         victims.append(cand)
         need_tokens -= reserved_tokens_of(cand)
@@ -395,7 +395,7 @@ def retraction_stack(running: Sequence[Req]) -> list[Req]:
     """The running requests with the next retraction victim last (pop() takes it): fewest
     generated tokens (least work lost), then the longest prompt, then the one admitted last. As
     SGLang: a stable sort in reverse, popped from the end."""
-    return sorted(running, key=lambda r: (generated_tokens(r), -len(r.origin_input_ids)), reverse=True)
+    return sorted(running, key=lambda r: (generated_tokens(r), -len(r.asked.input_ids)), reverse=True)
 
 
 def select_retraction_victims(

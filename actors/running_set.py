@@ -68,7 +68,7 @@ class RunningSet:
         for req in added:
             assert req.sched.req_row is not None, "a running request holds a row"
             self._synced_round[req] = self._round
-            last = self._round + req.sampling.max_new_tokens - req.sched.launched_outputs
+            last = self._round + req.asked.sampling.max_new_tokens - req.sched.launched_outputs
             if last > self._round:
                 self._last_round[req] = last
                 self._ending_at.setdefault(last, []).append(req)

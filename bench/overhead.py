@@ -80,7 +80,7 @@ from runtime.actor import Actor
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, StepOut
-from runtime.req import Req, SchedState
+from runtime.req import CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 TOKEN_MARGIN = 10  # generated ids stay in [10, vocab - 10): no special token, so never EOS
@@ -668,7 +668,7 @@ def order_directly(engine: Engine, queued: list[Request], repeats: int) -> tuple
     params = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     now = time.monotonic()
     waiting = [
-        Req(rid=f"order-{r.index}", origin_input_ids=list(r.input_ids), prompt_key=token_array(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6, sched=SchedState(enqueue_time=now + r.index * 1e-6))
+        Req(CallerRequest(rid=f"order-{r.index}", input_ids=list(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6), prompt_key=token_array(r.input_ids), sched=SchedState(enqueue_time=now + r.index * 1e-6))
         for r in queued
     ]
     orderer = engine.policy.orderer

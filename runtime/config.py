@@ -8,26 +8,35 @@ The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-poli
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import msgspec
 
 from runtime.sampling_params import SamplingParams
 from runtime.service import parse_tenant_weights
 
-SCHEDULE_POLICIES = ("fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf", "edf")
+# Each fixed set is a Literal type (the field's annotation, the CLI flag's choices) and its tuple.
+SchedulePolicy = Literal["fcfs", "lof", "random", "routing-key", "lpm", "dfs-weight", "sjf", "edf"]
+EvictionPolicy = Literal["lru", "lfu", "fifo"]
+AttentionBackend = Literal["auto", "torch", "flashinfer"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+RouterPolicy = Literal["cache_aware", "round_robin", "shortest_queue", "routing_key"]
+SamplingDefaults = Literal["model", "openai"]
+LoadFormat = Literal["auto", "safetensors", "gguf"]
+Fairness = Literal["none", "vtc"]
+SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
-ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+DTYPES: tuple[str, ...] = get_args(Dtype)
 QUANTIZATIONS = ("int8",)
-ROUTER_POLICIES = ("cache_aware", "round_robin", "shortest_queue", "routing_key")
-SAMPLING_DEFAULTS = ("model", "openai")
-LOAD_FORMATS = ("auto", "safetensors", "gguf")
+ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
+SAMPLING_DEFAULTS: tuple[str, ...] = get_args(SamplingDefaults)
+LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
 # SGLang's kv_cache_dtype values whose KV layout the pools here can hold: the model's dtype only
 # (no backend here stores fp8 or fp4 KV with scales).
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
-FAIRNESS = ("none", "vtc")
+FAIRNESS: tuple[str, ...] = get_args(Fairness)
 # sjf without --priority-aging-s ages at this rate: shortest-first alone starves long prompts.
 SJF_DEFAULT_AGING_S = 5.0
 DETERMINISTIC_SEED = 42  # the sampling seed of requests without one, in deterministic mode (SGLang's)
@@ -35,13 +44,13 @@ DETERMINISTIC_SEED = 42  # the sampling seed of requests without one, in determi
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
+    dtype: Dtype = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
     # gpu/packed_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
     quantization: Literal["int8"] | None = None
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     random_seed: int | None = None
@@ -56,7 +65,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # data parallelism: dp_size engine cores, each a process with its own KV pool, prefix cache
     # and scheduler, behind this frontend's router (api/router/routing.py)
     dp_size: int = 1
-    router_policy: str = "cache_aware"
+    router_policy: RouterPolicy = "cache_aware"
     cache_threshold: float = 0.3  # cache_aware: the match share above which the cache decides
     balance_abs_threshold: int = 64  # cache_aware: imbalanced when the busiest has this many
     balance_rel_threshold: float = 1.5  # requests more than the idlest, and this many times as many
@@ -71,7 +80,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_running_requests: int | None = None  # None: min(256, what the pool holds)
     page_size: int = 1
     disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"
+    radix_eviction_policy: EvictionPolicy = "lru"
     # SGLang's HiCache L2: pages evicted from the KV pool are kept in host memory (hicache_ratio
     # times the pool) and loaded back when a prompt matches them (cache/host_tier.py).
     enable_hierarchical_cache: bool = False
@@ -89,7 +98,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # prefetch_timeout_base and prefetch_timeout_per_ki_token)
     hicache_storage_prefetch_timeout_s: float = 1.0
 
-    schedule_policy: str = "fcfs"
+    schedule_policy: SchedulePolicy = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
     max_prefill_tokens: int = 16384
     prefill_max_requests: int | None = None  # at most this many requests in one prefill batch
@@ -119,7 +128,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     reject_infeasible: bool = False
     # Tenant fairness (actors/fairness.py): vtc hands the queue out least-served tenant first;
     # tenant_weights "a=2,b=1" gives tenant a twice b's share (1 for tenants not named).
-    fairness: str = "none"
+    fairness: Fairness = "none"
     tenant_weights: str | None = None
 
     stream_interval: int = 1
@@ -136,9 +145,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     kv_cache_dtype: str = "auto"  # the KV pool holds the model's dtype; see KV_CACHE_DTYPES
     # Sampling defaults of chat requests that leave them out: "model" reads generation_config.json
     # (SGLang's default), "openai" keeps temperature 1, top_p 1, ...
-    sampling_defaults: str = "model"
+    sampling_defaults: SamplingDefaults = "model"
     preferred_sampling_params: dict[str, Any] | None = None  # under every request's own values, as SGLang's
-    load_format: str = "auto"
+    load_format: LoadFormat = "auto"
     # The same request gives the same output whatever runs beside it. With no batch-invariant
     # kernels here, every batch holds one request (see `resolved_deterministic`); requests without
     # a seed sample with DETERMINISTIC_SEED, as SGLang's deterministic mode does.

@@ -353,10 +353,10 @@ class IncrementalDetokenizer:
 
     @classmethod
     def for_req(cls, tokenizer: Any, req: Req, byte_table: ByteTable | None = None) -> IncrementalDetokenizer:
-        p = req.sampling
+        p = req.asked.sampling
         return cls(
             tokenizer,
-            req.origin_input_ids[-PROMPT_TAIL_TOKENS:],
+            req.asked.input_ids[-PROMPT_TAIL_TOKENS:],
             skip_special_tokens=p.skip_special_tokens,
             stop=p.stop,
             no_stop_trim=p.no_stop_trim,
@@ -396,7 +396,7 @@ class IncrementalDetokenizer:
 
 def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
     """Token-based finish for `new_token`, already appended to req.out.output_ids."""
-    return token_finish(req.sampling, len(req.out.output_ids), new_token, eos_token_ids)
+    return token_finish(req.asked.sampling, len(req.out.output_ids), new_token, eos_token_ids)
 
 
 def delta_text(
@@ -430,7 +430,7 @@ def process_token(
     skip_special_tokens is on).
     """
     reason = check_finish(req, new_token, eos_token_ids)
-    drop_token = reason is not None and reason.kind == "stop" and not req.sampling.no_stop_trim
+    drop_token = reason is not None and reason.kind == "stop" and not req.asked.sampling.no_stop_trim
     text = "" if drop_token else detok.push([new_token])
     if reason is None and detok.matched_stop is not None:
         reason = FinishReason("stop", matched=detok.matched_stop)

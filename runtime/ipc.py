@@ -21,8 +21,7 @@ from typing import Any
 import msgspec
 
 from runtime.config import EngineConfig
-from runtime.sampling_params import SamplingParams
-from runtime.service import ServiceClass
+from runtime.req import CallerRequest
 from runtime.stream import Delta
 
 
@@ -37,19 +36,9 @@ class CoreStart(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class CoreRequest(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """A validated, tokenized request (the Receiver's checks are done)."""
+    """A validated, tokenized request (the Receiver's checks are done), as the Receiver built it."""
 
-    rid: str
-    input_ids: list[int]
-    sampling: SamplingParams
-    priority: int
-    routing_key: str | None
-    extra_key: str | None
-    service: ServiceClass
-    return_logprob: bool
-    top_logprobs_num: int
-    logprob_start_len: int
-    arrival_time: float  # time.monotonic(): one clock for every process of the machine
+    asked: CallerRequest
 
 
 class CoreAbort(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -1,8 +1,8 @@
 """`Req`: one request as it moves between actors, by reference, inside one process.
 
 Three records, each with its owners:
-- `Req` itself is what the caller asked (prompt, sampling, priority, stream...), set by the
-  Receiver and frozen: no actor can change it.
+- `req.asked` (`CallerRequest`) is what the caller asked (prompt, sampling, priority, ...), built
+  by the Receiver and frozen: no actor can change it, and it crosses to a core process as it is.
 - `req.sched` (`SchedState`) is the core's scheduling and KV state: the Adder's, but for the
   abort flag and enqueue time (Receiver) and the grammar constraint (Policy).
 - `req.out` (`OutputState`) is what was generated and what the stream still owes: the
@@ -111,11 +111,12 @@ class OutputState:
     unsent: Delta | None = None  # tokens/text held back by stream_interval
 
 
-class Req(msgspec.Struct, frozen=True, eq=False):
-    """What the caller asked, fixed by the Receiver; the mutable state is in `sched` and `out`."""
+class CallerRequest(msgspec.Struct, frozen=True, array_like=True):
+    """What the caller asked, validated and tokenized: built once by the Receiver and sent as-is
+    to a core process (runtime/ipc.py's `CoreRequest` carries it). No actor changes it."""
 
     rid: str
-    origin_input_ids: list[int]
+    input_ids: list[int]
     sampling: SamplingParams
     priority: int = 0
     routing_key: str | None = None
@@ -124,30 +125,42 @@ class Req(msgspec.Struct, frozen=True, eq=False):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # >= 0: logprobs of the prompt tokens from there on are wanted
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.monotonic(): one clock for every process of the machine
+
+
+class Req(msgspec.Struct, frozen=True, eq=False):
+    """One request inside one process: what the caller asked (`asked`), where its outputs go, and
+    the state each side keeps of it (`sched`, `out`)."""
+
+    asked: CallerRequest
     stream: RequestStream | RemoteStream | None = None  # RemoteStream: in the core process
-    # origin_input_ids as the prefix cache's array('i'), encoded once on arrival: ordering a
+    # asked.input_ids as the prefix cache's array('i'), encoded once on arrival: ordering a
     # burst of long prompts would otherwise spend most of its round encoding them.
     prompt_key: array | None = None
     sched: SchedState = msgspec.field(default_factory=SchedState)
     out: OutputState = msgspec.field(default_factory=OutputState)
 
+    @property
+    def rid(self) -> str:
+        return self.asked.rid
+
     def __repr__(self) -> str:
-        return f"Req({self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.out.output_ids)}, row={self.sched.req_row})"
+        return f"Req({self.rid!r}, prompt={len(self.asked.input_ids)}, out={len(self.out.output_ids)}, row={self.sched.req_row})"
 
     @property
     def fill_ids(self) -> list[int]:
-        return self.origin_input_ids + self.out.output_ids
+        return self.asked.input_ids + self.out.output_ids
 
     @property
     def input_logprobs_pending(self) -> bool:
         """Prompt logprobs are wanted and not all computed yet: the prompt from
         logprob_start_len - 1 on must be computed, not served from the prefix cache."""
-        return self.logprob_start_len >= 0 and len(self.out.input_logprobs) < len(self.origin_input_ids) - self.logprob_start_len
+        start = self.asked.logprob_start_len
+        return start >= 0 and len(self.out.input_logprobs) < len(self.asked.input_ids) - start
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self.out.output_ids)
+        return len(self.asked.input_ids) + len(self.out.output_ids)
 
     @property
     def finished(self) -> bool:
@@ -155,11 +168,11 @@ class Req(msgspec.Struct, frozen=True, eq=False):
 
     @property
     def max_new_tokens(self) -> int:
-        return self.sampling.max_new_tokens
+        return self.asked.sampling.max_new_tokens
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(0, self.sampling.max_new_tokens - len(self.out.output_ids))
+        return max(0, self.asked.sampling.max_new_tokens - len(self.out.output_ids))
 
 
 def end_request(req: Req, reason: FinishReason, final: Delta | None = None) -> None:
@@ -179,10 +192,26 @@ def end_request(req: Req, reason: FinishReason, final: Delta | None = None) -> N
     req.stream.push(delta)
 
 
+def reason_of(final: Delta) -> FinishReason:
+    """The finish reason a final delta carries (what `end_request` wrote into it on the other
+    side of the process boundary)."""
+    assert final.finish_reason is not None
+    return FinishReason(final.finish_reason, final.matched_stop, final.error, final.status, final.code, final.param)
+
+
+def mark_aborted(req: Req) -> bool:
+    """The caller gave `req` up: set the flag its holder reads (the Receiver's side, in either
+    process). False when it was set already, so the holder is told once."""
+    if req.sched.abort_requested:
+        return False
+    req.sched.abort_requested = True
+    return True
+
+
 def describe(req: Req, delta: Delta) -> None:
     """What every delta says about its request (SGLang's meta_info shows it in every chunk)."""
     delta.completion_tokens = len(req.out.output_ids)
-    delta.prompt_tokens = len(req.origin_input_ids)
+    delta.prompt_tokens = len(req.asked.input_ids)
     delta.cached_tokens = req.sched.cached_tokens
     if req.sched.admitted_time is not None:
-        delta.queue_time = req.sched.admitted_time - req.arrival_time
+        delta.queue_time = req.sched.admitted_time - req.asked.arrival_time

@@ -16,7 +16,7 @@ from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, StepDone, Wake
-from runtime.req import FinishReason, Req, end_request
+from runtime.req import FinishReason, CallerRequest, Req, end_request
 from runtime.sampling_params import SamplingParams
 from tests.actor_helpers import taken
 
@@ -77,7 +77,7 @@ def _outputs(batch: Batch, stop: tuple[Req, ...]) -> list[Req]:
         if not produces or req.finished or req.sched.abort_requested:
             continue
         req.out.output_ids.append(TOKEN)
-        if req in stop or len(req.out.output_ids) >= req.sampling.max_new_tokens:
+        if req in stop or len(req.out.output_ids) >= req.asked.sampling.max_new_tokens:
             end_request(req, FinishReason("stop" if req in stop else "length"))
             finished.append(req)
     return finished
@@ -96,7 +96,7 @@ def _rig(pool: int = 64, rows: int = 4, **config: Any) -> Rig:
 
 
 def _req(rid: str, prompt: list[int], max_new: int = 3, priority: int = 0) -> Req:
-    return Req(rid=rid, origin_input_ids=prompt, prompt_key=token_array(prompt), sampling=SamplingParams(max_new_tokens=max_new), priority=priority)
+    return Req(CallerRequest(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new), priority=priority), prompt_key=token_array(prompt))
 
 
 def _rids(batch: Batch) -> list[str]:

@@ -16,7 +16,7 @@ from actors.policy_order import QueueOrderer
 from api.frontend.engine import Engine
 from cache import token_array
 from runtime.config import SJF_DEFAULT_AGING_S, EngineConfig
-from runtime.req import Req, SchedState
+from runtime.req import CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 from tests.test_policy_order import cache_tokens, radix
 
@@ -45,8 +45,7 @@ def arriving(arrivals: list[Arrival], r: int) -> list[tuple[Req, Arrival]]:
     for i, a in enumerate(arrivals):
         if a.round == r:
             prompt = (HOT if a.hot else [7]) + [1 + (i + j) % 50 for j in range(a.length)]
-            req = Req(rid=f"r{i}", origin_input_ids=prompt, prompt_key=token_array(prompt),
-                      sampling=SamplingParams(max_new_tokens=8), priority=a.priority, sched=SchedState(enqueue_time=r * ROUND_S))
+            req = Req(CallerRequest(rid=f"r{i}", input_ids=prompt, sampling=SamplingParams(max_new_tokens=8), priority=a.priority), prompt_key=token_array(prompt), sched=SchedState(enqueue_time=r * ROUND_S))
             out.append((req, a))
     return out
 
@@ -134,7 +133,7 @@ def test_sjf_runs_the_fewest_uncached_tokens_first():
     o = _orderer("sjf", None)
     assert o.aging_s == SJF_DEFAULT_AGING_S  # shortest-first always ages
     reqs = [
-        Req(rid=rid, origin_input_ids=p, prompt_key=token_array(p), sampling=SamplingParams(max_new_tokens=8), sched=SchedState(enqueue_time=0.0))
+        Req(CallerRequest(rid=rid, input_ids=p, sampling=SamplingParams(max_new_tokens=8)), prompt_key=token_array(p), sched=SchedState(enqueue_time=0.0))
         for rid, p in [("long-cold", [7] * 40), ("short-cold", [7] * 10), ("long-hot", HOT + [1] * 5)]
     ]
     # long-hot has 29 tokens but 24 are cached: 5 to compute.

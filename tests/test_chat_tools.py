@@ -100,8 +100,8 @@ class EchoDevice:
     def run(self, batch: Batch) -> StepOut:
         tokens = []
         for req, prefix, extend in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            script = last_user_message(req.origin_input_ids, self.header)
-            generated = prefix + extend - len(req.origin_input_ids)
+            script = last_user_message(req.asked.input_ids, self.header)
+            generated = prefix + extend - len(req.asked.input_ids)
             tokens.append(script[generated] if generated < len(script) else IM_END)
         return StepOut(batch=batch, token_ids=tokens, logprobs=None, top_logprobs=None, forward_s=0.0)
 

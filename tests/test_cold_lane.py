@@ -17,7 +17,7 @@ from actors.cold_lane import ColdLane
 from actors.policy_order import QueueOrderer
 from api.frontend.engine import Engine
 from runtime.config import EngineConfig
-from runtime.req import Req, SchedState
+from runtime.req import CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 from tests.test_aging import HOT, ROUND_S, Arrival, arriving, simulate
 from tests.test_policy_order import cache_tokens, radix
@@ -183,7 +183,7 @@ def test_the_lane_passes_aging_levels_but_never_a_better_priority():
 
 def test_candidates_handed_back_cost_the_lane_nothing():
     lane = ColdLane(0.5)
-    reqs = [Req(rid=f"r{i}", origin_input_ids=[1], sampling=SamplingParams(max_new_tokens=1), sched=SchedState(enqueue_time=float(i))) for i in range(4)]
+    reqs = [Req(CallerRequest(rid=f"r{i}", input_ids=[1], sampling=SamplingParams(max_new_tokens=1)), sched=SchedState(enqueue_time=float(i))) for i in range(4)]
     h0, h1, h2, cold = reqs
     # Credit 1/2 at the first position, 1 at the second: the lane's pick.
     assert lane.interleave([h0, h1, h2, cold], {id(cold)}, None) == [h0, cold, h1, h2]

@@ -229,7 +229,7 @@ async def test_a_core_that_dies_while_starting_raises_with_its_last_output(model
 def _readme_embedded_example(model_path: str) -> str:
     """README's embedded example as written, with the tiny model in place of the default one."""
     readme = (Path(__file__).parent.parent / "README.md").read_text()
-    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from api.frontend.engine import Engine" in b]
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "from actorserve import Engine" in b]
     assert "__main__" not in block  # run as most people write a script: unguarded
     return block.replace("Engine(", f"Engine(model_path={model_path!r}, ", 1)
 

@@ -18,7 +18,7 @@ from cache import RadixCache
 from gpu.kv_pool import TokenSlotAllocator
 from runtime.config import EngineConfig
 from runtime.messages import Enqueue, Pull
-from runtime.req import Req, SchedState
+from runtime.req import CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass, service_error
 from runtime.stream import Delta
@@ -27,8 +27,7 @@ from tests.actor_helpers import handle_queued
 
 
 def _req(rid: str, arrival: float, prompt: int = 10, stream: Any = None, **service: float) -> Req:
-    return Req(rid=rid, origin_input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=4), stream=stream,
-               service=ServiceClass(**service), arrival_time=arrival, sched=SchedState(enqueue_time=arrival))
+    return Req(CallerRequest(rid=rid, input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=4), service=ServiceClass(**service), arrival_time=arrival), stream=stream, sched=SchedState(enqueue_time=arrival))
 
 
 def test_the_first_token_is_due_at_the_earliest_deadline_asked():

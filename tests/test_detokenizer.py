@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.detokenize import ByteTable, IncrementalDetokenizer, check_finish, delta_text, process_token
-from runtime.req import FinishReason, OutputState, Req
+from runtime.req import FinishReason, OutputState, CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 
 EOS = 2  # <|im_end|> in the tiny tokenizer
@@ -381,7 +381,7 @@ def test_stop_straddling_min_new_tokens_boundary_counts(tok: Any) -> None:
 
 
 def req_with(output: list[int], **params: Any) -> Req:
-    return Req(rid="r", origin_input_ids=[5, 6], sampling=SamplingParams(**params), out=OutputState(output_ids=output))
+    return Req(CallerRequest(rid="r", input_ids=[5, 6], sampling=SamplingParams(**params)), out=OutputState(output_ids=output))
 
 
 def test_length_before_stop() -> None:
@@ -415,7 +415,7 @@ def test_min_new_tokens_suppresses_eos_and_stop_ids() -> None:
 
 def run_request(tok: Any, output: list[int], **params: Any) -> tuple[str, FinishReason | None, int]:
     """Feed `output` through process_token like the OutputProcessor; stop at the first finish."""
-    req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
+    req = Req(CallerRequest(rid="r", input_ids=tok.encode("say:"), sampling=SamplingParams(**params)))
     detok = IncrementalDetokenizer.for_req(tok, req)
     text = ""
     for t in output:
@@ -527,8 +527,8 @@ def test_byte_table_text_equals_the_window_after_any_prompt_tail(tok: Any, tail:
 
 def _decided_by_the_core(tok: Any, output: list[int], params: dict[str, Any]) -> tuple[list[int], FinishReason | None]:
     """What the core process does: finish checks, and a detokenizer only to find stop strings."""
-    req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
-    detok = IncrementalDetokenizer.for_req(tok, req) if req.sampling.stop else None
+    req = Req(CallerRequest(rid="r", input_ids=tok.encode("say:"), sampling=SamplingParams(**params)))
+    detok = IncrementalDetokenizer.for_req(tok, req) if req.asked.sampling.stop else None
     for t in output:
         req.out.output_ids.append(t)
         reason = process_token(req, t, [EOS], detok)[1] if detok is not None else check_finish(req, t, [EOS])
@@ -561,7 +561,7 @@ def test_frontend_text_of_core_decided_tokens_equals_inline_text(
     inline_text, inline_reason, n = run_request(tok, output, **params)
     ids, reason = _decided_by_the_core(tok, output, params)
     assert (len(ids), reason) == (n, inline_reason)
-    req = Req(rid="r", origin_input_ids=tok.encode("say:"), sampling=SamplingParams(**params))
+    req = Req(CallerRequest(rid="r", input_ids=tok.encode("say:"), sampling=SamplingParams(**params)))
     detok = IncrementalDetokenizer.for_req(tok, req, ByteTable.of(tok))  # as the frontend (CoreClient) has it
     text, start = "", 0
     for size in _cycle(sizes):

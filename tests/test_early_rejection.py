@@ -12,7 +12,7 @@ from gpu.kv_pool import TokenSlotAllocator
 from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, Pull, StepDone
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from tests.actor_helpers import handle_queued
@@ -26,10 +26,7 @@ def _policy(**config: object) -> tuple[Policy, Mailbox[AdderMsg]]:
 
 
 def _urgent(rid: str, slo_ms: float = 5.0, priority: int = 0) -> Req:
-    return Req(
-        rid=rid, origin_input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=8), priority=priority,
-        service=ServiceClass(slo_ttft_ms=slo_ms), arrival_time=time.monotonic(),
-    )
+    return Req(CallerRequest(rid=rid, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=8), priority=priority, service=ServiceClass(slo_ttft_ms=slo_ms), arrival_time=time.monotonic()))
 
 
 def _full_batch(first_exit_s: float | None, preempt_priority: int | None = None) -> Pull:
@@ -82,8 +79,8 @@ async def test_the_adders_pull_reports_when_the_first_running_request_leaves():
     """The Adder times decode steps and counts the rounds to the earliest last token."""
     rig = _rig(pool=256, rows=2, disable_overlap_schedule=True)
     await rig.start()
-    long_req = Req(rid="a", origin_input_ids=[5, 6, 7], prompt_key=token_array([5, 6, 7]), sampling=SamplingParams(max_new_tokens=40))
-    short = Req(rid="b", origin_input_ids=[8, 9], prompt_key=token_array([8, 9]), sampling=SamplingParams(max_new_tokens=30))
+    long_req = Req(CallerRequest(rid="a", input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=40)), prompt_key=token_array([5, 6, 7]))
+    short = Req(CallerRequest(rid="b", input_ids=[8, 9], sampling=SamplingParams(max_new_tokens=30)), prompt_key=token_array([8, 9]))
     await _run_rounds(rig, [[long_req, short]])
     await rig.send(StepDone(step=rig.launched.pop(0).step, finished=[], forward_s=0.02))
     (pull,) = [m for m in rig.sent() if isinstance(m, Pull)]

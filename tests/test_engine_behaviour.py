@@ -206,7 +206,7 @@ async def test_a_request_that_cannot_preempt_stays_queued(model_path):
         form_prefill = engine.adder._form_prefill
 
         def spy(candidates):
-            handed.append([r.priority for r in candidates])
+            handed.append([r.asked.priority for r in candidates])
             return form_prefill(candidates)
 
         engine.adder._form_prefill = spy

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from actors.fairness import INPUT_WEIGHT, OUTPUT_WEIGHT, VirtualTokenCounter, tenant_of
 from api.frontend.engine import Engine
 from runtime.config import EngineConfig
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass, parse_tenant_weights
 
 
 def _req(tenant: str, i: int, prompt: int = 10, output: int = 4) -> Req:
-    return Req(rid=f"{tenant}{i}", origin_input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=output), service=ServiceClass(tenant=tenant))
+    return Req(CallerRequest(rid=f"{tenant}{i}", input_ids=[1] * prompt, sampling=SamplingParams(max_new_tokens=output), service=ServiceClass(tenant=tenant)))
 
 
 def test_the_least_served_tenant_goes_first_and_tenants_interleave_by_cost():
@@ -80,7 +80,7 @@ def test_two_backlogged_tenants_stay_within_the_vtc_bound(prompts, outputs, rows
         take = ordered[: rows - len(running)]
         vtc.charge_prompts(take)
         queue = ordered[len(take):]
-        running.update({r.rid: r.sampling.max_new_tokens for r in take})
+        running.update({r.rid: r.asked.sampling.max_new_tokens for r in take})
         produced = {"a": 0, "b": 0}
         for rid in list(running):
             produced[tenant[rid]] += 1

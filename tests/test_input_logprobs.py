@@ -14,7 +14,7 @@ import torch
 from actors.output import OutputProcessor
 from api.frontend.engine import Engine, InvalidRequest
 from runtime.messages import InputLogprobs
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
@@ -106,7 +106,7 @@ async def test_bad_logprob_start_len_names_the_field(core_mode: dict, model_path
 
 def test_a_prompt_computed_again_adds_no_duplicates() -> None:
     """A preempted request prefills its prompt again: already recorded positions are skipped."""
-    req = Req(rid="r", origin_input_ids=list(range(10, 20)), sampling=SamplingParams(), logprob_start_len=0)
+    req = Req(CallerRequest(rid="r", input_ids=list(range(10, 20)), sampling=SamplingParams(), logprob_start_len=0))
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=1, logprobs=[-1.0, -2.0, -3.0], top_logprobs=None))
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=1, logprobs=[-1.0, -2.0, -3.0, -4.0], top_logprobs=None))
     OutputProcessor._add_input_logprobs(req, InputLogprobs(start=5, logprobs=[-5.0], top_logprobs=None))

@@ -15,7 +15,7 @@ from actors.output import OutputProcessor
 from runtime.forward_mode import ForwardMode
 from runtime.actor import Mailbox
 from runtime.messages import AdderMsg, Batch, StepOut
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from runtime.stream import Delta, RemoteStream, RequestStream, StepOutbox
 from tests.actor_helpers import taken
@@ -37,8 +37,7 @@ class _Run:
         self.to_adder: Mailbox[AdderMsg] = Mailbox()
         self.output = OutputProcessor(tok, [EOS], 1, outbox, inbox=Mailbox(), adder=self.to_adder)
         self.reqs = [
-            Req(rid=f"r{i}", origin_input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp,
-                stream=RemoteStream(f"r{i}", outbox) if outbox is not None else RequestStream(f"r{i}"))
+            Req(CallerRequest(rid=f"r{i}", input_ids=[5, 6, 7], sampling=SamplingParams(**p), return_logprob=lp), stream=RemoteStream(f"r{i}", outbox) if outbox is not None else RequestStream(f"r{i}"))
             for i, (p, lp) in enumerate(zip(params, logprobs))
         ]
 
@@ -48,7 +47,7 @@ class _Run:
             step=n, mode=mode, reqs=reqs, rows=list(range(1, k + 1)), prefix_lens=[3] * k, extend_lens=[1] * k,
             extend_ids=[None] * k, out_cache_loc=torch.zeros(k, dtype=torch.int64), produces_token=[True] * k,
         )
-        logprobs = [-0.5] * k if any(r.return_logprob for r in reqs) else None
+        logprobs = [-0.5] * k if any(r.asked.return_logprob for r in reqs) else None
         await self.output.handle(StepOut(batch=batch, token_ids=tokens, logprobs=logprobs, top_logprobs=None, forward_s=0.0))
         (done,) = taken(self.to_adder)
         return [r.rid for r in done.finished]

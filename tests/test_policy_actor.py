@@ -8,13 +8,13 @@ from gpu.kv_pool import TokenSlotAllocator
 from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AdderMsg, Enqueue, Pull
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from tests.actor_helpers import handle_queued, taken
 
 
 def _req(rid: str) -> Req:
-    return Req(rid=rid, origin_input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4))
+    return Req(CallerRequest(rid=rid, input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4)))
 
 
 def _pull(block: bool) -> Pull:

@@ -15,7 +15,7 @@ from actors.policy_order import QueueOrderer
 from cache import ChunkCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
 from runtime.config import SCHEDULE_POLICIES, EngineConfig
-from runtime.req import OutputState, Req, SchedState
+from runtime.req import OutputState, CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -31,15 +31,7 @@ def req(
     routing_key: str | None = None,
     extra_key: str | None = None,
 ) -> Req:
-    return Req(
-        rid=rid,
-        origin_input_ids=tokens if tokens is not None else [1, 2, 3],
-        sampling=SamplingParams(max_new_tokens=max_new_tokens),
-        priority=priority,
-        routing_key=routing_key,
-        extra_key=extra_key,
-        sched=SchedState(enqueue_time=enqueue_time if enqueue_time is not None else 0.0),
-    )
+    return Req(CallerRequest(rid=rid, input_ids=tokens if tokens is not None else [1, 2, 3], sampling=SamplingParams(max_new_tokens=max_new_tokens), priority=priority, routing_key=routing_key, extra_key=extra_key), sched=SchedState(enqueue_time=enqueue_time if enqueue_time is not None else 0.0))
 
 
 def radix(size: int = 8192, page_size: int = 1) -> RadixCache:
@@ -358,16 +350,7 @@ _tokens = st.lists(st.integers(0, 5), min_size=0, max_size=48)
 def _queues(draw: st.DrawFn) -> tuple[list[Req], list[list[int]], Counter[str]]:
     n = draw(st.integers(0, 24))
     queue = [
-        Req(
-            rid=f"r{i}",
-            origin_input_ids=draw(_tokens),
-            sampling=SamplingParams(max_new_tokens=draw(st.integers(0, 50))),
-            priority=draw(st.integers(-3, 3)),
-            routing_key=draw(st.sampled_from([None, "a", "b", "c"])),
-            extra_key=draw(st.sampled_from([None, "x"])),
-            sched=SchedState(enqueue_time=draw(st.floats(0, 10))),
-            out=OutputState(output_ids=draw(st.lists(st.integers(0, 5), max_size=4))),
-        )
+        Req(CallerRequest(rid=f"r{i}", input_ids=draw(_tokens), sampling=SamplingParams(max_new_tokens=draw(st.integers(0, 50))), priority=draw(st.integers(-3, 3)), routing_key=draw(st.sampled_from([None, "a", "b", "c"])), extra_key=draw(st.sampled_from([None, "x"]))), sched=SchedState(enqueue_time=draw(st.floats(0, 10))), out=OutputState(output_ids=draw(st.lists(st.integers(0, 5), max_size=4))))
         for i in range(n)
     ]
     cached = draw(st.lists(_tokens, max_size=6))
@@ -407,7 +390,7 @@ def test_every_policy_returns_a_permutation(data, policy, priority, page_size, f
     # Levels: the priority (where the policy uses it), less one per aging period waited.
     sign = (1 if priority[1] else -1) if priority[0] and policy not in ("random", "routing-key") else 0
     aging_s = config.effective_aging_s
-    levels = [r.priority * sign - (int((now - r.sched.enqueue_time) // aging_s) if aging_s else 0) for r in out]
+    levels = [r.asked.priority * sign - (int((now - r.sched.enqueue_time) // aging_s) if aging_s else 0) for r in out]
     assert levels == sorted(levels)
     assert cache.protected_size() == 0  # ordering never locks
 

@@ -21,7 +21,7 @@ from actors.prefill_adder import (
 from cache import ChunkCache, PrefixCache, RadixCache
 from gpu.kv_pool import TokenSlotAllocator
 from actors.priority import PriorityRule
-from runtime.req import OutputState, Req, SchedState
+from runtime.req import OutputState, CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 
 _ids = itertools.count()
@@ -38,14 +38,7 @@ def req(
     """A request with a prompt of unique tokens (no accidental cache hits) or the given tokens."""
     n = next(_ids)
     tokens = prompt if isinstance(prompt, list) else [10_000 * (n + 1) + i for i in range(prompt)]
-    r = Req(
-        rid=f"r{n}",
-        origin_input_ids=tokens,
-        sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos),
-        priority=priority,
-        sched=SchedState(enqueue_time=enqueue),
-        out=OutputState(output_ids=[7] * output),
-    )
+    r = Req(CallerRequest(rid=f"r{n}", input_ids=tokens, sampling=SamplingParams(max_new_tokens=max_new, ignore_eos=ignore_eos), priority=priority), sched=SchedState(enqueue_time=enqueue), out=OutputState(output_ids=[7] * output))
     return r
 
 

@@ -13,7 +13,7 @@ from cache import token_array
 from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, Submit, Wake
-from runtime.req import FinishReason, Req, end_request
+from runtime.req import FinishReason, CallerRequest, Req, end_request
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from runtime.stream import Delta, RequestStream
@@ -61,13 +61,13 @@ async def test_a_submitted_prompt_is_enqueued_as_a_well_formed_req():
         routing_key="k", extra_key="x", service=ServiceClass(tenant="t"),
     )
     (req,) = rig.enqueued()
-    assert (req.rid, req.origin_input_ids, req.prompt_key) == ("r1", [5, 6, 7], token_array([5, 6, 7]))
-    assert (req.sampling.max_new_tokens, req.sampling.temperature, req.sampling.stop_token_ids) == (8, 0.5, [9])
-    assert (req.routing_key, req.extra_key, req.service.tenant, req.priority) == ("k", "x", "t", 0)
-    assert req.sched.enqueue_time == req.arrival_time > 0
+    assert (req.rid, req.asked.input_ids, req.prompt_key) == ("r1", [5, 6, 7], token_array([5, 6, 7]))
+    assert (req.asked.sampling.max_new_tokens, req.asked.sampling.temperature, req.asked.sampling.stop_token_ids) == (8, 0.5, [9])
+    assert (req.asked.routing_key, req.asked.extra_key, req.asked.service.tenant, req.asked.priority) == ("k", "x", "t", 0)
+    assert req.sched.enqueue_time == req.asked.arrival_time > 0
     assert (req.sched.req_row, req.sched.abort_requested, req.sched.computed_len) == (None, False, 0)
     assert req.stream is stream and not stream.finished
-    assert req.return_logprob is False and req.logprob_start_len == -1
+    assert req.asked.return_logprob is False and req.asked.logprob_start_len == -1
     assert rig.to_adder.empty()
     assert rig.receiver.live == {"r1": req}
 
@@ -77,14 +77,14 @@ async def test_text_is_tokenized_into_the_prompt(off_loop_chars):
     rig = _rig(tokenize_off_loop_chars=off_loop_chars)
     await rig.submit(text="hello", sampling={"max_new_tokens": 4})
     (req,) = rig.enqueued()
-    assert req.origin_input_ids == CharTokenizer().encode("hello")
+    assert req.asked.input_ids == CharTokenizer().encode("hello")
 
 
 async def test_no_token_limit_asks_for_what_the_context_leaves():
     rig = _rig()
     await rig.submit(input_ids=[1, 2, 3, 4], sampling={"max_new_tokens": None})
     (req,) = rig.enqueued()
-    assert req.sampling.max_new_tokens == LIMITS.context_len - 4
+    assert req.asked.sampling.max_new_tokens == LIMITS.context_len - 4
 
 
 async def test_a_token_limit_past_what_the_kv_pool_holds_is_clamped_to_it():
@@ -92,7 +92,7 @@ async def test_a_token_limit_past_what_the_kv_pool_holds_is_clamped_to_it():
     await rig.submit(input_ids=[1, 2, 3, 4], sampling={"max_new_tokens": 50, "min_new_tokens": 40})
     (req,) = rig.enqueued()
     # SGLang's scheduler clamp where the pool binds: (pool - 1) - prompt - 1
-    assert (req.sampling.max_new_tokens, req.sampling.min_new_tokens) == (31 - 4 - 1, 31 - 4 - 1)
+    assert (req.asked.sampling.max_new_tokens, req.asked.sampling.min_new_tokens) == (31 - 4 - 1, 31 - 4 - 1)
 
 
 async def test_the_clamp_leaves_no_page_slack_as_sglangs_does():
@@ -100,7 +100,7 @@ async def test_the_clamp_leaves_no_page_slack_as_sglangs_does():
     rig = _rig(ModelLimits(context_len=4096, vocab_size=VOCAB, kv_pool_size=128, page_size=16))
     await rig.submit(input_ids=[1] * 70, sampling={"max_new_tokens": 100})
     (req,) = rig.enqueued()
-    assert req.sampling.max_new_tokens == 127 - 70 - 1
+    assert req.asked.sampling.max_new_tokens == 127 - 70 - 1
 
 
 @pytest.mark.parametrize(
@@ -116,7 +116,7 @@ async def test_priority_is_kept_or_defaulted_to_the_worst(config, given, expecte
     rig = _rig(**config)
     await rig.submit(input_ids=[1, 2], sampling={"max_new_tokens": 2}, priority=given)
     (req,) = rig.enqueued()
-    assert req.priority == expected
+    assert req.asked.priority == expected
 
 
 BAD_INPUTS = [
@@ -166,7 +166,7 @@ async def test_a_request_id_in_use_is_refused():
     second = await rig.submit("same", input_ids=[3, 4])
     delta = await second.next()
     assert (delta.finish_reason, delta.status, delta.param) == ("abort", 400, "rid")
-    assert [r.origin_input_ids for r in rig.enqueued()] == [[1, 2]]
+    assert [r.asked.input_ids for r in rig.enqueued()] == [[1, 2]]
 
 
 async def test_an_abort_flags_the_request_and_wakes_both_peers_once():
@@ -209,13 +209,13 @@ async def test_a_request_leaves_the_live_map_with_its_final_delta_only():
     await rig.receiver.handle(AbortRequest("r1"))  # it ended: nothing to abort
     assert rig.to_policy.empty() and rig.to_adder.empty() and not req.sched.abort_requested
     await rig.submit("r1", input_ids=[3])  # its id is free again
-    assert [r.origin_input_ids for r in rig.enqueued()] == [[3]]
+    assert [r.asked.input_ids for r in rig.enqueued()] == [[3]]
 
 
 def test_what_the_caller_asked_cannot_be_changed_after_the_receiver_built_it():
-    req = Req(rid="r", origin_input_ids=[1, 2], sampling=SamplingParams())
+    req = Req(CallerRequest(rid="r", input_ids=[1, 2], sampling=SamplingParams()))
     with pytest.raises(AttributeError, match="immutable"):
-        req.priority = 5  # type: ignore[misc]
+        req.asked.priority = 5  # type: ignore[misc]
     req.sched.enqueue_time = 1.0  # the owners' records stay writable
     req.out.output_ids.append(7)
-    assert (req.priority, req.sched.enqueue_time, req.fill_ids) == (0, 1.0, [1, 2, 7])
+    assert (req.asked.priority, req.sched.enqueue_time, req.fill_ids) == (0, 1.0, [1, 2, 7])

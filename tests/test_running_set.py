@@ -8,12 +8,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from actors.running_set import RunningSet
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 
 
 def _req(row: int, computed: int, launched: int, max_new: int) -> Req:
-    req = Req(rid=f"r{row}", origin_input_ids=[1] * computed, sampling=SamplingParams(max_new_tokens=max_new))
+    req = Req(CallerRequest(rid=f"r{row}", input_ids=[1] * computed, sampling=SamplingParams(max_new_tokens=max_new)))
     req.sched.req_row, req.sched.computed_len, req.sched.launched_outputs = row, computed, launched
     return req
 
@@ -44,7 +44,7 @@ class RunningSetMachine(RuleBasedStateMachine):
             return
         req = self.outside.pop(data.draw(st.integers(0, len(self.outside) - 1)))
         req.sched.computed_len = data.draw(st.integers(1, 80))
-        req.sched.launched_outputs = data.draw(st.integers(0, req.sampling.max_new_tokens - 1))
+        req.sched.launched_outputs = data.draw(st.integers(0, req.asked.sampling.max_new_tokens - 1))
         self._add(req)
 
     def _add(self, req: Req) -> None:
@@ -62,7 +62,7 @@ class RunningSetMachine(RuleBasedStateMachine):
             counters[0] += 1
             counters[1] += 1
             counters[2] = self.step
-            if counters[1] >= req.sampling.max_new_tokens:
+            if counters[1] >= req.asked.sampling.max_new_tokens:
                 expected.append(req)
         # In any order (a request added back may precede one that stayed), each one once.
         assert sorted(r.rid for r in done) == sorted(r.rid for r in expected)

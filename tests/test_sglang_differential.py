@@ -73,7 +73,7 @@ from actors.priority import PriorityRule
 from cache import ChunkCache, RadixCache, RadixNode, token_array
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 from runtime.config import EngineConfig
-from runtime.req import OutputState, Req, SchedState
+from runtime.req import OutputState, CallerRequest, Req, SchedState
 from runtime.sampling_params import SamplingParams
 from tests import sglang_reference
 
@@ -268,16 +268,7 @@ class Spec:
 
 
 def our_req(i: int, spec: Spec) -> Req:
-    req = Req(
-        rid=f"r{i}",
-        origin_input_ids=list(spec.prompt),
-        sampling=SamplingParams(max_new_tokens=spec.max_new, ignore_eos=spec.ignore_eos),
-        priority=spec.priority,
-        extra_key=spec.extra,
-        prompt_key=token_array(spec.prompt),
-        sched=SchedState(enqueue_time=spec.enqueue),
-        out=OutputState(output_ids=[5] * spec.generated),
-    )
+    req = Req(CallerRequest(rid=f"r{i}", input_ids=list(spec.prompt), sampling=SamplingParams(max_new_tokens=spec.max_new, ignore_eos=spec.ignore_eos), priority=spec.priority, extra_key=spec.extra), prompt_key=token_array(spec.prompt), sched=SchedState(enqueue_time=spec.enqueue), out=OutputState(output_ids=[5] * spec.generated))
     req.sched.launched_outputs = spec.generated  # D1: SGLang's generated count, no overlap
     return req
 
@@ -674,7 +665,7 @@ def our_retraction(b: RunningPair) -> tuple[list[str], float | None, bool]:
 
     def release_and_check(victims: list[Req], stays: list[Req]) -> bool:
         victim = victims[-1]
-        b.kv.close_row(victim.sched.req_row, None, victim.extra_key)  # type: ignore[arg-type]
+        b.kv.close_row(victim.sched.req_row, None, victim.asked.extra_key)  # type: ignore[arg-type]
         b.kv.make_room(len(stays) * RETRACT_DECODE_STEPS)
         return our_decode_fits(b.kv, stays)
 
@@ -768,7 +759,7 @@ def our_preemption(rnd: PreemptRound, b: RunningPair) -> tuple[set[str], list[st
     survivors = len(adder.running)
     for victim in victims:
         free_before = b.kv.free_slots()
-        b.kv.close_row(victim.sched.req_row, None, victim.extra_key)  # type: ignore[arg-type]
+        b.kv.close_row(victim.sched.req_row, None, victim.asked.extra_key)  # type: ignore[arg-type]
         survivors -= 1
         b.kv.make_room(survivors * RETRACT_DECODE_STEPS)
         adder.remove_running([victim], freed_slots=b.kv.free_slots() - free_before)
@@ -1056,10 +1047,7 @@ def test_prompt_logprob_request_matches_one_token_less_than_sglang(start: int) -
     pair = CachePair.new(1)
     warm_cache(pair, [(list(range(1, 11)), None)])
     prompt = list(range(1, 12))
-    ours = Req(
-        rid="r0", origin_input_ids=prompt, sampling=SamplingParams(max_new_tokens=4),
-        return_logprob=True, logprob_start_len=start, prompt_key=token_array(prompt),
-    )
+    ours = Req(CallerRequest(rid="r0", input_ids=prompt, sampling=SamplingParams(max_new_tokens=4), return_logprob=True, logprob_start_len=start), prompt_key=token_array(prompt))
     sgl = sglang_reference.SglReq(
         rid="r0", origin_input_ids=prompt, sampling_params=sglang_reference.SglSamplingParams(4),
         return_logprob=True, logprob_start_len=start,

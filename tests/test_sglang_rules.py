@@ -20,7 +20,7 @@ from runtime.actor import Mailbox
 from runtime.config import EngineConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, Enqueue, PolicyMsg, Pull, Ranked, Requeue
-from runtime.req import Req
+from runtime.req import CallerRequest, Req
 from runtime.sampling_params import SamplingParams
 from tests.actor_helpers import handle_queued, taken
 from tests.test_adder_actor import KVPools, Rig
@@ -39,10 +39,7 @@ def _rig(pool: int = 64, rows: int = 4, page: int = 1, **config: Any) -> Rig:
 
 
 def _req(rid: str, prompt: list[int], max_new: int = 3, priority: int = 0, logprobs: bool = False) -> Req:
-    return Req(
-        rid=rid, origin_input_ids=prompt, prompt_key=token_array(prompt),
-        sampling=SamplingParams(max_new_tokens=max_new), priority=priority, return_logprob=logprobs,
-    )
+    return Req(CallerRequest(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new), priority=priority, return_logprob=logprobs), prompt_key=token_array(prompt))
 
 
 def _prompt(n: int, start: int) -> list[int]:

@@ -46,7 +46,7 @@ from runtime.ipc import (
     ToCore,
 )
 from runtime.messages import Enqueue, FlushCache, Wake
-from runtime.req import Req, SchedState
+from runtime.req import Req, SchedState, mark_aborted
 from runtime.stream import RemoteStream, StepOutbox
 
 log = logging.getLogger("actorserve.core")
@@ -193,32 +193,17 @@ class CoreServer:
                 return
 
     async def _enqueue(self, msg: CoreRequest) -> None:
-        stream = RemoteStream(msg.rid, self.outputs)
-        req = Req(
-            rid=msg.rid,
-            origin_input_ids=msg.input_ids,
-            prompt_key=token_array(msg.input_ids),
-            sampling=msg.sampling,
-            priority=msg.priority,
-            routing_key=msg.routing_key,
-            extra_key=msg.extra_key,
-            service=msg.service,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            arrival_time=msg.arrival_time,
-            sched=SchedState(enqueue_time=time.monotonic()),
-            stream=stream,
-        )
+        stream = RemoteStream(msg.asked.rid, self.outputs)
+        asked = msg.asked
+        req = Req(asked, prompt_key=token_array(asked.input_ids), sched=SchedState(enqueue_time=time.monotonic()), stream=stream)
         self.live[req.rid] = req
         stream.on_final = lambda rid=req.rid: self.live.pop(rid, None)
         await self.core.policy.send(Enqueue(req))
 
     async def _abort(self, rid: str) -> None:
         req = self.live.get(rid)
-        if req is None or req.sched.abort_requested:
+        if req is None or not mark_aborted(req):
             return
-        req.sched.abort_requested = True
         await self.core.policy.send(Wake())
         await self.core.adder.send(Wake())
 

@@ -47,7 +47,7 @@ from runtime.ipc import (
     ToCore,
 )
 from runtime.detokenize import ByteTable, IncrementalDetokenizer, delta_text
-from runtime.req import FinishReason, Req, end_request
+from runtime.req import FinishReason, Req, end_request, reason_of
 from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
@@ -277,19 +277,7 @@ class CoreClient:
 
     def _send_request(self, req: Req) -> None:
         self.live[req.rid] = req
-        self.send(CoreRequest(
-            rid=req.rid,
-            input_ids=req.origin_input_ids,
-            sampling=req.sampling,
-            priority=req.priority,
-            routing_key=req.routing_key,
-            extra_key=req.extra_key,
-            service=req.service,
-            return_logprob=req.return_logprob,
-            top_logprobs_num=req.top_logprobs_num,
-            logprob_start_len=req.logprob_start_len,
-            arrival_time=req.arrival_time,
-        ))
+        self.send(CoreRequest(req.asked))
 
     def _deliver(self, msg: CoreOutputs) -> None:
         """Detokenize a step's outputs and push each to its stream; then spend returned credits."""
@@ -313,17 +301,18 @@ class CoreClient:
                 req.out.output_ids.extend(delta.output_ids)
                 req.sched.cached_tokens = delta.cached_tokens
                 if delta.queue_time is not None:
-                    req.sched.admitted_time = req.arrival_time + delta.queue_time
+                    req.sched.admitted_time = req.asked.arrival_time + delta.queue_time
             tokens += len(delta.output_ids)
             detok = req.out.detokenizer
             if detok is None and delta.output_ids:
                 detok = req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req, self.byte_table)
             if detok is not None:
-                delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.sampling.no_stop_trim)
+                delta.text = delta_text(detok, delta.output_ids, delta.finish_reason, delta.matched_stop, req.asked.sampling.no_stop_trim)
             if delta.finish_reason is not None:
                 del live[rid]
-                req.out.detokenizer = None
+                end_request(req, reason_of(delta), delta)  # the core's reason, now the frontend's record too
                 self.on_end(req)
+                continue
             assert req.stream is not None
             req.stream.push(delta)
         self.on_tokens(tokens)
@@ -345,9 +334,9 @@ class CoreClient:
     def _plain_delta(req: Req, token: int) -> Delta:
         """A plain token's delta, with what the core's first delta said about the request."""
         req.out.output_ids.append(token)
-        queue_time = None if req.sched.admitted_time is None else req.sched.admitted_time - req.arrival_time
+        queue_time = None if req.sched.admitted_time is None else req.sched.admitted_time - req.asked.arrival_time
         return Delta(
-            rid=req.rid, output_ids=[token], prompt_tokens=len(req.origin_input_ids),
+            rid=req.rid, output_ids=[token], prompt_tokens=len(req.asked.input_ids),
             completion_tokens=len(req.out.output_ids), cached_tokens=req.sched.cached_tokens, queue_time=queue_time,
         )
 

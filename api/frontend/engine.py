@@ -18,9 +18,9 @@ import asyncio
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 import msgspec
 
@@ -79,6 +79,25 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     input_token_ids: list[int] = []
     input_logprobs: list[float | None] = []
     input_top_logprobs: list[list[tuple[int, float]]] = []
+
+
+P = ParamSpec("P")
+
+
+def _collected(
+    stream: Callable[Concatenate[Engine, P], AsyncIterator[Delta]],
+) -> Callable[Concatenate[Engine, P], Coroutine[Any, Any, GenerateOutput]]:
+    """`Engine.generate`: `stream`'s arguments, the request run to its end and its deltas joined."""
+
+    async def generate(engine: Engine, *args: P.args, **kwargs: P.kwargs) -> GenerateOutput:
+        """Run one request to the end; the arguments are `stream`'s."""
+        parts: list[Delta] = []
+        async with contextlib.aclosing(stream(engine, *args, **kwargs)) as deltas:
+            async for delta in deltas:
+                parts.append(delta)
+        return _join(parts)
+
+    return generate
 
 
 class Engine:
@@ -159,36 +178,6 @@ class Engine:
         self._closed = True
         await self._stop_actors("the engine is shutting down", status=503, code=SHUTTING_DOWN)
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: list[int] | None = None,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        rid: str | None = None,
-        priority: int | None = None,
-        routing_key: str | None = None,
-        extra_key: str | None = None,
-        tenant: str | None = None,
-        slo_ttft_ms: float | None = None,
-        deadline_ms: float | None = None,
-        return_logprob: bool = False,
-        top_logprobs_num: int = 0,
-        logprob_start_len: int = -1,
-    ) -> GenerateOutput:
-        """Run one request to the end; the arguments are `stream`'s."""
-        parts: list[Delta] = []
-        deltas = self.stream(
-            prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid, priority=priority,
-            routing_key=routing_key, extra_key=extra_key, tenant=tenant, slo_ttft_ms=slo_ttft_ms,
-            deadline_ms=deadline_ms, return_logprob=return_logprob,
-            top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len,
-        )
-        async with contextlib.aclosing(deltas):
-            async for delta in deltas:
-                parts.append(delta)
-        return _join(parts)
-
     async def stream(
         self,
         prompt: str | None = None,
@@ -249,6 +238,8 @@ class Engine:
         finally:
             if not stream.finished and self._started:
                 await self.abort(spec.rid)
+
+    generate = _collected(stream)
 
     async def abort(self, rid: str) -> None:
         if self._started:

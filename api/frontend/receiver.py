@@ -18,7 +18,7 @@ from cache import token_array
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.messages import AbortRequest, Enqueue, GenerateSpec, Submit, Wake
-from runtime.req import Req, SchedState
+from runtime.req import CallerRequest, FinishReason, Req, SchedState, end_request, mark_aborted
 from runtime.sampling_params import SamplingParams
 from runtime.service import service_error
 
@@ -82,17 +82,17 @@ class Receiver(Actor[Submit | AbortRequest]):
             msg = self.mailbox.get_nowait()
             if isinstance(msg, Submit):
                 waiting.append(msg)
-        streams = [req.stream for req in self.live.values() if req.stream is not None] + [m.stream for m in waiting]
-        for stream in streams:
-            stream.finish("abort", error=message, status=status, code=code)
+        for req in list(self.live.values()):
+            end_request(req, FinishReason("abort", message=message, status=status, code=code))
+        for submit in waiting:  # not a request yet: only its stream exists
+            submit.stream.finish("abort", error=message, status=status, code=code)
         self.live.clear()
         self._building = None
 
     async def _abort(self, rid: str) -> None:
         req = self.live.get(rid)
-        if req is None or req.sched.abort_requested:
+        if req is None or not mark_aborted(req):
             return
-        req.sched.abort_requested = True
         # Whoever holds the request now sees the flag; both are told to look (once, when both
         # are the link to a core process).
         await self.policy.send(Wake(rid))
@@ -110,10 +110,9 @@ class Receiver(Actor[Submit | AbortRequest]):
         input_ids = await self._input_ids(spec)
         sampling = self._fit_to_context(sampling, len(input_ids), up_to_context)
         now = time.monotonic()
-        return Req(
+        asked = CallerRequest(
             rid=spec.rid,
-            origin_input_ids=input_ids,
-            prompt_key=token_array(input_ids),
+            input_ids=input_ids,
             sampling=sampling,
             priority=self._priority(spec.priority),
             routing_key=spec.routing_key,
@@ -123,9 +122,8 @@ class Receiver(Actor[Submit | AbortRequest]):
             top_logprobs_num=sampling.top_logprobs_num,  # capped at the vocabulary
             logprob_start_len=self._logprob_start(spec, len(input_ids)),
             arrival_time=now,
-            sched=SchedState(enqueue_time=now),
-            stream=msg.stream,
         )
+        return Req(asked, prompt_key=token_array(input_ids), sched=SchedState(enqueue_time=now), stream=msg.stream)
 
     @staticmethod
     def _logprob_start(spec: GenerateSpec, prompt_len: int) -> int:

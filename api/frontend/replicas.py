@@ -68,12 +68,12 @@ class Replicas:
 
     def submit(self, req: Req) -> None:
         try:
-            replica = self.router.choose(req.origin_input_ids, req.routing_key)
+            replica = self.router.choose(req.asked.input_ids, req.asked.routing_key)
         except NoHealthyReplica:
             end_request(req, FinishReason("abort", message="no engine replica is serving", status=500))
             return
         self.owner[req.rid] = replica
-        self.router.started(replica, len(req.origin_input_ids))
+        self.router.started(replica, len(req.asked.input_ids))
         self.clients[replica].submit(req)
 
     def abort(self, rid: str) -> None:
@@ -136,7 +136,7 @@ class Replicas:
     def _end_callback(self, replica: int) -> Callable[[Req], None]:
         def ended(req: Req) -> None:
             if self.owner.pop(req.rid, None) is not None:
-                self.router.finished(replica, len(req.origin_input_ids) + len(req.out.output_ids))
+                self.router.finished(replica, len(req.asked.input_ids) + len(req.out.output_ids))
 
         return ended
 

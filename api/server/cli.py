@@ -20,27 +20,12 @@ from api.server.reasoning_parser import REASONING_PARSERS
 from api.server.sglang_flags import COMPATIBLE, DEFAULT_ONLY, REFUSED, Takes
 from api.server.tool_parsers import TOOL_PARSERS
 from runtime.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    EVICTION_POLICIES,
-    FAIRNESS,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ROUTER_POLICIES,
-    SAMPLING_DEFAULTS,
-    SCHEDULE_POLICIES,
     EngineConfig,
 )
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "schedule_policy": SCHEDULE_POLICIES,
-    "fairness": FAIRNESS,
-    "radix_eviction_policy": EVICTION_POLICIES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "dtype": DTYPES,
-    "router_policy": ROUTER_POLICIES,
-    "sampling_defaults": SAMPLING_DEFAULTS,
-}
 # SGLang's other spellings of our flags.
 ALIASES: dict[str, tuple[str, ...]] = {
     "model_path": ("--model",),
@@ -310,7 +295,7 @@ def _add_field(group: argparse._ArgumentGroup, field: msgspec.structs.FieldInfo)
         action = argparse.BooleanOptionalAction if field.default else "store_true"
         group.add_argument(*flags, dest=field.name, action=action, default=field.default, help=help_text)
         return
-    choices = CHOICES.get(field.name)
+    choices = None
     if get_origin(base) is Literal:  # the field's own values are the flag's choices
         base, choices = str, get_args(base)
     group.add_argument(
