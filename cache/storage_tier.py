@@ -8,6 +8,11 @@ A file holds a header (the layout), the block's token ids (compared on a read, s
 collision is a miss), its K and V for every layer, and a checksum of all that: a truncated or
 corrupt file is a miss, never served, and is removed.
 
+With a capacity (`capacity_bytes`, SGLang's file backend's `capacity_gb`) the directory's block
+files stay within it: before a write, the least recently used files go (a read hit or a write
+makes a file the most recent; at startup the files found are ordered by modification time, which
+a hit refreshes). A file removed is a miss like any other.
+
 Three parts, three users, each on its own thread:
 
 - writes: the Executor, after a host copy that carries `persist`, gathers the block from the
@@ -31,6 +36,7 @@ import os
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -83,6 +89,7 @@ class StorageStats:
     read_bytes: int = 0
     read_s: float = 0.0
     corrupt_blocks: int = 0  # failed the checksum or the layout: removed
+    evicted_blocks: int = 0  # removed to stay within the capacity
 
 
 @dataclass(slots=True)
@@ -125,9 +132,12 @@ class StorageTier:
         block_tokens: int,
         prefetch_policy: PrefetchPolicy = "best_effort",
         prefetch_timeout_s: float = 1.0,
+        capacity_bytes: int | None = None,
     ) -> None:
         if prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"hicache_storage_prefetch_policy {prefetch_policy!r} is unknown; choose one of {', '.join(PREFETCH_POLICIES)}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"the storage tier's capacity must be positive, got {capacity_bytes} bytes")
         self.layout = layout
         self.block_tokens = block_tokens
         self.prefetch_policy: PrefetchPolicy = prefetch_policy
@@ -142,9 +152,12 @@ class StorageTier:
         self._payload_bytes = math.prod(self._shape) * torch.empty((), dtype=layout.dtype).element_size()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="actorserve-storage-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="actorserve-storage-read")
-        self._lock = threading.Lock()  # orders `write` against `close`
+        self._lock = threading.Lock()  # orders `write` against `close`; guards `_files`
         self._closed = False
         self._pending_writes = 0
+        self.capacity_bytes = capacity_bytes
+        self._files = _block_files(self.dir) if capacity_bytes is not None else OrderedDict()  # name -> bytes, least recent first
+        self._file_bytes = sum(self._files.values())
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
@@ -168,14 +181,22 @@ class StorageTier:
             if not path.exists():  # written before (this run or an earlier one)
                 payload = kv.contiguous().view(torch.uint8).numpy()
                 header = _HEADER.pack(_MAGIC, len(tokens) // 4, self.layout.num_layers, self.layout.num_kv_heads, self.layout.head_dim, self.layout.dtype_name(), payload.nbytes)
+                size = len(header) + len(tokens) + payload.nbytes + _CHECKSUM_BYTES
+                if not self._make_room(size):
+                    failed = True  # larger than the whole capacity
+                    return
                 digest = hashlib.blake2b(header, digest_size=_CHECKSUM_BYTES)
                 digest.update(tokens)
                 digest.update(payload.data)
                 _write_atomic(path, header, tokens, payload.data, digest.digest())
+                self._track(path.name, size)
                 self.stats.written_blocks += 1
-                self.stats.written_bytes += len(header) + len(tokens) + payload.nbytes + _CHECKSUM_BYTES
+                self.stats.written_bytes += size
+            else:
+                self._touch(path)
         except OSError as error:  # a full or read-only disk costs hits, never the engine
             failed = True
+            self._forget(self.path(key).name)
             log.warning("storage tier: writing %s failed: %s", key.hex(), error)
         finally:
             self.stats.write_s += time.perf_counter() - start
@@ -227,9 +248,11 @@ class StorageTier:
             self.stats.corrupt_blocks += 1
             log.warning("storage tier: %s is corrupt or truncated; removed", path.name)
             path.unlink(missing_ok=True)
+            self._forget(path.name)
         elif block.numel():
             self.stats.read_blocks += 1
             self.stats.read_bytes += len(data)
+            self._touch(path)
         self.stats.read_s += time.perf_counter() - start
         return block if block is not None and block.numel() else None
 
@@ -250,6 +273,51 @@ class StorageTier:
         payload = bytearray(body[_HEADER.size + len(tokens) :])
         return torch.frombuffer(payload, dtype=torch.uint8).view(self.layout.dtype).view(self._shape)
 
+    # -- the capacity (the writer and the reader thread both use it, under the lock)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the block files this tier keeps within its capacity (0 without one)."""
+        with self._lock:
+            return self._file_bytes
+
+    def _make_room(self, size: int) -> bool:
+        """Remove the least recently used files until `size` more bytes fit; False if they never can."""
+        if self.capacity_bytes is None:
+            return True
+        if size > self.capacity_bytes:
+            return False
+        with self._lock:
+            while self._files and self._file_bytes + size > self.capacity_bytes:
+                name, freed = self._files.popitem(last=False)
+                self._file_bytes -= freed
+                (self.dir / name).unlink(missing_ok=True)
+                self.stats.evicted_blocks += 1
+        return True
+
+    def _track(self, name: str, size: int) -> None:
+        if self.capacity_bytes is None:
+            return
+        with self._lock:
+            self._file_bytes += size - self._files.pop(name, 0)
+            self._files[name] = size
+
+    def _touch(self, path: Path) -> None:
+        """A hit: the file becomes the most recently used, here and (its mtime) for a restart."""
+        if self.capacity_bytes is None:
+            return
+        with self._lock:
+            if path.name not in self._files:
+                return  # removed meanwhile, or written by another engine on the directory
+            self._files.move_to_end(path.name)
+        try:
+            os.utime(path)
+        except OSError:  # removed since: the order here is what counts
+            pass
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._file_bytes -= self._files.pop(name, 0)
+
     def close(self) -> None:
         """Finish the queued writes (an engine started next on this directory finds them) and
         stop the prefetches."""
@@ -257,6 +325,16 @@ class StorageTier:
             self._closed = True
         self._reader.shutdown(wait=False, cancel_futures=True)
         self._writer.shutdown(wait=True)
+
+
+def _block_files(directory: Path) -> OrderedDict[str, int]:
+    """The block files already in `directory`, least recently modified first, with their sizes."""
+    found = []
+    for entry in os.scandir(directory):
+        if entry.name.endswith(".kv") and not entry.name.startswith("."):
+            stat = entry.stat()
+            found.append((stat.st_mtime_ns, entry.name, stat.st_size))
+    return OrderedDict((name, size) for _, name, size in sorted(found))
 
 
 def _write_atomic(path: Path, *parts: bytes | memoryview) -> None:

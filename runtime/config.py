@@ -97,6 +97,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # timeout: a queued request waits at most this, plus 0.25 s per 1,024 tokens read (as SGLang's
     # prefetch_timeout_base and prefetch_timeout_per_ki_token)
     hicache_storage_prefetch_timeout_s: float = 1.0
+    # The storage tier's files stay within this many GB (1e9 bytes), least recently used removed
+    # first (SGLang's file backend: capacity_gb in --hicache-storage-backend-extra-config); None: no bound.
+    hicache_storage_capacity_gb: float | None = None
 
     schedule_policy: SchedulePolicy = "fcfs"
     lpm_fallback_queue_len: int = 128  # lpm behaves as fcfs while the queue is longer than this
@@ -206,6 +209,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (not (self.enable_hierarchical_cache and self.tp_size > 1), "enable_hierarchical_cache is not supported with tp_size > 1 yet"),
             (self.hicache_storage_backend is None or self.enable_hierarchical_cache, "hicache_storage_backend needs the host tier: add enable_hierarchical_cache"),
             (self.hicache_storage_prefetch_timeout_s > 0, f"hicache_storage_prefetch_timeout_s must be positive, got {self.hicache_storage_prefetch_timeout_s}"),
+            (self.hicache_storage_capacity_gb is None or self.hicache_storage_capacity_gb > 0, f"hicache_storage_capacity_gb must be positive, got {self.hicache_storage_capacity_gb}"),
             (_positive_or_none(self.max_total_tokens), f"max_total_tokens must be positive, got {self.max_total_tokens}"),
             (_positive_or_none(self.max_running_requests), f"max_running_requests must be positive, got {self.max_running_requests}"),
             (_positive_or_none(self.context_length), f"context_length must be positive, got {self.context_length}"),

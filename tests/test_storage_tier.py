@@ -5,7 +5,10 @@ a repeated prompt's prefix from storage with the tokens an engine without any ca
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -302,3 +305,81 @@ def test_the_trace_replay_with_storage_finds_what_the_host_tier_dropped(tmp_path
     assert unbounded.hit_tokens == 2 * REPLAY_BLOCK
     assert tiered.hit_tokens < unbounded.hit_tokens
     assert stored.hit_tokens == unbounded.hit_tokens and stored.storage_hit_tokens > 0
+
+
+# --- the capacity: least recently used files go first ------------------------------------------------
+
+
+def _bounded(root: Path, files: float) -> StorageTier:
+    """A tier whose capacity holds `files` block files of LAYOUT."""
+    size = storage_tier._HEADER.size + BLOCK * 4 + math.prod(LAYOUT.block_shape(BLOCK)) * 4 + storage_tier._CHECKSUM_BYTES
+    return StorageTier(root, {"model": "model-a"}, LAYOUT, BLOCK, "wait_complete", capacity_bytes=int(files * size))
+
+
+def _blocks_of(tokens: list[int], n: int) -> tuple[list[bytes], list[bytes]]:
+    encoded = encode_tokens(tokens)
+    return chain_digests(tokens, None, BLOCK, n), [encoded[i * BLOCK * 4 : (i + 1) * BLOCK * 4] for i in range(n)]
+
+
+def _settle(tier: StorageTier, writes: int) -> None:
+    """Wait until the writer thread has handled `writes` writes in all."""
+    for _ in range(1000):
+        if tier.stats.written_blocks + tier.stats.dropped_writes >= writes:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"{writes} writes not done: {tier.stats}")
+
+
+def test_the_directory_stays_within_its_capacity_and_a_removed_block_is_a_miss(tmp_path: Path):
+    tokens = list(range(100, 112))
+    tier = _bounded(tmp_path, 2.5)
+    keys = _write_chain(tier, tokens, 3)
+    _settle(tier, 3)
+    assert [tier.path(k).exists() for k in keys] == [False, True, True]  # the oldest went
+    assert tier.stats.evicted_blocks == 1 and tier.stored_bytes() == sum(tier.path(k).stat().st_size for k in keys[1:])
+    assert tier.stored_bytes() <= tier.capacity_bytes  # type: ignore[operator]
+    assert _read_all(tier, tokens) == []  # the chain's first block is gone: a miss, not an error
+    assert tier.stats.corrupt_blocks == 0 and tier.stats.dropped_writes == 0
+    tier.close()
+
+
+def test_a_read_hit_keeps_a_block_and_the_least_recently_used_goes(tmp_path: Path):
+    tier = _bounded(tmp_path, 2)
+    (a, b, c), parts = _blocks_of(list(range(100, 112)), 3)
+    tier.write(a, parts[0], _block(0.0))
+    tier.write(b, parts[1], _block(1.0))
+    _settle(tier, 2)
+    assert tier.read(a, parts[0]) is not None  # a is now more recent than b
+    tier.write(c, parts[2], _block(2.0))
+    _settle(tier, 3)
+    assert [tier.path(k).exists() for k in (a, b, c)] == [True, False, True]
+    assert tier.read(b, parts[1]) is None and tier.stats.corrupt_blocks == 0
+    tier.close()
+
+
+def test_a_restarted_tier_counts_the_files_there_and_removes_the_oldest(tmp_path: Path):
+    (a, b, c), parts = _blocks_of(list(range(100, 112)), 3)
+    first = _tier(tmp_path)  # no capacity
+    for key, part, seed in ((a, parts[0], 0.0), (b, parts[1], 1.0)):
+        first.write(key, part, _block(seed))
+        _settle(first, 1 if key == a else 2)  # a is written before b: older
+    first.close()
+    os.utime(first.path(a), ns=(1, 1))  # and older on the clock, whatever its resolution
+    again = _bounded(tmp_path, 2)
+    assert again.stored_bytes() == first.path(a).stat().st_size + first.path(b).stat().st_size
+    again.write(c, parts[2], _block(2.0))
+    _settle(again, 1)
+    assert [again.path(k).exists() for k in (a, b, c)] == [False, True, True]
+    again.close()
+
+
+def test_a_block_larger_than_the_capacity_is_not_written(tmp_path: Path):
+    tier = _bounded(tmp_path, 0.5)
+    _write_chain(tier, list(range(100, 104)), 1)
+    _settle(tier, 1)
+    assert (tier.stats.dropped_writes, tier.stats.written_blocks) == (1, 0) and list(tier.dir.glob("*.kv")) == []
+    tier.close()
+    with pytest.raises(ValueError, match="capacity must be positive"):
+        StorageTier(tmp_path, {"model": "model-a"}, LAYOUT, BLOCK, capacity_bytes=0)
+    with pytest.raises(ValueError, match="hicache_storage_capacity_gb must be positive"):
+        EngineConfig(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_capacity_gb=0)
