@@ -1,0 +1,88 @@
+"""Load under pressure with a small host tier (issue 32): requests sent faster than the engine
+serves them, sharing prefixes so the radix cache and the host tier both hit and both evict. The KV
+ledger's books (device slots, request rows, host slots) balance after every message the Adder
+handles; every request ends served or refused with a 503 and a code; at the end nothing is held."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from actors.adder import Adder
+from api.frontend.engine import Engine, GenerateOutput, Rejected
+from runtime.actor import Actor
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+REFUSALS = {"queue_full", "queue_timeout", "evicted"}  # the Policy's 503 codes for a servable request
+
+
+class LedgerChecks:
+    """A `HandleObserver` on the Adder: the ledger's `check` after every message it handles."""
+
+    def __init__(self, adder: Adder):
+        self.adder = adder
+        self.checks = 0
+
+    def before(self, actor: Actor, msg: object) -> None:
+        pass
+
+    def after(self, actor: Actor, msg: object, cpu_s: float, wall_s: float) -> None:
+        self.adder.kv.check()
+        self.checks += 1
+
+
+def _conversations(turns: int, talks: int) -> list[list[int]]:
+    """Multi-turn prompts: turn t of a talk is its turn t - 1 and 12 more tokens, so each repeats
+    the last one's prefix; talks interleave, so a talk's prefix has often left the device pool."""
+    prompts = []
+    for t in range(turns):
+        for k in range(talks):
+            prompts.append([5 + (k * 37 + j * 11) % 290 for j in range(24 + 12 * t)])
+    return prompts
+
+
+async def _one(engine: Engine, prompt: list[int]) -> GenerateOutput | BaseException:
+    try:
+        return await engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 6})
+    except BaseException as error:  # noqa: BLE001 - every failure is what the test looks at
+        return error
+
+
+async def test_a_trace_faster_than_capacity_keeps_the_books_and_refuses_only_with_503s(tiny_model_factory: Any):
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    engine = Engine(
+        model_path=path, inline_core=True, max_total_tokens=160, page_size=4, max_running_requests=3,
+        max_queued_requests=6, chunked_prefill_size=32,
+        enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_block_tokens=8,  # 240 host tokens: 30 blocks
+    )
+    async with engine:
+        assert engine.adder is not None
+        observer = LedgerChecks(engine.adder)
+        engine.adder.observer = observer
+        prompts = _conversations(turns=6, talks=4)  # 24 requests of 24 .. 84 tokens
+        # A burst: 24 requests at once for 3 running and 6 queued.
+        outcomes = await asyncio.gather(*(_one(engine, p) for p in prompts))
+        served = [o for o in outcomes if isinstance(o, GenerateOutput)]
+        refused = [o for o in outcomes if isinstance(o, Rejected)]
+        assert len(served) + len(refused) == len(prompts), [o for o in outcomes if not isinstance(o, (GenerateOutput, Rejected))]
+        assert {r.code for r in refused} <= REFUSALS, [(r.code, str(r)) for r in refused]
+        assert refused and served
+        # Then each talk's last turn again, one after another: 4 x 84 tokens cycle through a pool
+        # of 160, so each finds its prefix pushed out to the host tier (240), which also drops blocks.
+        again = [await _one(engine, prompts[-4 + k]) for _ in range(2) for k in range(4)]
+        assert all(isinstance(o, GenerateOutput) for o in again), again
+        assert all(o.finish_reason == "length" and len(o.output_ids) == 6 for o in served + again)  # type: ignore[union-attr]
+        engine.adder.observer = None
+        stats = await engine.current_stats()
+        assert stats["hicache_host_hit_tokens"] > 0 and stats["hicache_evicted_tokens"] > 0, stats
+        assert observer.checks > 0
+        await assert_idle_invariants(engine)
+        engine.adder.kv.check()
+        # Nothing held once the cache is dropped: every device slot and host slot is free again.
+        assert await engine.flush_cache()
+        stats = await engine.current_stats()
+        assert stats["kv_free"] == stats["kv_pool_size"] and stats["hicache_host_cached"] == 0, stats
+        host = engine.adder.kv.host_tier
+        assert host is not None and host.allocator.available_size() == host.size
+    await close_and_check_tasks(engine)
