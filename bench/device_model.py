@@ -62,9 +62,12 @@ class DeviceModel:
     bandwidth_eff: float  # fraction of bandwidth in memory-bound decode (GEMV, paged K/V reads)
     launch_s: float  # fixed cost per step: kernel launches or graph replay, sampling, host sync
     dtype_bytes: int = 2  # bf16 weights and K/V
+    # Host -> device copies (the host tier's loads, cache/host_tier.py): PCIe Gen5 x16 is 64 GB/s
+    # each way (H100 SXM datasheet: 128 GB/s both ways); pinned copies reach about 80% of it.
+    host_link_bytes_per_s: float = 64e9 * 0.8
 
     def __post_init__(self) -> None:
-        positive = (self.weight_params, self.layers, self.q_heads, self.kv_heads, self.head_dim, self.peak_flops, self.bandwidth, self.tp, self.launch_s, self.dtype_bytes)
+        positive = (self.weight_params, self.layers, self.q_heads, self.kv_heads, self.head_dim, self.peak_flops, self.bandwidth, self.tp, self.launch_s, self.dtype_bytes, self.host_link_bytes_per_s)
         if min(positive) <= 0:
             raise ValueError(f"{self.name}: every constant must be positive")
         if not (0 < self.mfu <= 1 and 0 < self.bandwidth_eff <= 1):
@@ -112,6 +115,10 @@ class DeviceModel:
         context = tokens + sum(prefix_lens)
         attention = sum(self.attention_flops(p, e) for p, e in zip(prefix_lens, extend_lens) if e > 1)
         return self.time_s(tokens, context, attention)
+
+    def host_load_s(self, tokens: int) -> float:
+        """Seconds to copy `tokens` tokens of K/V from host memory to this GPU."""
+        return tokens * self.kv_bytes_per_token / self.host_link_bytes_per_s
 
     # --- steady-state throughput ---
 
@@ -182,6 +189,7 @@ DEVICE_MODELS: dict[str, DeviceModel] = {
             mfu=0.5,  # small GEMMs (h 1024) on Ampere: assume the same 50%
             bandwidth_eff=0.7,  # GDDR6 and small kernels: a little below HBM's share
             launch_s=0.4e-3,  # 28 layers of launches (fewer than the 8B's 36) plus sampling
+            host_link_bytes_per_s=32e9 * 0.8,  # A10G: PCIe Gen4 x16, 32 GB/s each way
         ),
     )
 }

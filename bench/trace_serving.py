@@ -1,0 +1,250 @@
+"""TTFT on a Mooncake-format trace served by the real actors over the cost-model device, with the
+radix cache alone and with a host tier under it (issue 32).
+
+    python -m bench.trace_serving --requests 300 --time-scale 0.3 --sim-speed 3 --host-ratio 2 4
+
+The first `--requests` requests of the trace are sent at their timestamps (divided by
+`--time-scale`: below 1 the trace is slowed down, e.g. to what one GPU sustains) to an Engine whose Receiver, Policy, Adder (KV ledger, radix cache, host tier),
+Executor and OutputProcessor are the real ones; the model is a `HostLinkDevice`, a cost-model
+device (bench/device_model.py, an 8B model on one H100 by default) that sleeps each step's modelled
+GPU time plus the step's host-to-device loads at the model's PCIe rate (charged in full before the
+step: SGLang overlaps them with the forward layer by layer, so this is the costlier bound). Copies
+to the host are not charged (a side stream, the other direction of the link). Each request asks
+for its `output_length` tokens with ignore_eos.
+
+Prompts: block id h is 512 token ids of a one-layer micro model's 512-token vocabulary, its first
+three the digits of h (so two blocks are equal only when their ids are), the rest a function of h;
+the last block is cut to `input_length`. The device pool is the model's KV in an H100's memory
+(80 GB x mem_fraction_static 0.9, less 16 GB of weights).
+
+`--sim-speed k` runs the whole simulation k times faster than the modelled time: arrivals and
+every modelled step and load are k times shorter, and TTFTs and load times are reported multiplied
+back by k. The actors' own CPU time is not shortened, so k > 1 weighs it k times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from api.core.engine_core import CoreSetup
+from api.frontend.engine import Engine, Rejected
+from bench.device_model import DEVICE_MODELS, DeviceModel
+from bench.overhead import TOKEN_MARGIN, NullDevice
+from bench.trace_replay import BLOCK, TraceRequest, read_trace
+from gpu.model_runner import ModelRunner
+from runtime.messages import Batch
+
+VOCAB = 512
+DIGITS = 3  # base-(VOCAB - 2 * TOKEN_MARGIN) digits of a block id at the start of its block
+H100_MEMORY_BYTES = 80e9
+MEM_FRACTION_STATIC = 0.9
+WEIGHT_BYTES_8B = 16e9
+
+
+class HostLinkDevice(NullDevice):
+    """A NullDevice that also charges each batch's host -> device KV loads at the model's PCIe rate
+    and counts them."""
+
+    def __init__(self, vocab_size: int, model: DeviceModel):
+        super().__init__(0.0, vocab_size, model)
+        self.loaded_tokens = 0
+        self.load_s = 0.0
+
+    def sleep_s(self, batch: Batch) -> float:
+        assert self.model is not None
+        tokens = loaded_tokens(batch)
+        load_s = self.model.host_load_s(tokens)
+        self.loaded_tokens += tokens
+        self.load_s += load_s
+        return self.model.step_s(batch.prefix_lens, batch.extend_lens) + load_s
+
+
+def loaded_tokens(batch: Batch) -> int:
+    """Tokens the batch's KV copies bring from the host tier to the device."""
+    return sum(c.device_slots.numel() for c in batch.kv_copies if not c.to_host and c.staged is None)
+
+
+def host_link_device(runner: ModelRunner, device_model: str, sim_speed: float = 1.0) -> HostLinkDevice:
+    """`CoreSetup` step runner: the named cost model, `sim_speed` times faster."""
+    return HostLinkDevice(runner.vocab_size, scaled(DEVICE_MODELS[device_model], sim_speed))
+
+
+def scaled(model: DeviceModel, s: float) -> DeviceModel:
+    """The model with every step and load s times shorter."""
+    if s == 1.0:
+        return model
+    return replace(model, peak_flops=model.peak_flops * s, bandwidth=model.bandwidth * s, launch_s=model.launch_s / s,
+                   host_link_bytes_per_s=model.host_link_bytes_per_s * s)
+
+
+def pool_tokens(model: DeviceModel) -> int:
+    """KV tokens of one H100 after SGLang's static fraction and the weights."""
+    return int((H100_MEMORY_BYTES * MEM_FRACTION_STATIC - WEIGHT_BYTES_8B) // model.kv_bytes_per_token)
+
+
+def block_ids(h: int) -> list[int]:
+    base = VOCAB - 2 * TOKEN_MARGIN
+    head = [TOKEN_MARGIN + h // base**k % base for k in range(DIGITS)]
+    return head + [TOKEN_MARGIN + (h * 7919 + i * 104729) % base for i in range(DIGITS, BLOCK)]
+
+
+def prompt_ids(req: TraceRequest) -> list[int]:
+    ids: list[int] = []
+    for h in req.hash_ids:
+        ids.extend(block_ids(h))
+    return ids[: req.input_length]
+
+
+def trace_model_dir() -> Path:
+    """The micro model with a context as long as the trace's longest prompts."""
+    import tempfile
+
+    from gpu.tiny_model import make_tiny_model
+
+    out = Path(tempfile.gettempdir()) / "actorserve-bench-trace-llama"
+    if not (out / "model.safetensors").exists():
+        make_tiny_model(out, "llama", seed=0, vocab_size=VOCAB, hidden_size=16, num_layers=1, num_heads=1, num_kv_heads=1,
+                        head_dim=16, intermediate_size=16, max_position_embeddings=131072)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    prompt_tokens: int
+    cached_tokens: int
+    ttft_s: float | None  # None: refused (`code` says why)
+    code: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    name: str
+    outcomes: list[Outcome]
+    loaded_tokens: int
+    load_s: float
+    host_hit_tokens: int
+    seconds: float
+
+    def ttfts_ms(self) -> list[float]:
+        return sorted(o.ttft_s * 1e3 for o in self.outcomes if o.ttft_s is not None)
+
+    def row(self, sim_speed: float) -> dict[str, Any]:
+        ttft = [t * sim_speed for t in self.ttfts_ms()]
+        prompt = sum(o.prompt_tokens for o in self.outcomes)
+        saved = sum(o.cached_tokens for o in self.outcomes)
+        return {
+            "cache": self.name, "requests": len(self.outcomes), "refused": sum(o.ttft_s is None for o in self.outcomes),
+            "hit_rate": round(saved / max(prompt, 1), 4), "host_hit_rate": round(self.host_hit_tokens / max(prompt, 1), 4),
+            "prefill_tokens_saved": saved, "prompt_tokens": prompt,
+            "ttft_p50_ms": round(statistics.median(ttft), 1) if ttft else None, "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ttft else None,
+            "host_load_tokens": self.loaded_tokens, "host_load_s": round(self.load_s * sim_speed, 2), "wall_s": round(self.seconds, 1),
+        }
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def serve(
+    trace: list[TraceRequest], name: str, device: DeviceModel, config: dict[str, Any],
+    time_scale: float = 1.0, sim_speed: float = 1.0, model_dir: Path | None = None,
+) -> Result:
+    """The trace through an Engine over the cost-model device; `config`: EngineConfig fields over
+    the defaults here (the device's pool, pages of 64)."""
+    setup = CoreSetup(step_runner="bench.trace_serving:host_link_device", step_runner_kwargs={"device_model": device.name, "sim_speed": sim_speed})
+    config = {"max_total_tokens": pool_tokens(device), "page_size": 64, **config}
+    engine = Engine(model_path=str(model_dir or trace_model_dir()), random_seed=0, inline_core=True, core_setup=setup, **config)
+    await engine.start()
+    try:
+        start = time.perf_counter()
+        t0 = trace[0].timestamp
+        outcomes = await asyncio.gather(*(_one(engine, r, start + (r.timestamp - t0) / 1000 / time_scale / sim_speed) for r in trace))
+        seconds = time.perf_counter() - start
+        stats = await engine.current_stats()
+        # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
+        runner: Any = engine.executor.step_runner
+        return Result(name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds)
+    finally:
+        await engine.close()
+
+
+async def _one(engine: Engine, req: TraceRequest, at: float) -> Outcome:
+    ids = prompt_ids(req)
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    sent, first, cached = time.perf_counter(), None, 0
+    params = {"max_new_tokens": max(req.output_length, 1), "temperature": 0, "ignore_eos": True}
+    try:
+        async for delta in engine.stream(input_ids=ids, sampling_params=params):
+            if delta.output_ids and first is None:
+                first = time.perf_counter()
+            cached = delta.cached_tokens or cached
+    except Rejected as refused:
+        return Outcome(len(ids), 0, None, refused.code)
+    return Outcome(len(ids), cached, None if first is None else first - sent)
+
+
+def settings(host_ratios: list[float], radix: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    out: list[tuple[str, dict[str, Any]]] = [("radix only", {})] if radix else []
+    out += [(f"+ host {r:g}x", {"enable_hierarchical_cache": True, "hicache_ratio": r}) for r in host_ratios]
+    return out
+
+
+HEADER = ("| cache | requests | hit rate | from host | prefill tokens saved | TTFT p50 ms | TTFT p99 ms | p50 vs radix | p99 vs radix | host loads s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
+    def change(key: str) -> str:
+        return f"{(row[key] / base[key] - 1) * 100:+.0f}%" if row[key] and base[key] else "-"
+    served = row["requests"] - row["refused"]
+    return (f"| {row['cache']} | {served} | {row['hit_rate']:.1%} | {row['host_hit_rate']:.1%} | {row['prefill_tokens_saved']:,} | "
+            f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} |")
+
+
+async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = DEVICE_MODELS[args.device_model]
+    trace = read_trace(args.trace, args.requests)
+    span_s = (trace[-1].timestamp - trace[0].timestamp) / 1000
+    print(f"{len(trace)} requests over {span_s:.0f} s of trace ({span_s / args.time_scale:.0f} s modelled, {span_s / args.time_scale / args.sim_speed:.0f} s here), "
+          f"{sum(r.input_length for r in trace):,} prompt tokens; {device.name}, pool {pool_tokens(device):,} tokens, "
+          f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s")
+    rows = []
+    for name, config in settings(args.host_ratio, not args.no_radix):
+        result = await serve(trace, name, device, config, args.time_scale, args.sim_speed)
+        rows.append(result.row(args.sim_speed))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(json.dumps({**rows[-1], "time_scale": args.time_scale, "sim_speed": args.sim_speed, "device_model": device.name}) + "\n")
+    print(HEADER)
+    for row in rows:
+        print(table_row(row, rows[0]))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--trace", default="../shared/traces/mooncake_conversation_trace.jsonl")
+    p.add_argument("--requests", type=int, default=300, help="the first N requests of the trace")
+    p.add_argument("--time-scale", type=float, default=0.3, help="arrivals this many times faster than the trace's (below 1: slower)")
+    p.add_argument("--sim-speed", type=float, default=3.0, help="run the modelled time this many times faster (arrivals, steps, loads)")
+    p.add_argument("--device-model", default="h100-qwen3-8b", choices=sorted(DEVICE_MODELS))
+    p.add_argument("--host-ratio", type=float, nargs="*", default=[2.0, 4.0], help="host tier sizes, times the device pool")
+    p.add_argument("--no-radix", action="store_true", help="leave out the radix-only run (the table's changes are then against the first host tier)")
+    p.add_argument("--output", default=None, help="append one JSON line per setting")
+    args = p.parse_args(argv)
+    if args.time_scale <= 0 or args.sim_speed <= 0 or args.requests < 1:
+        p.error("--time-scale, --sim-speed and --requests must be positive")
+    asyncio.run(main_async(args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

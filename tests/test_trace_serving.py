@@ -1,0 +1,62 @@
+"""bench/trace_serving.py: Mooncake prompts in a micro model's vocabulary, the cost-model device's
+charge for host-to-device loads, and a three-request trace through the real actors whose third
+request finds its prefix in the host tier (and pays for loading it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from bench.device_model import DEVICE_MODELS
+from bench.overhead import TOKEN_MARGIN
+from bench.trace_replay import BLOCK, TraceRequest
+from bench.trace_serving import VOCAB, HostLinkDevice, block_ids, prompt_ids, serve
+from runtime.forward_mode import ForwardMode
+from runtime.messages import Batch, KVCopy
+
+H100 = DEVICE_MODELS["h100-qwen3-8b"]
+
+
+def test_blocks_are_equal_only_for_equal_ids_and_stay_in_the_vocabulary():
+    ids = [0, 1, 491, 492, 182789, 182789 + 492**2]
+    blocks = [block_ids(h) for h in ids]
+    assert all(len(b) == BLOCK and min(b) >= TOKEN_MARGIN and max(b) < VOCAB - TOKEN_MARGIN for b in blocks)
+    assert len({tuple(b[:3]) for b in blocks}) == len(ids)  # two ids differ within a block's first 3 tokens
+    assert block_ids(7) == block_ids(7)
+    req = TraceRequest(0, 2 * BLOCK - 100, 1, [7, 9])
+    assert prompt_ids(req) == (block_ids(7) + block_ids(9))[: 2 * BLOCK - 100]
+
+
+def _batch(copies: list[KVCopy]) -> Batch:
+    return Batch(step=0, mode=ForwardMode.EXTEND, reqs=[], rows=[1], prefix_lens=[0], extend_lens=[1024], extend_ids=[[11] * 1024],
+                 out_cache_loc=torch.zeros(1024, dtype=torch.int64), produces_token=[True], final_token=[False], kv_copies=copies)
+
+
+def test_host_to_device_loads_are_charged_at_the_host_link_rate():
+    device = HostLinkDevice(VOCAB, H100)
+    load = KVCopy(to_host=False, device_slots=torch.arange(4096), host_slots=torch.arange(4096))
+    store = KVCopy(to_host=True, device_slots=torch.arange(512), host_slots=torch.arange(512))
+    plain = H100.step_s([0], [1024])
+    assert device.sleep_s(_batch([])) == pytest.approx(plain)
+    assert device.sleep_s(_batch([store])) == pytest.approx(plain)  # the other way, on a side stream: not charged
+    charged = device.sleep_s(_batch([load, store]))
+    assert charged - plain == pytest.approx(4096 * H100.kv_bytes_per_token / H100.host_link_bytes_per_s)
+    assert H100.host_load_s(4096) == pytest.approx(4096 * 36 * 8 * 128 * 2 * 2 / 51.2e9)  # 144 KiB a token at 51.2 GB/s: 11.8 ms
+    assert (device.loaded_tokens, device.load_s) == (4096, pytest.approx(charged - plain))
+
+
+async def test_a_prefix_pushed_out_of_the_pool_is_served_from_the_host_tier(tiny_model_factory: Any):
+    model = tiny_model_factory("llama", vocab_size=VOCAB, max_position_embeddings=4096)
+    trace = [TraceRequest(0, 2 * BLOCK, 2, [1, 2]), TraceRequest(10, 2 * BLOCK, 2, [3, 4]), TraceRequest(20, 2 * BLOCK, 2, [1, 2])]
+    pool = {"max_total_tokens": 3 * BLOCK}  # request 1 pushes most of request 0's blocks out
+    radix = await serve(trace, "radix", H100, pool, sim_speed=20, model_dir=model)
+    host = await serve(trace, "host", H100, {**pool, "enable_hierarchical_cache": True, "hicache_ratio": 2}, sim_speed=20, model_dir=model)
+    assert [o.ttft_s is not None for o in radix.outcomes + host.outcomes] == [True] * 6
+    radix_hit, host_hit = radix.outcomes[2].cached_tokens, host.outcomes[2].cached_tokens
+    assert host_hit == 2 * BLOCK - 64 and radix_hit < host_hit  # all but the last page (always computed)
+    assert host.host_hit_tokens == host.loaded_tokens == host_hit - radix_hit and host.load_s > 0
+    assert radix.loaded_tokens == 0
+    row = host.row(sim_speed=20)
+    assert row["prefill_tokens_saved"] == sum(o.cached_tokens for o in host.outcomes) and row["refused"] == 0
