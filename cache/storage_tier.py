@@ -11,7 +11,8 @@ corrupt file is a miss, never served, and is removed.
 With a capacity (`capacity_bytes`, SGLang's file backend's `capacity_gb`) the directory's block
 files stay within it: before a write, the least recently used files go (a read hit or a write
 makes a file the most recent; at startup the files found are ordered by modification time, which
-a hit refreshes). A file removed is a miss like any other.
+a hit refreshes, and the oldest go if they are over the capacity). A file removed is a miss like
+any other.
 
 Three parts, three users, each on its own thread:
 
@@ -158,6 +159,7 @@ class StorageTier:
         self.capacity_bytes = capacity_bytes
         self._files = _block_files(self.dir) if capacity_bytes is not None else OrderedDict()  # name -> bytes, least recent first
         self._file_bytes = sum(self._files.values())
+        self._make_room(0)  # a capacity lowered since the files were written
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"

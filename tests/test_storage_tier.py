@@ -371,6 +371,11 @@ def test_a_restarted_tier_counts_the_files_there_and_removes_the_oldest(tmp_path
     _settle(again, 1)
     assert [again.path(k).exists() for k in (a, b, c)] == [False, True, True]
     again.close()
+    os.utime(again.path(b), ns=(2, 2))  # c is the newest whatever the clock's resolution
+    smaller = _bounded(tmp_path, 1)  # restarted with less room than the files take
+    assert [smaller.path(k).exists() for k in (a, b, c)] == [False, False, True]
+    assert smaller.stored_bytes() == smaller.path(c).stat().st_size and smaller.stats.evicted_blocks == 1
+    smaller.close()
 
 
 def test_a_block_larger_than_the_capacity_is_not_written(tmp_path: Path):
