@@ -253,6 +253,7 @@ class Adder(Actor[AdderMsg]):
             chunked_prefill_size=self.config.chunked_prefill_size if self.config.chunking_enabled else None,
             mixed_decode_tokens=len(self.running) if mixed else 0,
             prefill_max_requests=self.config.prefill_max_requests,
+            locks=self.kv,
         )
         if self.chunked is not None:
             adder.add_chunked_req(self.chunked)
@@ -452,6 +453,7 @@ class Adder(Actor[AdderMsg]):
         the running set now and are released once the step has reported (no wasted step)."""
         if done:
             self._leave_all(done, "finish")
+        ending = {id(req) for req in done}
         return Batch(
             step=self.next_step,
             mode=mode,
@@ -462,6 +464,7 @@ class Adder(Actor[AdderMsg]):
             extend_ids=extend_ids,
             out_cache_loc=slots[0] if len(slots) == 1 else torch.cat(slots),
             produces_token=produces_token,
+            final_token=[id(req) in ending for req in reqs],
             kv_copies=self.kv.take_kv_copies(),
         )
 

@@ -100,9 +100,18 @@ class KVLedger:
             return len(positions)
         return self.page_size * int((positions % self.page_size == 0).sum())
 
+    def inc_lock_ref(self, node: RadixNode) -> None:
+        """Lock a prefix for an admission (the PrefillAdder's budget check needs it locked before
+        the row opens); `open_row` keeps the lock for the row and `close_row` releases it."""
+        self.cache.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: RadixNode) -> None:
+        """Give back a lock `inc_lock_ref` took for an admission that was then refused."""
+        self.cache.dec_lock_ref(node)
+
     def open_row(self, match: MatchResult) -> int:
-        """A row holding the matched prefix (borrowed from the cache). The caller has locked
-        `match.last_node` (the PrefillAdder does, for its budget check); the row keeps that lock."""
+        """A row holding the matched prefix (borrowed from the cache), keeping the lock on
+        `match.last_node` that this ledger took for the admission."""
         row = self.req_to_token.alloc()
         assert row is not None, "rows were counted before admission"
         if match.length:

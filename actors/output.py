@@ -54,19 +54,19 @@ class OutputProcessor(Actor[StepOut]):
         return finished
 
     def _decode_step(self, msg: StepOut, outbox: StepOutbox) -> list[Req]:
-        """A decode step in the core process. A token below the request's `plain_below` count that
-        is not one of its end tokens ends nothing and needs no text: it is appended and sent as
-        (rid, token); only the others take the full path. The common case, kept to a few
+        """A decode step in the core process. A token of a `plain` request that is neither its last
+        allowed one nor one of its end tokens ends nothing and needs no text: it is appended and
+        sent as (rid, token); only the others take the full path. The common case, kept to a few
         operations per request."""
         finished: list[Req] = []
         rids: list[str] = []
         plain: list[int] = []
+        final = msg.batch.final_token
         for i, (req, token) in enumerate(zip(msg.batch.reqs, msg.token_ids)):
             if req.out.finish_reason is not None or req.sched.abort_requested:
                 continue
-            ids = req.out.output_ids
-            if len(ids) < req.out.plain_below and token not in req.out.end_token_ids:  # type: ignore[operator]
-                ids.append(token)
+            if req.out.plain and not final[i] and token not in req.out.end_token_ids:  # type: ignore[operator]
+                req.out.output_ids.append(token)
                 rids.append(req.rid)
                 plain.append(token)
             elif self._append(req, i, msg):
@@ -96,7 +96,7 @@ class OutputProcessor(Actor[StepOut]):
         if msg.top_logprobs is not None and req.asked.top_logprobs_num:
             req.out.output_top_logprobs.append(msg.top_logprobs[i])
             delta.top_logprobs.append(msg.top_logprobs[i])
-        text, reason = self._decide(req, token)
+        text, reason = self._decide(req, token, msg.batch.final_token[i])
         delta.text += text
         if reason is None and len(req.out.output_ids) % self.stream_interval:
             return False
@@ -109,17 +109,17 @@ class OutputProcessor(Actor[StepOut]):
         eos = () if req.asked.sampling.ignore_eos else self.eos_token_ids
         req.out.end_token_ids = frozenset((*req.asked.sampling.stop_token_ids, *eos))
         plain = self.outbox is not None and self.stream_interval == 1 and not (req.asked.return_logprob or req.asked.sampling.stop)
-        # Below max_new_tokens - 1 outputs, one more token cannot reach the length limit.
-        req.out.plain_below = req.asked.sampling.max_new_tokens - 1 if plain else 0
+        req.out.plain = plain
 
-    def _decide(self, req: Req, token: int) -> tuple[str, FinishReason | None]:
+    def _decide(self, req: Req, token: int, final: bool) -> tuple[str, FinishReason | None]:
         """The text to stream ("" in the core process) and the finish reason for `token`, just
-        appended. Text is decoded where it is streamed, or to look for stop strings."""
+        appended (`final`: the Adder launched it as the last allowed one). Text is decoded where
+        it is streamed, or to look for stop strings."""
         if not (self.detokenize or req.asked.sampling.stop):
-            return "", check_finish(req, token, self.eos_token_ids)
+            return "", check_finish(req, token, self.eos_token_ids, final)
         if req.out.detokenizer is None:
             req.out.detokenizer = IncrementalDetokenizer.for_req(self.tokenizer, req)
-        text, reason = process_token(req, token, self.eos_token_ids, req.out.detokenizer)
+        text, reason = process_token(req, token, self.eos_token_ids, req.out.detokenizer, final)
         return (text if self.detokenize else ""), reason
 
     def _push(self, req: Req, delta: Delta, reason: FinishReason | None) -> bool:

@@ -29,9 +29,10 @@ import enum
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from actors.priority import PriorityRule
-from cache import ChunkCache, MatchResult, PrefixCache
+from cache import ChunkCache, MatchResult, PrefixCache, RadixNode
 from cache.keys import token_array
 from runtime.req import Req
 
@@ -41,6 +42,14 @@ RETRACT_DECODE_STEPS = 20  # decode steps of KV reserved per request that stays 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class PrefixLocks(Protocol):
+    """Locks on cached prefixes, as an admission takes them (the KV ledger in the Adder)."""
+
+    def inc_lock_ref(self, node: RadixNode) -> None: ...
+
+    def dec_lock_ref(self, node: RadixNode) -> None: ...
 
 
 class AddResult(enum.Enum):
@@ -173,11 +182,15 @@ class PrefillAdder:
         chunked_prefill_size: int | None,
         mixed_decode_tokens: int = 0,
         prefill_max_requests: int | None = None,
+        locks: PrefixLocks | None = None,
     ) -> None:
         if page_size != cache.page_size:
             raise ValueError(f"page_size {page_size} differs from the cache's {cache.page_size}")
         self.page_size = page_size
         self.cache = cache
+        # Who takes an admitted request's lock on its prefix: the Adder's KV ledger, which also
+        # releases it when the request leaves (tests that drive a bare cache let it lock itself).
+        self.locks: PrefixLocks = locks if locks is not None else cache
         self.free_slots = free_slots
         self.running = list(running)
         self.new_token_ratio = new_token_ratio
@@ -290,10 +303,10 @@ class PrefillAdder:
         if self.admitted and cand.paged >= self.rem_input_tokens:
             return AddResult.OTHER  # only the first request of a batch may exceed the input cap
         # The lock moves the prefix out of evictable (it can no longer make room), so check again.
-        self.cache.inc_lock_ref(match.last_node)
+        self.locks.inc_lock_ref(match.last_node)
         refused = self._admit_locked(req, match, cand, has_chunked_req)
         if refused is not None:
-            self.cache.dec_lock_ref(match.last_node)
+            self.locks.dec_lock_ref(match.last_node)
             return refused
         return self.budget_state()
 

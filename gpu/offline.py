@@ -111,7 +111,8 @@ def _run(runner: ModelRunner, running: list[_Running]) -> None:
             r.output.append(tokens[j])
             if result.logprobs is not None:
                 r.logprobs.append(float(result.logprobs[j]))
-            reason = token_finish(r.params, len(r.output), tokens[j], runner.model_config.eos_token_ids)
+            final = len(r.output) >= r.params.max_new_tokens  # this loop is its own scheduler
+            reason = token_finish(r.params, len(r.output), tokens[j], runner.model_config.eos_token_ids, final)
             r.finish_reason = None if reason is None else reason.kind
         prefix = [p + n for p, n in zip(prefix, lens)]
         keep = [j for j, r in enumerate(active) if r.finish_reason is None]

@@ -394,9 +394,10 @@ class IncrementalDetokenizer:
         return self._scan.feed(self._decoder.step(token_ids), armed, final=False)
 
 
-def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int]) -> FinishReason | None:
-    """Token-based finish for `new_token`, already appended to req.out.output_ids."""
-    return token_finish(req.asked.sampling, len(req.out.output_ids), new_token, eos_token_ids)
+def check_finish(req: Req, new_token: int, eos_token_ids: Sequence[int], final: bool) -> FinishReason | None:
+    """Token-based finish for `new_token`, already appended to req.out.output_ids (`final`: the
+    last allowed one, as the Adder launched it)."""
+    return token_finish(req.asked.sampling, len(req.out.output_ids), new_token, eos_token_ids, final)
 
 
 def delta_text(
@@ -418,7 +419,7 @@ def delta_text(
 
 
 def process_token(
-    req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer
+    req: Req, new_token: int, eos_token_ids: Sequence[int], detok: IncrementalDetokenizer, final: bool
 ) -> tuple[str, FinishReason | None]:
     """The text to stream and the finish reason for one token appended to req.out.output_ids; on
     finish the detokenizer is flushed into the text.
@@ -429,7 +430,7 @@ def process_token(
     (as SGLang trims the matched token); with it, its text is kept (empty if it is special and
     skip_special_tokens is on).
     """
-    reason = check_finish(req, new_token, eos_token_ids)
+    reason = check_finish(req, new_token, eos_token_ids, final)
     drop_token = reason is not None and reason.kind == "stop" and not req.asked.sampling.no_stop_trim
     text = "" if drop_token else detok.push([new_token])
     if reason is None and detok.matched_stop is not None:

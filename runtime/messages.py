@@ -153,6 +153,10 @@ class Batch(msgspec.Struct, frozen=True, tag=True):
     extend_ids: list[list[int] | None]  # None: a decode row, its one input id is in the token pool
     out_cache_loc: torch.Tensor
     produces_token: list[bool]  # False for a chunk that does not end its prompt
+    # True where the step launches the row's last allowed output token (its max_new_tokens-th):
+    # the Adder decides it when it launches the step, the OutputProcessor ends the request with
+    # "length" on that token (SGLang checks length first).
+    final_token: list[bool]
     kv_copies: list[KVCopy] = []  # host tier stores and loads to do first
 
 

@@ -42,11 +42,12 @@ class FinishReason:
 
 
 def token_finish(
-    params: SamplingParams, num_output: int, new_token: int, eos_token_ids: Sequence[int]
+    params: SamplingParams, num_output: int, new_token: int, eos_token_ids: Sequence[int], final: bool
 ) -> FinishReason | None:
-    """Token-based finish after `new_token`, the `num_output`-th output token. SGLang's order:
+    """Token-based finish after `new_token`, the `num_output`-th output token; `final`: the Adder
+    launched it as the request's last allowed one (its max_new_tokens-th). SGLang's order:
     length first, then (from the min_new_tokens-th token on) stop token ids, then EOS."""
-    if num_output >= params.max_new_tokens:
+    if final:
         return FinishReason("length")
     if num_output < params.min_new_tokens:
         return None
@@ -105,9 +106,9 @@ class OutputState:
     finish_reason: FinishReason | None = None
     detokenizer: IncrementalDetokenizer | None = None
     end_token_ids: frozenset[int] | None = None  # stop token ids and EOS, gathered at the first token
-    # Core process: while fewer outputs than this, a token that is not an end token ends
-    # nothing and carries nothing but itself (see OutputProcessor._decode_step); 0: never.
-    plain_below: int = 0
+    # Core process: a token that is neither an end token nor the last allowed one ends nothing
+    # and carries nothing but itself (see OutputProcessor._decode_step).
+    plain: bool = False
     unsent: Delta | None = None  # tokens/text held back by stream_interval
 
 

@@ -380,37 +380,47 @@ def test_stop_straddling_min_new_tokens_boundary_counts(tok: Any) -> None:
 # --- finish checks --------------------------------------------------------------------------
 
 
+def at_limit(req: Req) -> bool:
+    """What the Adder decides at launch, here for a request that stands alone: its latest output
+    token is its last allowed one."""
+    return len(req.out.output_ids) >= req.asked.sampling.max_new_tokens
+
+
+def finish(req: Req, token: int, eos: list[int]) -> FinishReason | None:
+    return check_finish(req, token, eos, at_limit(req))
+
+
 def req_with(output: list[int], **params: Any) -> Req:
     return Req(CallerRequest(rid="r", input_ids=[5, 6], sampling=SamplingParams(**params)), out=OutputState(output_ids=output))
 
 
 def test_length_before_stop() -> None:
     req = req_with([9, EOS], max_new_tokens=2, stop_token_ids=[EOS])
-    assert check_finish(req, EOS, [EOS]) == FinishReason("length")
+    assert finish(req, EOS, [EOS]) == FinishReason("length")
 
 
 def test_eos_and_stop_token_ids() -> None:
-    assert check_finish(req_with([9, EOS]), EOS, [EOS]) == FinishReason("stop", matched=EOS)
+    assert finish(req_with([9, EOS]), EOS, [EOS]) == FinishReason("stop", matched=EOS)
     req = req_with([9, 11], stop_token_ids=[11])
-    assert check_finish(req, 11, [EOS]) == FinishReason("stop", matched=11)
-    assert check_finish(req_with([9, 11]), 11, [EOS]) is None
-    assert check_finish(req_with([9, 12]), 12, [EOS, 12]) == FinishReason("stop", matched=12)
+    assert finish(req, 11, [EOS]) == FinishReason("stop", matched=11)
+    assert finish(req_with([9, 11]), 11, [EOS]) is None
+    assert finish(req_with([9, 12]), 12, [EOS, 12]) == FinishReason("stop", matched=12)
 
 
 def test_ignore_eos_still_honours_stop_token_ids() -> None:
-    assert check_finish(req_with([9, EOS], ignore_eos=True), EOS, [EOS]) is None
+    assert finish(req_with([9, EOS], ignore_eos=True), EOS, [EOS]) is None
     req = req_with([9, 11], ignore_eos=True, stop_token_ids=[11])
-    assert check_finish(req, 11, [EOS]) == FinishReason("stop", matched=11)
+    assert finish(req, 11, [EOS]) == FinishReason("stop", matched=11)
 
 
 def test_min_new_tokens_suppresses_eos_and_stop_ids() -> None:
-    assert check_finish(req_with([9, EOS], min_new_tokens=3), EOS, [EOS]) is None
-    assert check_finish(req_with([9, 11], min_new_tokens=3, stop_token_ids=[11]), 11, [EOS]) is None
+    assert finish(req_with([9, EOS], min_new_tokens=3), EOS, [EOS]) is None
+    assert finish(req_with([9, 11], min_new_tokens=3, stop_token_ids=[11]), 11, [EOS]) is None
     req = req_with([9, 9, EOS], min_new_tokens=3)
-    assert check_finish(req, EOS, [EOS]) == FinishReason("stop", matched=EOS)
+    assert finish(req, EOS, [EOS]) == FinishReason("stop", matched=EOS)
     # min_new_tokens never outlasts the length limit.
     req = req_with([9, EOS], max_new_tokens=2, min_new_tokens=2)
-    assert check_finish(req, EOS, [EOS]) == FinishReason("length")
+    assert finish(req, EOS, [EOS]) == FinishReason("length")
 
 
 def run_request(tok: Any, output: list[int], **params: Any) -> tuple[str, FinishReason | None, int]:
@@ -420,7 +430,7 @@ def run_request(tok: Any, output: list[int], **params: Any) -> tuple[str, Finish
     text = ""
     for t in output:
         req.out.output_ids.append(t)
-        delta, reason = process_token(req, t, [EOS], detok)
+        delta, reason = process_token(req, t, [EOS], detok, at_limit(req))
         text += delta
         if reason is not None:
             return text, reason, len(req.out.output_ids)
@@ -531,7 +541,7 @@ def _decided_by_the_core(tok: Any, output: list[int], params: dict[str, Any]) ->
     detok = IncrementalDetokenizer.for_req(tok, req) if req.asked.sampling.stop else None
     for t in output:
         req.out.output_ids.append(t)
-        reason = process_token(req, t, [EOS], detok)[1] if detok is not None else check_finish(req, t, [EOS])
+        reason = process_token(req, t, [EOS], detok, at_limit(req))[1] if detok is not None else finish(req, t, [EOS])
         if reason is not None:
             return req.out.output_ids, reason
     return req.out.output_ids, None

@@ -140,7 +140,7 @@ def batch(prefix_lens: list[int], extend_lens: list[int]) -> Batch:
     mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
     ids = [None if e == 1 else [11] * e for e in extend_lens]
     return Batch(step=0, mode=mode, reqs=[], rows=list(range(n)), prefix_lens=prefix_lens, extend_lens=extend_lens,
-                 extend_ids=ids, out_cache_loc=torch.zeros(sum(extend_lens), dtype=torch.int64), produces_token=[True] * n)
+                 extend_ids=ids, out_cache_loc=torch.zeros(sum(extend_lens), dtype=torch.int64), produces_token=[True] * n, final_token=[False] * n)
 
 
 def test_null_device_sleeps_the_models_step(monkeypatch: pytest.MonkeyPatch) -> None:

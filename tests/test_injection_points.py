@@ -19,7 +19,7 @@ from runtime.messages import Batch, StepOut
 def decode_batch(step: int, rows: list[int]) -> Batch:
     n = len(rows)
     return Batch(step=step, mode=ForwardMode.DECODE, reqs=[], rows=rows, prefix_lens=[8] * n, extend_lens=[1] * n,
-                 extend_ids=[None] * n, out_cache_loc=torch.zeros(n, dtype=torch.int64), produces_token=[True] * n)
+                 extend_ids=[None] * n, out_cache_loc=torch.zeros(n, dtype=torch.int64), produces_token=[True] * n, final_token=[False] * n)
 
 
 def out_of(batch: Batch) -> StepOut:

@@ -46,6 +46,8 @@ class _Run:
         batch = Batch(
             step=n, mode=mode, reqs=reqs, rows=list(range(1, k + 1)), prefix_lens=[3] * k, extend_lens=[1] * k,
             extend_ids=[None] * k, out_cache_loc=torch.zeros(k, dtype=torch.int64), produces_token=[True] * k,
+            # as the Adder launches it: the token after len(output_ids) is the last allowed one
+            final_token=[len(r.out.output_ids) + 1 >= r.asked.sampling.max_new_tokens for r in reqs],
         )
         logprobs = [-0.5] * k if any(r.asked.return_logprob for r in reqs) else None
         await self.output.handle(StepOut(batch=batch, token_ids=tokens, logprobs=logprobs, top_logprobs=None, forward_s=0.0))
@@ -110,3 +112,25 @@ async def test_core_process_decisions_equal_inline_decisions(tok: Any, data: st.
     for req in core.reqs:
         assert got[req.rid] == req.out.output_ids
         assert finish.get(req.rid) == (req.out.finish_reason.kind if req.out.finish_reason else None)
+
+
+@pytest.mark.parametrize("in_core_process", [False, True])
+async def test_the_length_finish_is_the_adders(tok: Any, in_core_process: bool) -> None:
+    """The Adder decides at launch which token is a request's last allowed one (final_token); the
+    OutputProcessor ends the request with "length" on that token and on no other, counting nothing
+    itself: one decision, in one place."""
+    run = _Run(tok, [{"max_new_tokens": 3}], [False], StepOutbox(lambda *msg: None) if in_core_process else None)
+    req = run.reqs[0]
+
+    async def step(n: int, final: bool) -> list[str]:
+        batch = Batch(
+            step=n, mode=ForwardMode.DECODE, reqs=[req], rows=[1], prefix_lens=[3], extend_lens=[1], extend_ids=[None],
+            out_cache_loc=torch.zeros(1, dtype=torch.int64), produces_token=[True], final_token=[final],
+        )
+        await run.output.handle(StepOut(batch=batch, token_ids=[40 + n], logprobs=None, top_logprobs=None, forward_s=0.0))
+        (done,) = taken(run.to_adder)
+        return [r.rid for r in done.finished]
+
+    assert await step(0, final=True) == ["r0"]  # launched as the last one: it is, whatever the count
+    assert req.out.finish_reason is not None and req.out.finish_reason.kind == "length"
+    assert req.out.output_ids == [40]

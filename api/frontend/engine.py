@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -89,14 +91,17 @@ def _collected(
 ) -> Callable[Concatenate[Engine, P], Coroutine[Any, Any, GenerateOutput]]:
     """`Engine.generate`: `stream`'s arguments, the request run to its end and its deltas joined."""
 
+    @functools.wraps(stream)  # help() and inspect show stream's typed keywords
     async def generate(engine: Engine, *args: P.args, **kwargs: P.kwargs) -> GenerateOutput:
-        """Run one request to the end; the arguments are `stream`'s."""
         parts: list[Delta] = []
         async with contextlib.aclosing(stream(engine, *args, **kwargs)) as deltas:
             async for delta in deltas:
                 parts.append(delta)
         return _join(parts)
 
+    generate.__name__ = generate.__qualname__ = "generate"
+    generate.__doc__ = "Run one request to the end and return its joined output; the arguments are `stream`'s."
+    generate.__signature__ = inspect.signature(stream).replace(return_annotation=GenerateOutput)  # type: ignore[attr-defined]
     return generate
 
 
