@@ -272,7 +272,7 @@ async def start_engine(model_dir: Path, probe: Probe, step_s: float | None, devi
     gc.collect()
     gc.freeze()
     gc.callbacks.append(probe.on_gc)
-    gated = engine.executor.step_runner
+    gated = engine.core.executor.step_runner
     assert isinstance(gated, Gated)
     instrument(engine, probe)
     return Rig(engine, gated.inner if isinstance(gated.inner, NullDevice) else None, gated.gate)
@@ -379,7 +379,7 @@ async def run_decode(
     )
     engine, device = rig.engine, rig.device
     # Steps are counted as they report, a step or two behind the launches: fine over the window.
-    window.forward_s = lambda: engine.executor.forward_s
+    window.forward_s = lambda: engine.core.executor.forward_s
     try:
         tasks = await flood(rig, probe, decode_requests(running, prompt_len, max_new, engine.runner.vocab_size))
         rig.gate.set()
@@ -577,7 +577,7 @@ class TimedOrderer(QueueOrderer):
 
 def time_ordering(engine: Engine, probe: Probe) -> None:
     """The Policy of a fresh engine orders with a TimedOrderer (built as the Policy builds its own)."""
-    engine.policy.orderer = TimedOrderer(probe, engine.config, engine.prefix_cache)
+    engine.core.policy.orderer = TimedOrderer(probe, engine.config, engine.core.prefix_cache)
 
 
 def rounds_from_log(log: list[tuple[str, float, int]]) -> list[Round]:
@@ -671,7 +671,7 @@ def order_directly(engine: Engine, queued: list[Request], repeats: int) -> tuple
         Req(CallerRequest(rid=f"order-{r.index}", input_ids=list(r.input_ids), sampling=params, routing_key=f"group-{r.group}", arrival_time=now + r.index * 1e-6), prompt_key=token_array(r.input_ids), sched=SchedState(enqueue_time=now + r.index * 1e-6))
         for r in queued
     ]
-    orderer = engine.policy.orderer
+    orderer = engine.core.policy.orderer
     running = Counter({f"group-{g}": 1 for g in range(4)})
     gc.collect()  # a full collection due now would land in the first call: time the ordering only
     start = time.thread_time()

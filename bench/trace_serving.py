@@ -169,7 +169,7 @@ async def serve(
         seconds = time.perf_counter() - start
         stats = await engine.current_stats()
         # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
-        runner: Any = engine.executor.step_runner
+        runner: Any = engine.core.executor.step_runner
         return Result(name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds)
     finally:
         await engine.close()

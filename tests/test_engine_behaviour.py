@@ -203,13 +203,13 @@ async def test_a_request_that_cannot_preempt_stays_queued(model_path):
     engine = Engine(model_path=model_path, inline_core=True, max_running_requests=1, enable_priority_scheduling=True)
     async with engine:
         handed: list[list[int]] = []  # the priorities of each round's candidates
-        form_prefill = engine.adder._form_prefill
+        form_prefill = engine.core.adder._form_prefill
 
         def spy(candidates):
             handed.append([r.asked.priority for r in candidates])
             return form_prefill(candidates)
 
-        engine.adder._form_prefill = spy
+        engine.core.adder._form_prefill = spy
         long_task, _ = await _first_delta(engine, [5] * 8, sampling_params={**GREEDY, "max_new_tokens": 300}, priority=5)
         low = asyncio.create_task(engine.generate(input_ids=[7, 8], sampling_params={**GREEDY, "max_new_tokens": 2}, priority=1))
         await _wait_queued(engine, 1)

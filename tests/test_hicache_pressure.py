@@ -57,9 +57,9 @@ async def test_a_trace_faster_than_capacity_keeps_the_books_and_refuses_only_wit
         enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_block_tokens=8,  # 240 host tokens: 30 blocks
     )
     async with engine:
-        assert engine.adder is not None
-        observer = LedgerChecks(engine.adder)
-        engine.adder.observer = observer
+        assert engine.core.adder is not None
+        observer = LedgerChecks(engine.core.adder)
+        engine.core.adder.observer = observer
         prompts = _conversations(turns=6, talks=4)  # 24 requests of 24 .. 84 tokens
         # A burst: 24 requests at once for 3 running and 6 queued.
         outcomes = await asyncio.gather(*(_one(engine, p) for p in prompts))
@@ -73,16 +73,16 @@ async def test_a_trace_faster_than_capacity_keeps_the_books_and_refuses_only_wit
         again = [await _one(engine, prompts[-4 + k]) for _ in range(2) for k in range(4)]
         assert all(isinstance(o, GenerateOutput) for o in again), again
         assert all(o.finish_reason == "length" and len(o.output_ids) == 6 for o in served + again)  # type: ignore[union-attr]
-        engine.adder.observer = None
+        engine.core.adder.observer = None
         stats = await engine.current_stats()
         assert stats["hicache_host_hit_tokens"] > 0 and stats["hicache_evicted_tokens"] > 0, stats
         assert observer.checks > 0
         await assert_idle_invariants(engine)
-        engine.adder.kv.check()
+        engine.core.adder.kv.check()
         # Nothing held once the cache is dropped: every device slot and host slot is free again.
         assert await engine.flush_cache()
         stats = await engine.current_stats()
         assert stats["kv_free"] == stats["kv_pool_size"] and stats["hicache_host_cached"] == 0, stats
-        host = engine.adder.kv.host_tier
+        host = engine.core.adder.kv.host_tier
         assert host is not None and host.allocator.available_size() == host.size
     await close_and_check_tasks(engine)

@@ -30,12 +30,13 @@ from api.frontend.receiver import ModelLimits, Receiver
 from api.core.engine_core import Core, CoreSetup, load_core
 from api.frontend.core_client import CoreClient
 from api.launch import check_load_format, load_tokenizer, needs_tokenizer
-from api.frontend.replicas import CoreLink, Replicas
+from api.frontend.cores import EngineCores, InlineCore
+from api.frontend.replicas import Replicas
 from gpu.loader import resolve_model_dir
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor
 from runtime.config import DETERMINISTIC_SEED, EngineConfig
-from runtime.messages import AbortRequest, FlushCache, GenerateSpec, Submit
+from runtime.messages import AbortRequest, GenerateSpec, Submit
 from runtime.sampling_params import SamplingParams
 from runtime.service import ServiceClass
 from runtime.stream import Delta, RequestStream
@@ -121,7 +122,8 @@ class Engine:
         self.tokenizer: Any = None
         self.vocab_size = 0  # the model's, once started
         self.model_dir: Path | None = None  # the checkpoint directory (a GGUF file converted), once started
-        # Inline: the core's parts, for tests and benchmarks that look inside. Core process: None.
+        self.cores: EngineCores | None = None  # once started
+        # Inline: the core itself, for tests and benchmarks that look inside. Core process: None.
         self.core: Core | None = None
         self.runner: ModelRunner | None = None
         self.replicas: Replicas | None = None  # the core processes (one per dp replica), when not inline
@@ -141,24 +143,21 @@ class Engine:
     async def start(self) -> None:
         if self._started:
             return
-        if self.config.inline_core:
-            await self._start_inline()
-        else:
-            await self._start_core_process()
+        cores, limits = await (self._start_inline() if self.config.inline_core else self._start_core_processes())
+        self.cores = cores
+        self.receiver = Receiver(self.config, self.tokenizer, limits, policy=cores.to_policy, adder=cores.to_adder)
+        self._actors = [self.receiver, *cores.actors]
         for actor in self._actors:
             actor.start(self._actor_exited)
         self._started, self._closed = True, False
 
-    async def _start_inline(self) -> None:
+    async def _start_inline(self) -> tuple[EngineCores, ModelLimits]:
         core = await load_core(self.config, setup=self.core_setup)
         self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
-        self.prefix_cache = core.prefix_cache
-        self.policy, self.adder, self.executor, self.output = core.policy, core.adder, core.executor, core.output
         self.vocab_size, self.model_dir = core.runner.vocab_size, core.runner.model_dir
-        self.receiver = Receiver(self.config, self.tokenizer, core.limits, policy=core.policy.mailbox, adder=core.adder.mailbox)
-        self._actors = [self.receiver, *core.actors]
+        return InlineCore(core), core.limits
 
-    async def _start_core_process(self) -> None:
+    async def _start_core_processes(self) -> tuple[EngineCores, ModelLimits]:
         check_load_format(self.config.load_format, self.config.model_path)
         self.model_dir = await asyncio.to_thread(resolve_model_dir, self.config.model_path)  # converts a GGUF once
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config, self.model_dir)
@@ -169,10 +168,7 @@ class Engine:
         self.config = msgspec.structs.replace(ready.config, dp_size=self.config.dp_size, core_threads=self.config.core_threads, device=self.config.device)
         cfg = self.config
         assert cfg.context_length is not None and cfg.max_total_tokens is not None
-        limits = ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
-        link = CoreLink(replicas)
-        self.receiver = Receiver(cfg, self.tokenizer, limits, policy=link.mailbox, adder=link.mailbox)
-        self._actors = [self.receiver, link]
+        return replicas, ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
 
     async def close(self) -> None:
         """Abort what is in flight, stop every actor and its tasks."""
@@ -253,27 +249,21 @@ class Engine:
     async def flush_cache(self) -> bool:
         """Drop every cached prefix; False (nothing done) while requests are running or when the
         engine is not running."""
-        if not self._started:
+        if not self._started or self.cores is None:
             return False
-        if self.replicas is not None:
-            return await self.replicas.flush_cache()
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if not await self.adder.send(FlushCache(done)):
-            return False
-        return await done
+        return await self.cores.flush_cache()
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters; with a core process, as of its latest report (at most
         `STATS_PERIOD_S` old). `current_stats` waits for the core's counters as they are now."""
-        if not self._started:
+        if not self._started or self.cores is None:
             return {"running": False, "failure": self._failure}
-        core_stats = self.replicas.stats() if self.replicas is not None else self.core.stats()
-        return {**core_stats, "failure": self._failure}
+        return {**self.cores.stats(), "failure": self._failure}
 
     async def current_stats(self) -> dict[str, Any]:
-        if self.replicas is None or not self._started:
+        if not self._started or self.cores is None:
             return self.stats()
-        return {**await self.replicas.current_stats(), "failure": self._failure}
+        return {**await self.cores.current_stats(), "failure": self._failure}
 
     async def wait_failure(self) -> str:
         """Returns once the engine has failed (a crashed actor, a dead core process): why."""
@@ -319,10 +309,8 @@ class Engine:
         for actor in self._actors:
             await actor.stop(drain=False)
         self.receiver.fail_all(message, status=status, code=code)
-        if self.replicas is not None:
-            await self.replicas.close()
-        else:
-            self.core.executor.shutdown()
+        assert self.cores is not None
+        await self.cores.close()
 
 
 def _raise_for_refusal(delta: Delta) -> None:

@@ -18,7 +18,7 @@ import msgspec
 from api.core.engine_core import CoreSetup
 from api.frontend.core_client import CoreClient
 from api.router.routing import NoHealthyReplica, Router, RouterConfig
-from runtime.actor import Actor
+from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.ipc import CoreReady
 from runtime.messages import Enqueue, Wake
@@ -52,6 +52,20 @@ class Replicas:
         self.owner: dict[str, int] = {}  # rid -> the replica that holds it
         self.failures: dict[int, str] = {}  # replica -> why it is down
         self._closing: list[asyncio.Task[None]] = []
+        self.link = CoreLink(self)
+
+    # --- api/frontend/cores.py's EngineCores ----------------------------------------------------
+    @property
+    def actors(self) -> list[Actor]:
+        return [self.link]
+
+    @property
+    def to_policy(self) -> Mailbox[Enqueue | Wake]:
+        return self.link.mailbox
+
+    @property
+    def to_adder(self) -> Mailbox[Wake]:
+        return self.link.mailbox  # type: ignore[return-value]
 
     async def start(self) -> CoreReady:
         """Start every replica at once; all must come up (a failure closes the others)."""
