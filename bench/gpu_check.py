@@ -15,7 +15,7 @@
    row where torch's top two logits are at least CLEAR_GAP apart (random KV makes many rows
    near-ties, where bf16 kernels may pick either token: on an H200, 75-88% of all rows agreed).
 3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
-   submitted at t=0 through `api.Engine`, with graphs on / off and overlap on / off, flashinfer
+   submitted at t=0 through `actorserve.Engine`, with graphs on / off and overlap on / off, flashinfer
    and torch: output tokens per second from the first submit to the last answer.
 4. Tensor parallelism (with --tp-size N, default 2 where there are two GPUs): the same workload
    through `Engine(tp_size=N)` (NCCL, flashinfer + graphs, overlap on) against tp_size=1, and

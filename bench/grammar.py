@@ -6,7 +6,7 @@
 1. Masking, on the model's own tokenizer: N matchers of SCHEMA; per step each row's bitmask is
    filled, applied to [N, vocab] logits, a token is picked (greedy) and accepted: the work the
    Executor's forward thread adds to a step with N constrained rows. Median ms per step.
-2. W1-mixed-64 through `api.Engine` (greedy), every request with SCHEMA against none, in the same
+2. W1-mixed-64 through `actorserve.Engine` (greedy), every request with SCHEMA against none, in the same
    run after a warm-up, alternating free / constrained --repeats times: output tokens per second,
    medians, and their ratio (goal >= 0.9).
 """

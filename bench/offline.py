@@ -1,4 +1,4 @@
-"""Offline throughput: a standard workload through `api.Engine` and through transformers `generate`.
+"""Offline throughput: a standard workload through `actorserve.Engine` and through transformers `generate`.
 
     python -m bench.offline --workload W1-mixed --model tiny-qwen3 [--dtype float32|bfloat16]
         [--threads N] [--baseline-batch-size 16] [--num-requests N] [--no-baseline] [engine flags]

@@ -3,14 +3,14 @@
     # a running server (actorserve serve --model-path P --port 30000), native /generate
     python -m bench.serving --base-url http://127.0.0.1:30000 --backend native --workload W3-online \\
         --request-rate 4 --num-prompts 64
-    # an in-process api.Engine: no HTTP; engine flags as for `actorserve serve`
+    # an in-process actorserve.Engine: no HTTP; engine flags as for `actorserve serve`
     python -m bench.serving --engine --model-path tiny-qwen3 --workload W2-shared-prefix --schedule-policy lpm
     # the W3 rate sweep: one row per rate
     python -m bench.serving --engine --model-path tiny-qwen3 --rate-sweep 1,2,4,8,16,inf --num-prompts 32
 
 Target: `--base-url` with `--backend native` (POST /generate, streamed), `openai-completions`
 (POST /v1/completions, token-id prompts) or `openai-chat` (POST /v1/chat/completions, prompts
-decoded to text with the model's tokenizer); or `--engine` for an in-process `api.Engine` on this
+decoded to text with the model's tokenizer); or `--engine` for an in-process `actorserve.Engine` on this
 process's loop (the load generator then shares the loop with the engine).
 
 Datasets: `--workload W1-mixed|W1-mixed-64|W2-shared-prefix|W3-online|W4-multi-turn|
@@ -374,7 +374,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     t.add_argument("--base-url", default="http://127.0.0.1:30000", help="server address (default http://127.0.0.1:30000)")
     t.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     t.add_argument("--model", default=None, help="model name for the openai backends (default: the server's first model)")
-    t.add_argument("--engine", action="store_true", help="drive an in-process api.Engine instead of a server (engine flags below)")
+    t.add_argument("--engine", action="store_true", help="drive an in-process actorserve.Engine instead of a server (engine flags below)")
     t.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's) for sharegpt, openai-chat, multi-turn")
     t.add_argument("--vocab-size", type=int, default=None, help="id range of random prompts (default: the model's vocab_size)")
     d = p.add_argument_group("dataset")

@@ -1,4 +1,4 @@
-"""Where `bench.serving` sends requests, and how it times them: an in-process `api.Engine`, or a
+"""Where `bench.serving` sends requests, and how it times them: an in-process `actorserve.Engine`, or a
 server's native /generate, /v1/completions or /v1/chat/completions, streamed.
 
 A chunk "carries output" when it brings new tokens: native, meta_info.completion_tokens grew;

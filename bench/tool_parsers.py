@@ -9,7 +9,7 @@ each, so markers split often), and fed piece by piece to a fresh parser per answ
 chat does: plain text (no parsing), hermes, qwen3 reasoning + hermes, and llama3 on its own
 format. Median microseconds per token over --repeats runs of --answers answers.
 
-Then, through `api.Engine` on bench.offline's tiny Qwen3: 16 requests of 64 greedy tokens, free
+Then, through `actorserve.Engine` on bench.offline's tiny Qwen3: 16 requests of 64 greedy tokens, free
 against `tool_choice: required` (the grammar the chat server builds from a tool whose arguments
 are at least 1,000 integers, so no call can end before its 64 tokens and both runs decode the same
 tokens), alternating --engine-repeats times after a warm-up: median seconds and the ratio.

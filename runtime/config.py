@@ -1,7 +1,7 @@
 """`EngineConfig`: every engine setting, with SGLang's argument names.
 
 The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-policy`), and
-`api.Engine(**kwargs)` takes the same names. Values that depend on the model or the device
+`actorserve.Engine(**kwargs)` takes the same names. Values that depend on the model or the device
 ("auto", None) are resolved by the Engine, which then builds a new frozen config with
 `msgspec.structs.replace`; contradictions are rejected at construction, naming the flags.
 """

@@ -1,4 +1,4 @@
-"""The HTTP server: an aiohttp application over one `api.Engine`.
+"""The HTTP server: an aiohttp application over one `actorserve.Engine`.
 
     OpenAI-compatible   POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, GET /v1/models
                         GET and DELETE /v1/responses/{id} (stored responses)
