@@ -6,11 +6,23 @@ handles; every request ends served or refused with a 503 and a code; at the end 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
+
+import pytest
+import torch
 
 from actors.adder import Adder
 from api.frontend.engine import Engine, GenerateOutput, Rejected
-from runtime.actor import Actor
+from cache import RadixCache, token_array
+from cache.host_tier import HostTier
+from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
+from runtime.actor import Actor, Mailbox
+from runtime.config import EngineConfig
+from runtime.messages import Batch, PolicyMsg, Ranked, Wake
+from runtime.req import CallerRequest, Req
+from runtime.sampling_params import SamplingParams
+from tests.actor_helpers import taken
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -86,3 +98,44 @@ async def test_a_trace_faster_than_capacity_keeps_the_books_and_refuses_only_wit
         host = engine.core.adder.kv.host_tier
         assert host is not None and host.allocator.available_size() == host.size
     await close_and_check_tasks(engine)
+
+
+@dataclass
+class _KVPools:
+    """The part of a ModelRunner the Adder reads."""
+
+    allocator: TokenSlotAllocator
+    req_to_token: ReqToTokenPool
+
+
+def _req(rid: str, prompt: list[int], max_new: int = 2) -> Req:
+    return Req(CallerRequest(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=max_new)), prompt_key=token_array(prompt))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "actors/adder.py: the PrefillAdder's free_slots is read once per round, before the candidates are "
+    "matched; a match that loads from the host tier takes free slots that the budget still counts, so "
+    "a later candidate chunked to the remaining budget cannot get its KV"))
+async def test_a_host_load_in_a_round_leaves_the_next_candidates_budget_true():
+    """One admission round: `a` continues 16 tokens on the host tier (loaded into 16 free slots,
+    nothing evicted), then `b`, a fresh 50-token prompt, is admitted on a budget that still counts those 16 slots
+    (47 are free: 48 to 50 tokens crash the Adder, found by bench.trace_serving with a 4x host tier)."""
+    pool = 64
+    allocator = TokenSlotAllocator(pool, 1)
+    host = HostTier(64, 4, 1, "write_through")
+    shared = list(range(100, 116))
+    host.store(shared, torch.arange(1, 17), None)  # as if evicted from the device earlier
+    host.take_pending()
+    to_policy: Mailbox[PolicyMsg] = Mailbox()
+    to_executor: Mailbox[Batch] = Mailbox()
+    config = EngineConfig(model_path="unused", chunked_prefill_size=64, disable_overlap_schedule=True)
+    adder = Adder(config, _KVPools(allocator, ReqToTokenPool(4, 256)), RadixCache(allocator, page_size=1, host_tier=host),
+                  inbox=Mailbox(), policy=to_policy, executor=to_executor)
+    await adder.handle(Wake())
+    taken(to_policy)
+    a, b = _req("a", [*shared, 7]), _req("b", list(range(200, 250)))
+    await adder.handle(Ranked(reqs=[a, b], num_waiting=0))
+    adder.kv.check()
+    (batch,) = taken(to_executor)
+    assert a.sched.cached_tokens == 16 and "a" in [r.rid for r in batch.reqs]
+    assert sum(batch.extend_lens) <= pool - 16  # what the pool held once a's prefix was loaded
