@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from api.core.engine_core import CoreSetup
-from api.frontend.engine import Engine, Rejected
+from api.frontend.engine import Engine, EngineError, Rejected
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.overhead import TOKEN_MARGIN, NullDevice
 from bench.trace_replay import BLOCK, TraceRequest, read_trace
@@ -43,6 +43,7 @@ from runtime.messages import Batch
 
 VOCAB = 512
 DIGITS = 3  # base-(VOCAB - 2 * TOKEN_MARGIN) digits of a block id at the start of its block
+FAILED = "engine_error"  # an Outcome's code when the engine failed under the request
 H100_MEMORY_BYTES = 80e9
 MEM_FRACTION_STATIC = 0.9
 WEIGHT_BYTES_8B = 16e9
@@ -119,8 +120,9 @@ def trace_model_dir() -> Path:
 class Outcome:
     prompt_tokens: int
     cached_tokens: int
-    ttft_s: float | None  # None: refused (`code` says why)
+    ttft_s: float | None  # None: refused or failed (`code` says why)
     code: str | None = None
+    error: str | None = None  # the engine's failure, when code is FAILED
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +142,8 @@ class Result:
         prompt = sum(o.prompt_tokens for o in self.outcomes)
         saved = sum(o.cached_tokens for o in self.outcomes)
         return {
-            "cache": self.name, "requests": len(self.outcomes), "refused": sum(o.ttft_s is None for o in self.outcomes),
+            "cache": self.name, "requests": len(self.outcomes), "refused": sum(o.ttft_s is None and o.code != FAILED for o in self.outcomes),
+            "failed": sum(o.code == FAILED for o in self.outcomes),
             "hit_rate": round(saved / max(prompt, 1), 4), "host_hit_rate": round(self.host_hit_tokens / max(prompt, 1), 4),
             "prefill_tokens_saved": saved, "prompt_tokens": prompt,
             "ttft_p50_ms": round(statistics.median(ttft), 1) if ttft else None, "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ttft else None,
@@ -167,7 +170,10 @@ async def serve(
         t0 = trace[0].timestamp
         outcomes = await asyncio.gather(*(_one(engine, r, start + (r.timestamp - t0) / 1000 / time_scale / sim_speed) for r in trace))
         seconds = time.perf_counter() - start
-        stats = await engine.current_stats()
+        failures = [o.error for o in outcomes if o.code == FAILED]
+        if failures:
+            print(f"{name}: {len(failures)} requests failed; the first: {failures[0]}", flush=True)
+        stats = {} if failures else await engine.current_stats()
         # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
         runner: Any = engine.core.executor.step_runner
         return Result(name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds)
@@ -187,6 +193,8 @@ async def _one(engine: Engine, req: TraceRequest, at: float) -> Outcome:
             cached = delta.cached_tokens or cached
     except Rejected as refused:
         return Outcome(len(ids), 0, None, refused.code)
+    except EngineError as failure:  # the engine crashed (a 500): counted and shown, never hidden
+        return Outcome(len(ids), 0, None, FAILED, str(failure))
     return Outcome(len(ids), cached, None if first is None else first - sent)
 
 
@@ -203,7 +211,9 @@ HEADER = ("| cache | requests | hit rate | from host | prefill tokens saved | TT
 def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
     def change(key: str) -> str:
         return f"{(row[key] / base[key] - 1) * 100:+.0f}%" if row[key] and base[key] else "-"
-    served = row["requests"] - row["refused"]
+    served = row["requests"] - row["refused"] - row["failed"]
+    if row["failed"]:
+        return f"| {row['cache']} | {served} | the engine failed: {row['failed']} requests ended with an error |"
     return (f"| {row['cache']} | {served} | {row['hit_rate']:.1%} | {row['host_hit_rate']:.1%} | {row['prefill_tokens_saved']:,} | "
             f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} |")
 
