@@ -32,6 +32,7 @@ from gpu.sampler import SamplingInfo, TokenSpans
 from runtime.actor import Actor, ExitCallback, Mailbox
 from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
+from runtime.sampling_params import SamplingParams
 
 
 class PendingStep(Protocol):
@@ -110,6 +111,7 @@ class ModelStepRunner:
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
         )
         self.streams = StepStreams(runner.device) if runner.device.type == "cuda" else None
+        self._sampling: tuple[tuple[SamplingParams, ...], SamplingInfo] | None = None  # see _sampling_info
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOut | _Launched:
@@ -180,7 +182,7 @@ class ModelStepRunner:
         constraints = [c for i in constrained if (c := batch.reqs[i].sched.constraint) is not None]
         if constraints:
             mask_logits(logits, constrained, constraints)
-        info = SamplingInfo.from_params([r.asked.sampling for r in batch.reqs], runner.device)
+        info = self._sampling_info(batch)
         # Penalties count prompt and output tokens in the token pool where it lies: on CUDA, reading
         # them back to the host would wait for the step in flight.
         result = runner.sample(
@@ -195,6 +197,18 @@ class ModelStepRunner:
         self._store_tokens(batch, result.token_ids)
         top = result.top_logprobs or (None, None)
         return fb, logits, (result.token_ids, result.logprobs, *top, *prompt_results)
+
+    def _sampling_info(self, batch: Batch) -> SamplingInfo:
+        """The batch's sampling tensors. Built from the rows' (frozen) params, so the last one is
+        kept while the rows keep theirs: every decode step of an unchanged running set reuses it
+        instead of building and copying it again per token."""
+        params = tuple(r.asked.sampling for r in batch.reqs)
+        kept = self._sampling
+        if kept is not None and len(kept[0]) == len(params) and all(a is b for a, b in zip(kept[0], params)):
+            return kept[1]
+        info = SamplingInfo.from_params(params, self.runner.device)
+        self._sampling = (params, info)  # holds the params: their identities cannot be reused
+        return info
 
     def _forward_batch(self, batch: Batch) -> ForwardBatch:
         device = self.runner.device

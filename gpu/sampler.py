@@ -343,6 +343,10 @@ class Sampler:
         """
         if logits.dim() != 2 or logits.shape[0] != info.batch_size:
             raise ValueError(f"logits must be [{info.batch_size}, vocab], got {list(logits.shape)}")
+        if info.all_greedy and info.logit_bias is None and not (info.repetition_rows or info.freq_presence_rows):
+            # Nothing changes a logit: the argmax of the logits as they are (widening bfloat16 or
+            # float16 to float32 is exact, so a float32 copy would pick the same ids).
+            return _with_logprobs(logits, greedy_ids(logits), info)
         penalised = apply_penalties(logits, info, output_ids, prompt_ids)
         if info.logit_bias is not None:
             rows, tokens, values = info.logit_bias

@@ -461,6 +461,21 @@ def test_low_precision_logits(dtype: torch.dtype, device: str) -> None:
     assert torch.allclose(out.logprobs, torch.log_softmax(wide, -1).gather(1, out.token_ids[:, None]).squeeze(1))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_all_greedy_low_precision_logits_pick_the_float32_argmax(dtype: torch.dtype, device: str) -> None:
+    """The all-greedy path takes the argmax of the logits as they are: the same ids as of their
+    float32 copy, ties (first index) included; a logit_bias or a penalty still applies."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-4, 4, (6, 300), generator=gen).to(dtype).to(device)  # many equal maxima
+    out = Sampler().sample(logits, info_for([SamplingParams(temperature=0.0)] * 6, device))
+    assert torch.equal(out.token_ids, logits.float().argmax(dim=-1))
+    biased = [SamplingParams(temperature=0.0, logit_bias={299: 100.0})] * 6
+    assert Sampler().sample(logits, info_for(biased, device)).token_ids.tolist() == [299] * 6
+    top = int(logits[0].float().argmax())
+    penalised = Sampler().sample(logits[:1], info_for([SamplingParams(temperature=0.0, presence_penalty=2.0)], device), output_ids=[[top]])
+    assert int(penalised.token_ids[0]) != top
+
+
 def test_logits_shape_must_match_the_batch() -> None:
     with pytest.raises(ValueError, match="logits"):
         Sampler().sample(torch.zeros(2, 4), info_for([SamplingParams()]))
