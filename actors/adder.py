@@ -278,7 +278,10 @@ class Adder(Actor[AdderMsg]):
                     return candidates[i:]  # not matched, as SGLang breaks before matching
             # After a preemption too: releasing victims may have evicted what an earlier match found.
             prefetch, req.sched.prefetch = req.sched.prefetch, None
+            free_before = self.kv.free_slots()
             match = self.kv.match(match_key(req), req.asked.extra_key, prefetch)  # type: ignore[arg-type]
+            # A match continued from the host tier took free slots (SGLang's budget reads the pool live).
+            adder.free_slots += self.kv.free_slots() - free_before
             result = adder.add_one_req(req, match, has_chunked_req=adder.new_chunked_req is not None)
             admitted = bool(adder.admitted) and adder.admitted[-1].req is req
             rows_left -= admitted

@@ -209,6 +209,7 @@ def _storage_tier(cfg: EngineConfig, runner: ModelRunner) -> StorageTier | None:
     return StorageTier(
         cfg.hicache_storage_dir, identity, layout, cfg.hicache_block_tokens,
         cfg.hicache_storage_prefetch_policy, cfg.hicache_storage_prefetch_timeout_s,
+        capacity_bytes=None if cfg.hicache_storage_capacity_gb is None else int(cfg.hicache_storage_capacity_gb * 1e9),
     )
 
 
