@@ -9,7 +9,6 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 import torch
 
 from actors.adder import Adder
