@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -102,6 +102,36 @@ def hit_rate_figure(series: Mapping[str, tuple[Sequence[float], Sequence[float]]
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="upper left")
+    return fig
+
+
+TRACE_TITLES = ("Prompt tokens found in the cache", "TTFT p50", "TTFT p99")
+
+
+class OverTime(NamedTuple):
+    """One setting of a trace replay, per window of trace time."""
+
+    minutes: list[float]  # window starts
+    hit_rate: list[float]  # share of the window's prompt tokens found in any tier
+    ttft_p50_ms: list[float | None]  # None: no request of the window got a first token
+    ttft_p99_ms: list[float | None]
+
+
+def trace_figure(series: Mapping[str, OverTime], title: str) -> Figure:
+    """bench.trace_serving's figure: hit rate and TTFT over the trace's time, one line per
+    setting (cache configuration) in each panel."""
+    fig, axes = _grid(len(TRACE_TITLES), cols=3)
+    for run, (name, s) in enumerate(series.items()):
+        values = ([100.0 * r for r in s.hit_rate], s.ttft_p50_ms, s.ttft_p99_ms)
+        for ax, ys in zip(axes, values):
+            shown = [(x, y) for x, y in zip(s.minutes, ys) if y is not None]
+            ax.plot([x for x, _ in shown], [y for _, y in shown], label=name, gid=f"run{run}")
+    for ax, panel, unit in zip(axes, TRACE_TITLES, ("%", "ms", "ms")):
+        ax.set(title=panel, xlabel="trace time (min)", ylabel=unit)
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylim(0, 100)
+    fig.suptitle(title, y=0.9, fontsize="small")
+    _legend(fig, axes)
     return fig
 
 

@@ -37,6 +37,7 @@ from api.core.engine_core import CoreSetup
 from api.frontend.engine import Engine, EngineError, Rejected
 from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.overhead import TOKEN_MARGIN, NullDevice
+from bench.serving_plot import OverTime, plot_problem, save, trace_figure
 from bench.trace_replay import BLOCK, TraceRequest, read_trace
 from gpu.model_runner import ModelRunner
 from runtime.messages import Batch
@@ -121,6 +122,7 @@ class Outcome:
     prompt_tokens: int
     cached_tokens: int
     ttft_s: float | None  # None: refused or failed (`code` says why)
+    arrival_s: float = 0.0  # its arrival in trace seconds after the first request's
     code: str | None = None
     error: str | None = None  # the engine's failure, when code is FAILED
 
@@ -136,6 +138,19 @@ class Result:
 
     def ttfts_ms(self) -> list[float]:
         return sorted(o.ttft_s * 1e3 for o in self.outcomes if o.ttft_s is not None)
+
+    def over_time(self, window_s: float, sim_speed: float) -> OverTime:
+        """Hit rate and modelled TTFT p50/p99 per `window_s` seconds of trace time (by arrival)."""
+        windows: dict[int, list[Outcome]] = {}
+        for o in self.outcomes:
+            windows.setdefault(int(o.arrival_s // window_s), []).append(o)
+        keys = sorted(windows)
+        hit = [sum(o.cached_tokens for o in windows[k]) / max(1, sum(o.prompt_tokens for o in windows[k])) for k in keys]
+        ttfts = [sorted(o.ttft_s * 1e3 * sim_speed for o in windows[k] if o.ttft_s is not None) for k in keys]
+        return OverTime(
+            [k * window_s / 60 for k in keys], hit,
+            [statistics.median(t) if t else None for t in ttfts], [percentile(t, 0.99) if t else None for t in ttfts],
+        )
 
     def row(self, sim_speed: float) -> dict[str, Any]:
         ttft = [t * sim_speed for t in self.ttfts_ms()]
@@ -168,7 +183,7 @@ async def serve(
     try:
         start = time.perf_counter()
         t0 = trace[0].timestamp
-        outcomes = await asyncio.gather(*(_one(engine, r, start + (r.timestamp - t0) / 1000 / time_scale / sim_speed) for r in trace))
+        outcomes = await asyncio.gather(*(_one(engine, r, start, (r.timestamp - t0) / 1000, time_scale * sim_speed) for r in trace))
         seconds = time.perf_counter() - start
         failures = [o.error for o in outcomes if o.code == FAILED]
         if failures:
@@ -181,9 +196,10 @@ async def serve(
         await engine.close()
 
 
-async def _one(engine: Engine, req: TraceRequest, at: float) -> Outcome:
+async def _one(engine: Engine, req: TraceRequest, start: float, arrival_s: float, speed: float) -> Outcome:
+    """`req` sent at `arrival_s` trace seconds after `start`, `speed` times faster."""
     ids = prompt_ids(req)
-    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    await asyncio.sleep(max(0.0, start + arrival_s / speed - time.perf_counter()))
     sent, first, cached = time.perf_counter(), None, 0
     params = {"max_new_tokens": max(req.output_length, 1), "temperature": 0, "ignore_eos": True}
     try:
@@ -192,10 +208,10 @@ async def _one(engine: Engine, req: TraceRequest, at: float) -> Outcome:
                 first = time.perf_counter()
             cached = delta.cached_tokens or cached
     except Rejected as refused:
-        return Outcome(len(ids), 0, None, refused.code)
+        return Outcome(len(ids), 0, None, arrival_s, refused.code)
     except EngineError as failure:  # the engine crashed (a 500): counted and shown, never hidden
-        return Outcome(len(ids), 0, None, FAILED, str(failure))
-    return Outcome(len(ids), cached, None if first is None else first - sent)
+        return Outcome(len(ids), 0, None, arrival_s, FAILED, str(failure))
+    return Outcome(len(ids), cached, None if first is None else first - sent, arrival_s)
 
 
 def settings(host_ratios: list[float], radix: bool = True) -> list[tuple[str, dict[str, Any]]]:
@@ -226,9 +242,11 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
           f"{sum(r.input_length for r in trace):,} prompt tokens; {device.name}, pool {pool_tokens(device):,} tokens, "
           f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s")
     rows = []
+    series: dict[str, OverTime] = {}
     for name, config in settings(args.host_ratio, not args.no_radix):
         result = await serve(trace, name, device, config, args.time_scale, args.sim_speed)
         rows.append(result.row(args.sim_speed))
+        series[name] = result.over_time(args.plot_window_s, args.sim_speed)
         print(json.dumps(rows[-1]), flush=True)
         if args.output:
             with open(args.output, "a") as f:
@@ -236,6 +254,9 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(HEADER)
     for row in rows:
         print(table_row(row, rows[0]))
+    if args.plot is not None:
+        title = f"{Path(args.trace).name}, first {len(trace)} requests, {device.name}, {args.plot_window_s:g} s windows"
+        print(f"plot: {save(trace_figure(series, title), args.plot)}")
     return rows
 
 
@@ -249,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-ratio", type=float, nargs="*", default=[2.0, 4.0], help="host tier sizes, times the device pool")
     p.add_argument("--no-radix", action="store_true", help="leave out the radix-only run (the table's changes are then against the first host tier)")
     p.add_argument("--output", default=None, help="append one JSON line per setting")
+    p.add_argument("--plot", type=Path, default=None, help="hit rate and TTFT p50/p99 over the trace's time, a line per setting, to this .png, .svg or .pdf")
+    p.add_argument("--plot-window-s", type=float, default=60.0, help="the plot's windows, in trace seconds")
     args = p.parse_args(argv)
+    if args.plot is not None and (problem := plot_problem(args.plot)):
+        p.error(problem)
     if args.time_scale <= 0 or args.sim_speed <= 0 or args.requests < 1:
         p.error("--time-scale, --sim-speed and --requests must be positive")
     asyncio.run(main_async(args))

@@ -11,9 +11,10 @@ from xml.etree import ElementTree
 import matplotlib.image  # the `plot` extra, which `make setup` installs: a missing one fails here, not skips
 import pytest
 
-from bench import scheduling, serving
+from bench import scheduling, serving, trace_serving
 from bench.serving_metrics import RequestOutput
-from bench.serving_plot import INSTALL, SERVING_TITLES, class_figure, plot_runs, save, serving_figure
+from bench.serving_plot import INSTALL, SERVING_TITLES, TRACE_TITLES, class_figure, plot_runs, save, serving_figure, trace_figure
+from bench.trace_serving import Outcome, Result
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -26,7 +27,7 @@ def svg_panels(path: Path) -> dict[str, int]:
         if not group.get("id", "").startswith("panel"):
             continue
         texts = ["".join(t.itertext()).strip() for t in group.iter(f"{SVG}text")]
-        [title] = [t for t in texts if t in SERVING_TITLES or t.startswith("TTFT CDF: ")]
+        [title] = [t for t in texts if t in SERVING_TITLES or t in TRACE_TITLES or t.startswith("TTFT CDF: ")]
         panels[title] = sum(1 for g in group.iter(f"{SVG}g") if g.get("id", "").startswith("run"))
     return panels
 
@@ -67,9 +68,22 @@ def test_class_figure_has_a_panel_per_class_and_a_line_per_setting(tmp_path: Pat
     assert svg_panels(out) == {"TTFT CDF: priority 0": 2, "TTFT CDF: priority 10": 2}
 
 
-@pytest.mark.parametrize("module", [serving, scheduling])
+def test_trace_figure_has_hit_rate_and_ttft_over_time_a_line_per_setting(tmp_path: Path) -> None:
+    """bench.trace_serving's figure from two settings' outcomes: windows by arrival, TTFT in
+    modelled ms (times the simulation speed-up), a window where no request got a token left out."""
+    radix = Result("radix", [Outcome(100, 0, 0.010, 5.0), Outcome(100, 50, 0.030, 30.0), Outcome(100, 100, 0.002, 70.0)], 0, 0.0, 0, 1.0)
+    host = Result("host 2x", [Outcome(100, 100, 0.001, 5.0), Outcome(100, 0, None, 65.0, "queue_full")], 0, 0.0, 0, 1.0)
+    over = radix.over_time(60.0, sim_speed=2.0)
+    assert over.minutes == [0.0, 1.0] and over.hit_rate == [0.25, 1.0]
+    assert over.ttft_p50_ms == pytest.approx([40.0, 4.0]) and over.ttft_p99_ms == pytest.approx([60.0, 4.0])
+    assert host.over_time(60.0, sim_speed=2.0).ttft_p50_ms == [pytest.approx(2.0), None]
+    out = save(trace_figure({"radix": over, "host 2x": host.over_time(60.0, 2.0)}, "trace"), tmp_path / "t.svg")
+    assert svg_panels(out) == {title: 2 for title in TRACE_TITLES}
+
+
+@pytest.mark.parametrize("module", [serving, scheduling, trace_serving])
 def test_plot_is_refused_before_the_run_with_the_fix(module, monkeypatch, capsys, tmp_path: Path) -> None:
-    parse = serving.parse_args if module is serving else scheduling.main
+    parse = {serving: serving.parse_args, scheduling: scheduling.main, trace_serving: trace_serving.main}[module]
     with pytest.raises(SystemExit):
         parse(["--plot", str(tmp_path / "out.jpg")])
     assert "--plot writes .png, .svg, .pdf files" in capsys.readouterr().err
