@@ -125,7 +125,7 @@ def trace_figure(series: Mapping[str, OverTime], title: str) -> Figure:
         values = ([100.0 * r for r in s.hit_rate], s.ttft_p50_ms, s.ttft_p99_ms)
         for ax, ys in zip(axes, values):
             shown = [(x, y) for x, y in zip(s.minutes, ys) if y is not None]
-            ax.plot([x for x, _ in shown], [y for _, y in shown], label=name, gid=f"run{run}")
+            ax.plot([x for x, _ in shown], [y for _, y in shown], marker=".", label=name, gid=f"run{run}")  # a lone window shows too
     for ax, panel, unit in zip(axes, TRACE_TITLES, ("%", "ms", "ms")):
         ax.set(title=panel, xlabel="trace time (min)", ylabel=unit)
         ax.grid(True, alpha=0.3)
