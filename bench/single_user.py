@@ -58,6 +58,16 @@ class Sample:
     tokens: int
 
 
+@dataclasses.dataclass(slots=True)
+class ServingCpu:
+    """CPU ms per streamed token of an actorserve server's two serving threads: the HTTP server's
+    process (all its threads) and the engine core's loop thread (its forward threads excluded).
+    Other processes on the machine do not add to these, unlike to wall times."""
+
+    frontend_ms: float
+    core_loop_ms: float
+
+
 def main() -> None:
     args = _args()
     gguf = args.gguf or str(_default_gguf())
@@ -65,14 +75,16 @@ def main() -> None:
     print(f"cpu flags: {_cpu_flags()}")
     print(f"load before: {_loadavg()}")
     samples: dict[str, list[Sample]] = {s.label: [] for s in servers}
+    cpu: dict[str, list[ServingCpu]] = {s.label: [] for s in servers}
     for round_ in range(args.rounds):
         for server in servers:
-            got = _run_server(server, args)
+            got, serving_cpu = _run_server(server, args)
             samples[server.label] += got
+            cpu[server.label] += [serving_cpu] if serving_cpu is not None else []
             print(f"round {round_ + 1} {server.label}: " + ", ".join(f"{s.decode_tok_s:.1f} tok/s ttft {s.ttft_s * 1e3:.1f} ms" for s in got), flush=True)
     forward = {mode: _bare_forward_ms(mode, gguf, args.threads, args.forward_repeats) for mode in args.modes} if args.forward_repeats else {}
     print(f"load after: {_loadavg()}")
-    _table(samples, forward)
+    _table(samples, cpu, forward)
 
 
 def _args() -> argparse.Namespace:
@@ -86,6 +98,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=4, help="counted requests per server per round (after one warm-up)")
     p.add_argument("--baseline-tree", default=None, help="also run actorserve from this checkout, labelled 'baseline'")
     p.add_argument("--baseline-modes", type=lambda s: [m for m in s.split(",") if m], default=None, help="its modes (default: --modes)")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=MODE:FLAGS",
+                   help="also run actorserve in MODE with extra serve FLAGS, labelled 'actorserve MODE NAME' (repeatable)")
     p.add_argument("--forward-repeats", type=int, default=5, help="0: skip the bare forward")
     return p.parse_args()
 
@@ -105,17 +119,21 @@ def _servers(args: argparse.Namespace, gguf: str) -> list[Server]:
     trees = [("", ROOT, args.modes)]
     if args.baseline_tree:
         trees.append(("baseline ", Path(args.baseline_tree).resolve(), args.baseline_modes or args.modes))
-    for prefix, tree, modes in trees:
-        for mode in modes:
-            dtype, quant = ("bfloat16", ("--quantization", "int8")) if mode == "int8" else (mode, ())
-            argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
-                    "--dtype", dtype, *quant, "--core-threads", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
-                    "--log-level", "warning")
-            servers.append(Server(f"{prefix}actorserve {mode}", argv, tree, (("PYTHONPATH", str(tree)), ("HF_HUB_OFFLINE", "1"))))
+    runs = [(f"{prefix}actorserve {mode}", tree, mode, ()) for prefix, tree, modes in trees for mode in modes]
+    for variant in args.variant:
+        name, spec = variant.split("=", 1)
+        mode, flags = spec.split(":", 1)
+        runs.append((f"actorserve {mode} {name}", ROOT, mode, tuple(flags.split())))
+    for label, tree, mode, flags in runs:
+        dtype, quant = ("bfloat16", ("--quantization", "int8")) if mode == "int8" else (mode, ())
+        argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
+                "--dtype", dtype, *quant, "--core-threads", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
+                "--log-level", "warning", *flags)
+        servers.append(Server(label, argv, tree, (("PYTHONPATH", str(tree)), ("HF_HUB_OFFLINE", "1"))))
     return servers
 
 
-def _run_server(server: Server, args: argparse.Namespace) -> list[Sample]:
+def _run_server(server: Server, args: argparse.Namespace) -> tuple[list[Sample], ServingCpu | None]:
     port = _free_port()
     argv = [a.replace("{port}", str(port)) for a in server.argv]
     env = {**os.environ, **dict(server.env)}
@@ -132,7 +150,7 @@ def _run_server(server: Server, args: argparse.Namespace) -> list[Sample]:
         proc.stderr.close()  # type: ignore[union-attr]
 
 
-async def _measure(base: str, proc: subprocess.Popen, requests: int) -> list[Sample]:
+async def _measure(base: str, proc: subprocess.Popen, requests: int) -> tuple[list[Sample], ServingCpu | None]:
     prompt = [1000 + (i * 37) % 20000 for i in range(PROMPT_LEN)]  # fixed ids, the same on every server
     # A connection per request: llama-server closes a streamed response's connection, and a reused
     # one would fail; both servers get the same.
@@ -140,7 +158,27 @@ async def _measure(base: str, proc: subprocess.Popen, requests: int) -> list[Sam
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
         await _wait_ready(session, base, proc)
         await _complete(session, base, prompt)  # fills the prefix cache; not counted
-        return [await _complete(session, base, prompt) for _ in range(requests)]
+        core = _core_pid(proc.pid)
+        before = (_cpu_s(proc.pid), _cpu_s(core, thread=core)) if core is not None else None
+        samples = [await _complete(session, base, prompt) for _ in range(requests)]
+        if core is None or before is None:
+            return samples, None
+        tokens = sum(s.tokens for s in samples)
+        frontend, loop = _cpu_s(proc.pid) - before[0], _cpu_s(core, thread=core) - before[1]
+        return samples, ServingCpu(frontend_ms=frontend / tokens * 1e3, core_loop_ms=loop / tokens * 1e3)
+
+
+def _core_pid(server_pid: int) -> int | None:
+    """The engine core process the server started (None: a server without one)."""
+    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
+    return next((int(c) for c in children if b"api.core.process" in Path(f"/proc/{c}/cmdline").read_bytes()), None)
+
+
+def _cpu_s(pid: int, thread: int | None = None) -> float:
+    """User + system CPU seconds of a process (all its threads), or of one of its threads."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
+    fields = Path(path).read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
@@ -193,16 +231,20 @@ def _bare_forward_ms(mode: str, gguf: str, threads: int, repeats: int) -> float:
     return statistics.median(_engine_decode(runner, [PROMPT_LEN], steps) for _ in range(repeats)) / steps * 1e3
 
 
-def _table(samples: dict[str, list[Sample]], forward: dict[str, float]) -> None:
-    print("\n| server | decode tok/s (median) | ms/token | TTFT repeated prompt, ms (median) | bare forward ms/token | serving overhead ms/token | requests |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+def _table(samples: dict[str, list[Sample]], cpu: dict[str, list[ServingCpu]], forward: dict[str, float]) -> None:
+    print("\n| server | decode tok/s (median) | ms/token | TTFT repeated prompt, ms (median) | TTFT / ms per token | bare forward ms/token "
+          "| ms/token over the bare forward | frontend CPU ms/token | core loop CPU ms/token | requests |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, got in samples.items():
         tok_s = statistics.median(s.decode_tok_s for s in got)
         ttft = statistics.median(s.ttft_s for s in got) * 1e3
-        mode = label.split()[-1]
-        fwd = forward.get(mode) if label.split()[0] in ("actorserve", "baseline") else None
+        words = label.split()
+        mode = words[words.index("actorserve") + 1] if "actorserve" in words else ""
+        fwd = forward.get(mode)
         fwd_cell, over_cell = ("", "") if fwd is None else (f"{fwd:.2f}", f"{1e3 / tok_s - fwd:.2f}")
-        print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {fwd_cell} | {over_cell} | {len(got)} |")
+        runs = cpu[label]
+        front, loop = (f"{statistics.median(c.frontend_ms for c in runs):.2f}", f"{statistics.median(c.core_loop_ms for c in runs):.2f}") if runs else ("", "")
+        print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {ttft * tok_s / 1e3:.2f} | {fwd_cell} | {over_cell} | {front} | {loop} | {len(got)} |")
 
 
 def _free_port() -> int:
