@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from api.cli import _parser
 from api.server.cli import engine_kwargs
-from bench.quant_accuracy import all_logits
+from bench.quant_accuracy import PARITY_PROMPTS, all_logits
 from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension, cxx_compiler
 from gpu.gguf_loader import default_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -33,11 +33,6 @@ from runtime.sampling_params import SamplingParams
 
 from tests.conftest import built_or_skipped
 
-PARITY_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n",
-]
 GREEDY_PROMPTS = [
     *PARITY_PROMPTS,
     "Once upon a time",
