@@ -20,7 +20,7 @@ which request gets memory; it only keeps the books and says what is free or coul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
