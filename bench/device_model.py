@@ -65,9 +65,14 @@ class DeviceModel:
     # Host -> device copies (the host tier's loads, cache/host_tier.py): PCIe Gen5 x16 is 64 GB/s
     # each way (H100 SXM datasheet: 128 GB/s both ways); pinned copies reach about 80% of it.
     host_link_bytes_per_s: float = 64e9 * 0.8
+    # Storage -> host reads (the storage tier's hits, cache/storage_tier.py): one PCIe Gen4 x4 NVMe
+    # SSD, whose link carries 16 GT/s x 4 lanes x 128/130 / 8 = 7.88 GB/s (drives of that generation
+    # list up to ~7 GB/s of sequential reads; a block of 64 tokens is 9.4 MB here, a sequential
+    # read); 80% of the link, as for the host link.
+    storage_read_bytes_per_s: float = 7.88e9 * 0.8
 
     def __post_init__(self) -> None:
-        positive = (self.weight_params, self.layers, self.q_heads, self.kv_heads, self.head_dim, self.peak_flops, self.bandwidth, self.tp, self.launch_s, self.dtype_bytes, self.host_link_bytes_per_s)
+        positive = (self.weight_params, self.layers, self.q_heads, self.kv_heads, self.head_dim, self.peak_flops, self.bandwidth, self.tp, self.launch_s, self.dtype_bytes, self.host_link_bytes_per_s, self.storage_read_bytes_per_s)
         if min(positive) <= 0:
             raise ValueError(f"{self.name}: every constant must be positive")
         if not (0 < self.mfu <= 1 and 0 < self.bandwidth_eff <= 1):
@@ -119,6 +124,10 @@ class DeviceModel:
     def host_load_s(self, tokens: int) -> float:
         """Seconds to copy `tokens` tokens of K/V from host memory to this GPU."""
         return tokens * self.kv_bytes_per_token / self.host_link_bytes_per_s
+
+    def storage_read_s(self, tokens: int) -> float:
+        """Seconds to read `tokens` tokens of K/V from the storage tier's disk into host memory."""
+        return tokens * self.kv_bytes_per_token / self.storage_read_bytes_per_s
 
     # --- steady-state throughput ---
 

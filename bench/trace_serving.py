@@ -1,7 +1,7 @@
 """TTFT on a Mooncake-format trace served by the real actors over the cost-model device, with the
-radix cache alone and with a host tier under it (issue 32).
+radix cache alone, with a host tier under it, and with a storage tier under that (issue 32).
 
-    python -m bench.trace_serving --requests 300 --time-scale 0.3 --sim-speed 3 --host-ratio 2 4
+    python -m bench.trace_serving --requests 300 --time-scale 0.3 --sim-speed 3 --host-ratio 2 4 --storage 2
 
 The first `--requests` requests of the trace are sent at their timestamps (divided by
 `--time-scale`: below 1 the trace is slowed down, e.g. to what one GPU sustains) to an Engine whose Receiver, Policy, Adder (KV ledger, radix cache, host tier),
@@ -11,6 +11,15 @@ GPU time plus the step's host-to-device loads at the model's PCIe rate (charged 
 step: SGLang overlaps them with the forward layer by layer, so this is the costlier bound). Copies
 to the host are not charged (a side stream, the other direction of the link). Each request asks
 for its `output_length` tokens with ignore_eos.
+
+With `--storage`, the engine's own storage tier (file backend, no capacity bound, in a temporary
+directory) runs under the host tier: the device writes each block the host tier persists, the
+Policy prefetches (`wait_complete`), the Adder adopts what was read into the host tier and loads
+it. A block read from storage is charged at the model's disk rate (one PCIe Gen4 x4 NVMe SSD,
+bench/device_model.py) in the step whose batch brings it to the host, before its load to the
+device at PCIe rate: the costlier bound again (SGLang reads storage while the request waits in
+the queue, beside the GPU; here every running request's step waits for the disk too). Writes to
+storage are not charged (a thread of their own, the disk's other direction).
 
 Prompts: block id h is 512 token ids of a one-layer micro model's 512-token vocabulary, its first
 three the digits of h (so two blocks are equal only when their ids are), the rest a function of h;
@@ -28,10 +37,13 @@ import argparse
 import asyncio
 import json
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from api.core.engine_core import CoreSetup
 from api.frontend.engine import Engine, EngineError, Rejected
@@ -39,8 +51,9 @@ from bench.device_model import DEVICE_MODELS, DeviceModel
 from bench.overhead import TOKEN_MARGIN, NullDevice
 from bench.serving_plot import OverTime, plot_problem, save, trace_figure
 from bench.trace_replay import BLOCK, TraceRequest, read_trace
+from cache.storage_tier import StorageTier
 from gpu.model_runner import ModelRunner
-from runtime.messages import Batch
+from runtime.messages import Batch, StepOut
 
 VOCAB = 512
 DIGITS = 3  # base-(VOCAB - 2 * TOKEN_MARGIN) digits of a block id at the start of its block
@@ -52,20 +65,47 @@ WEIGHT_BYTES_8B = 16e9
 
 class HostLinkDevice(NullDevice):
     """A NullDevice that also charges each batch's host -> device KV loads at the model's PCIe rate
-    and counts them."""
+    and its blocks read from the storage tier at the model's disk rate, and counts both.
 
-    def __init__(self, vocab_size: int, model: DeviceModel):
+    With a storage tier it writes the tier's blocks as the model's step runner does, each block
+    stored to the host with `persist`, so the real tier (its files, checksums, prefetch,
+    adoption into the host tier) runs underneath; the files hold zeros of the engine's own (micro)
+    KV layout, as this device computes no KV."""
+
+    def __init__(self, vocab_size: int, model: DeviceModel, storage: StorageTier | None = None):
         super().__init__(0.0, vocab_size, model)
+        self.storage = storage
         self.loaded_tokens = 0
         self.load_s = 0.0
+        self.storage_tokens = 0
+        self.storage_s = 0.0
+        self._zero_block = None if storage is None else torch.zeros(storage.layout.block_shape(storage.block_tokens), dtype=storage.layout.dtype)
+
+    def run(self, batch: Batch) -> StepOut:
+        self._write_storage(batch)
+        return super().run(batch)
 
     def sleep_s(self, batch: Batch) -> float:
         assert self.model is not None
-        tokens = loaded_tokens(batch)
-        load_s = self.model.host_load_s(tokens)
+        tokens, from_storage = loaded_tokens(batch), storage_tokens(batch)
+        load_s, read_s = self.model.host_load_s(tokens), self.model.storage_read_s(from_storage)
         self.loaded_tokens += tokens
         self.load_s += load_s
-        return self.model.step_s(batch.prefix_lens, batch.extend_lens) + load_s
+        self.storage_tokens += from_storage
+        self.storage_s += read_s
+        return self.model.step_s(batch.prefix_lens, batch.extend_lens) + load_s + read_s
+
+    def _write_storage(self, batch: Batch) -> None:
+        if self.storage is None:
+            return
+        assert self._zero_block is not None
+        for copy in batch.kv_copies:
+            if copy.persist is not None:  # never written to, so one tensor serves every block
+                self.storage.write(copy.persist.key, copy.persist.tokens, self._zero_block)
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
 
 
 def loaded_tokens(batch: Batch) -> int:
@@ -73,9 +113,15 @@ def loaded_tokens(batch: Batch) -> int:
     return sum(c.device_slots.numel() for c in batch.kv_copies if not c.to_host and c.staged is None)
 
 
-def host_link_device(runner: ModelRunner, device_model: str, sim_speed: float = 1.0) -> HostLinkDevice:
+def storage_tokens(batch: Batch) -> int:
+    """Tokens the batch's KV copies bring from the storage tier to the host (each block the Adder
+    adopted from a prefetch: a host hit of the same batch then loads it to the device)."""
+    return sum(c.host_slots.numel() for c in batch.kv_copies if c.staged is not None)
+
+
+def host_link_device(runner: ModelRunner, device_model: str, sim_speed: float = 1.0, storage: StorageTier | None = None) -> HostLinkDevice:
     """`CoreSetup` step runner: the named cost model, `sim_speed` times faster."""
-    return HostLinkDevice(runner.vocab_size, scaled(DEVICE_MODELS[device_model], sim_speed))
+    return HostLinkDevice(runner.vocab_size, scaled(DEVICE_MODELS[device_model], sim_speed), storage)
 
 
 def scaled(model: DeviceModel, s: float) -> DeviceModel:
@@ -83,7 +129,7 @@ def scaled(model: DeviceModel, s: float) -> DeviceModel:
     if s == 1.0:
         return model
     return replace(model, peak_flops=model.peak_flops * s, bandwidth=model.bandwidth * s, launch_s=model.launch_s / s,
-                   host_link_bytes_per_s=model.host_link_bytes_per_s * s)
+                   host_link_bytes_per_s=model.host_link_bytes_per_s * s, storage_read_bytes_per_s=model.storage_read_bytes_per_s * s)
 
 
 def pool_tokens(model: DeviceModel) -> int:
@@ -106,8 +152,6 @@ def prompt_ids(req: TraceRequest) -> list[int]:
 
 def trace_model_dir() -> Path:
     """The micro model with a context as long as the trace's longest prompts."""
-    import tempfile
-
     from gpu.tiny_model import make_tiny_model
 
     out = Path(tempfile.gettempdir()) / "actorserve-bench-trace-llama"
@@ -131,10 +175,15 @@ class Outcome:
 class Result:
     name: str
     outcomes: list[Outcome]
-    loaded_tokens: int
+    loaded_tokens: int  # host -> device, each block from storage included
     load_s: float
-    host_hit_tokens: int
+    host_hit_tokens: int  # the host tier's hits, by the engine's stats (blocks from storage included)
     seconds: float
+    storage_tokens: int = 0  # storage -> host, as the device charged them
+    storage_s: float = 0.0
+    storage_hit_tokens: int = 0  # by the engine's stats
+    storage_written_blocks: int = 0
+    storage_dropped_writes: int = 0
 
     def ttfts_ms(self) -> list[float]:
         return sorted(o.ttft_s * 1e3 for o in self.outcomes if o.ttft_s is not None)
@@ -159,10 +208,15 @@ class Result:
         return {
             "cache": self.name, "requests": len(self.outcomes), "refused": sum(o.ttft_s is None and o.code != FAILED for o in self.outcomes),
             "failed": sum(o.code == FAILED for o in self.outcomes),
-            "hit_rate": round(saved / max(prompt, 1), 4), "host_hit_rate": round(self.host_hit_tokens / max(prompt, 1), 4),
+            "hit_rate": round(saved / max(prompt, 1), 4),
+            "host_hit_rate": round((self.host_hit_tokens - self.storage_hit_tokens) / max(prompt, 1), 4),
+            "storage_hit_rate": round(self.storage_hit_tokens / max(prompt, 1), 4),
             "prefill_tokens_saved": saved, "prompt_tokens": prompt,
             "ttft_p50_ms": round(statistics.median(ttft), 1) if ttft else None, "ttft_p99_ms": round(percentile(ttft, 0.99), 1) if ttft else None,
-            "host_load_tokens": self.loaded_tokens, "host_load_s": round(self.load_s * sim_speed, 2), "wall_s": round(self.seconds, 1),
+            "host_load_tokens": self.loaded_tokens, "host_load_s": round(self.load_s * sim_speed, 2),
+            "storage_read_tokens": self.storage_tokens, "storage_read_s": round(self.storage_s * sim_speed, 2),
+            "storage_written_blocks": self.storage_written_blocks, "storage_dropped_writes": self.storage_dropped_writes,
+            "wall_s": round(self.seconds, 1),
         }
 
 
@@ -175,8 +229,17 @@ async def serve(
     time_scale: float = 1.0, sim_speed: float = 1.0, model_dir: Path | None = None,
 ) -> Result:
     """The trace through an Engine over the cost-model device; `config`: EngineConfig fields over
-    the defaults here (the device's pool, pages of 64)."""
-    setup = CoreSetup(step_runner="bench.trace_serving:host_link_device", step_runner_kwargs={"device_model": device.name, "sim_speed": sim_speed})
+    the defaults here (the device's pool, pages of 64); a storage tier's files go to a temporary
+    directory of this run's, removed after it."""
+    with tempfile.TemporaryDirectory(prefix="actorserve-trace-storage-") as storage_dir:
+        return await _serve(trace, name, device, {"hicache_storage_dir": storage_dir, **config}, time_scale, sim_speed, model_dir)
+
+
+async def _serve(
+    trace: list[TraceRequest], name: str, device: DeviceModel, config: dict[str, Any], time_scale: float, sim_speed: float, model_dir: Path | None,
+) -> Result:
+    setup = CoreSetup(step_runner="bench.trace_serving:host_link_device", step_runner_kwargs={"device_model": device.name, "sim_speed": sim_speed},
+                      step_runner_storage=True)
     config = {"max_total_tokens": pool_tokens(device), "page_size": 64, **config}
     engine = Engine(model_path=str(model_dir or trace_model_dir()), random_seed=0, inline_core=True, core_setup=setup, **config)
     await engine.start()
@@ -191,7 +254,11 @@ async def serve(
         stats = {} if failures else await engine.current_stats()
         # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
         runner: Any = engine.core.executor.step_runner
-        return Result(name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds)
+        return Result(
+            name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds,
+            runner.storage_tokens, runner.storage_s, int(stats.get("hicache_storage_hit_tokens", 0)),
+            int(stats.get("hicache_storage_written_blocks", 0)), int(stats.get("hicache_storage_dropped_writes", 0)),
+        )
     finally:
         await engine.close()
 
@@ -214,14 +281,22 @@ async def _one(engine: Engine, req: TraceRequest, start: float, arrival_s: float
     return Outcome(len(ids), cached, None if first is None else first - sent, arrival_s)
 
 
-def settings(host_ratios: list[float], radix: bool = True) -> list[tuple[str, dict[str, Any]]]:
+# The storage setting's prefetch holds a request until its read is done: the read itself is the
+# micro model's small files (milliseconds), its modelled cost is the device's charge at the step.
+STORAGE_CONFIG = {"hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "wait_complete"}
+
+
+def settings(host_ratios: list[float], radix: bool = True, storage_ratios: list[float] | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Radix only, each host tier size, and each of `storage_ratios` with a storage tier (of no
+    bound) under a host tier of that size."""
     out: list[tuple[str, dict[str, Any]]] = [("radix only", {})] if radix else []
     out += [(f"+ host {r:g}x", {"enable_hierarchical_cache": True, "hicache_ratio": r}) for r in host_ratios]
+    out += [(f"+ host {r:g}x + storage", {"enable_hierarchical_cache": True, "hicache_ratio": r, **STORAGE_CONFIG}) for r in storage_ratios or []]
     return out
 
 
-HEADER = ("| cache | requests | hit rate | from host | prefill tokens saved | TTFT p50 ms | TTFT p99 ms | p50 vs radix | p99 vs radix | host loads s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = ("| cache | requests | hit rate | from host | from storage | prefill tokens saved | TTFT p50 ms | TTFT p99 ms | p50 vs radix | p99 vs radix | host loads s | storage reads s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
@@ -230,8 +305,8 @@ def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
     served = row["requests"] - row["refused"] - row["failed"]
     if row["failed"]:
         return f"| {row['cache']} | {served} | the engine failed: {row['failed']} requests ended with an error |"
-    return (f"| {row['cache']} | {served} | {row['hit_rate']:.1%} | {row['host_hit_rate']:.1%} | {row['prefill_tokens_saved']:,} | "
-            f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} |")
+    return (f"| {row['cache']} | {served} | {row['hit_rate']:.1%} | {row['host_hit_rate']:.1%} | {row['storage_hit_rate']:.1%} | {row['prefill_tokens_saved']:,} | "
+            f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} | {row['storage_read_s']} |")
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -240,10 +315,10 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     span_s = (trace[-1].timestamp - trace[0].timestamp) / 1000
     print(f"{len(trace)} requests over {span_s:.0f} s of trace ({span_s / args.time_scale:.0f} s modelled, {span_s / args.time_scale / args.sim_speed:.0f} s here), "
           f"{sum(r.input_length for r in trace):,} prompt tokens; {device.name}, pool {pool_tokens(device):,} tokens, "
-          f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s")
+          f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s, storage reads {device.storage_read_bytes_per_s / 1e9:g} GB/s")
     rows = []
     series: dict[str, OverTime] = {}
-    for name, config in settings(args.host_ratio, not args.no_radix):
+    for name, config in settings(args.host_ratio, not args.no_radix, args.storage):
         result = await serve(trace, name, device, config, args.time_scale, args.sim_speed)
         rows.append(result.row(args.sim_speed))
         series[name] = result.over_time(args.plot_window_s, args.sim_speed)
@@ -268,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-speed", type=float, default=3.0, help="run the modelled time this many times faster (arrivals, steps, loads)")
     p.add_argument("--device-model", default="h100-qwen3-8b", choices=sorted(DEVICE_MODELS))
     p.add_argument("--host-ratio", type=float, nargs="*", default=[2.0, 4.0], help="host tier sizes, times the device pool")
+    p.add_argument("--storage", type=float, nargs="*", default=[], metavar="HOST_RATIO",
+                   help="also these host tier sizes with a storage tier (L3, file backend, no bound) under them")
     p.add_argument("--no-radix", action="store_true", help="leave out the radix-only run (the table's changes are then against the first host tier)")
     p.add_argument("--output", default=None, help="append one JSON line per setting")
     p.add_argument("--plot", type=Path, default=None, help="hit rate and TTFT p50/p99 over the trace's time, a line per setting, to this .png, .svg or .pdf")

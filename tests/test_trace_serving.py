@@ -1,6 +1,7 @@
 """bench/trace_serving.py: Mooncake prompts in a micro model's vocabulary, the cost-model device's
-charge for host-to-device loads, and a three-request trace through the real actors whose third
-request finds its prefix in the host tier (and pays for loading it)."""
+charge for host-to-device loads and storage reads, a three-request trace through the real actors
+whose third request finds its prefix in the host tier (and pays for loading it), and one whose
+last request finds it only in the storage tier (and pays for reading it)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import torch
 from bench.device_model import DEVICE_MODELS
 from bench.overhead import TOKEN_MARGIN
 from bench.trace_replay import BLOCK, TraceRequest
-from bench.trace_serving import VOCAB, HostLinkDevice, block_ids, prompt_ids, serve
+from bench.trace_serving import STORAGE_CONFIG, VOCAB, HostLinkDevice, block_ids, prompt_ids, serve
+from cache.storage_tier import KVLayout, StorageTier
 from runtime.forward_mode import ForwardMode
-from runtime.messages import Batch, KVCopy
+from runtime.messages import Batch, KVCopy, StorageBlock
 
 H100 = DEVICE_MODELS["h100-qwen3-8b"]
 
@@ -60,3 +62,39 @@ async def test_a_prefix_pushed_out_of_the_pool_is_served_from_the_host_tier(tiny
     assert radix.loaded_tokens == 0
     row = host.row(sim_speed=20)
     assert row["prefill_tokens_saved"] == sum(o.cached_tokens for o in host.outcomes) and row["refused"] == 0
+
+
+def test_storage_reads_are_charged_at_the_disk_rate_and_persisted_blocks_written(tmp_path: Any):
+    storage = StorageTier(tmp_path, {"model": "micro"}, KVLayout(1, 1, 16, torch.float32), block_tokens=64)
+    device = HostLinkDevice(VOCAB, H100, storage)
+    tokens = torch.arange(64, dtype=torch.int32).numpy().tobytes()
+    persisted = KVCopy(to_host=True, device_slots=torch.arange(64), host_slots=torch.arange(64), persist=StorageBlock(b"k" * 16, tokens))
+    read = KVCopy(to_host=True, device_slots=torch.arange(0), host_slots=torch.arange(64, 192), staged=torch.zeros(2, 128, 1, 16))
+    load = KVCopy(to_host=False, device_slots=torch.arange(128), host_slots=torch.arange(64, 192))
+    device.run(_batch([persisted]))
+    plain = H100.step_s([0], [1024])
+    charged = device.sleep_s(_batch([read, load]))
+    assert charged - plain == pytest.approx(H100.storage_read_s(128) + H100.host_load_s(128))
+    assert H100.storage_read_s(128) == pytest.approx(128 * 147456 / (7.88e9 * 0.8))  # 9.4 MB a 64-token block: 1.5 ms
+    assert (device.storage_tokens, device.storage_s, device.loaded_tokens) == (128, pytest.approx(H100.storage_read_s(128)), 128)
+    device.close()  # closes the tier: its queued write is done
+    assert storage.stats.written_blocks == 1 and storage.read(b"k" * 16, tokens) is not None
+
+
+async def test_a_prefix_pushed_out_of_device_and_host_is_served_from_storage(tiny_model_factory: Any):
+    model = tiny_model_factory("llama", vocab_size=VOCAB, max_position_embeddings=4096)
+    # Two seconds apart (0.1 s here): one request at a time. Requests 1-3 push request 0's blocks
+    # out of the pool (3 blocks of the trace) and out of a host tier of the same size.
+    trace = [TraceRequest(2000 * i, 2 * BLOCK, 2, ids) for i, ids in enumerate([[1, 2], [3, 4], [5, 6], [7, 8], [1, 2]])]
+    host = {"max_total_tokens": 3 * BLOCK, "enable_hierarchical_cache": True, "hicache_ratio": 1}
+    without = await serve(trace, "host", H100, host, sim_speed=20, model_dir=model)
+    tiered = await serve(trace, "storage", H100, {**host, **STORAGE_CONFIG}, sim_speed=20, model_dir=model)
+    assert [o.ttft_s is not None for o in without.outcomes + tiered.outcomes] == [True] * 10
+    assert without.outcomes[4].cached_tokens < BLOCK and without.storage_tokens == 0  # gone from device and host
+    assert tiered.outcomes[4].cached_tokens == 2 * BLOCK - 64  # all but the last page (always computed)
+    from_storage = tiered.outcomes[4].cached_tokens - without.outcomes[4].cached_tokens
+    assert tiered.storage_hit_tokens == tiered.storage_tokens >= from_storage
+    assert tiered.storage_s == pytest.approx(tiered.storage_tokens * H100.kv_bytes_per_token / H100.storage_read_bytes_per_s / 20)
+    assert tiered.storage_written_blocks >= 2 * BLOCK // 64  # request 0's blocks at least (read back above)
+    row = tiered.row(sim_speed=20)
+    assert row["storage_hit_rate"] == round(tiered.storage_hit_tokens / row["prompt_tokens"], 4) > 0

@@ -87,15 +87,24 @@ class CoreSetup(msgspec.Struct, frozen=True):
     crosses to a core process). Functions are named "module:name". `step_runner` is called as
     step_runner(model_runner, **step_runner_kwargs) for the Executor's StepRunner in place of the
     model (a simulated device, a test double); `function` as function(core, **kwargs) on the
-    wired core, before its actors start."""
+    wired core, before its actors start. The storage tier's writes are the step runner's: a
+    `step_runner` that takes `storage=` (the tier, or None), writes its blocks and closes it says
+    so with `step_runner_storage`; under any other, no storage tier is built."""
 
     function: str | None = None
     kwargs: dict[str, Any] = {}
     step_runner: str | None = None
     step_runner_kwargs: dict[str, Any] = {}
+    step_runner_storage: bool = False
 
-    def make_step_runner(self, runner: ModelRunner) -> StepRunner | None:
-        return None if self.step_runner is None else _named(self.step_runner)(runner, **self.step_runner_kwargs)
+    def writes_storage(self) -> bool:
+        return self.step_runner is None or self.step_runner_storage
+
+    def make_step_runner(self, runner: ModelRunner, storage: StorageTier | None = None) -> StepRunner | None:
+        if self.step_runner is None:
+            return None
+        tiers = {"storage": storage} if self.step_runner_storage else {}
+        return _named(self.step_runner)(runner, **tiers, **self.step_runner_kwargs)
 
     def apply(self, core: Core) -> None:
         if self.function is not None:
@@ -122,10 +131,10 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setu
         config, dtype=runner.dtype_name, context_length=runner.context_len, max_total_tokens=runner.allocator.size,
         max_running_requests=runner.req_to_token.max_requests,
     )
-    chosen = setup.make_step_runner(runner) if setup is not None else None
     prefix_cache = _prefix_cache(cfg, runner)
-    # The storage tier's writes are the model step runner's: none under another step runner.
-    storage = _storage_tier(cfg, runner) if chosen is None and isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier else None
+    tiered = isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier is not None
+    storage = _storage_tier(cfg, runner) if tiered and (setup is None or setup.writes_storage()) else None
+    chosen = setup.make_step_runner(runner, storage) if setup is not None else None
     if storage is not None:
         prefix_cache.host_tier.persist = True  # type: ignore[union-attr]
     grammars = GrammarCompiler(tokenizer, runner.vocab_size, runner.model_config.eos_token_ids)
