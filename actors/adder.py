@@ -40,7 +40,7 @@ from cache import PrefixCache
 from cache.storage_tier import StorageTier
 from gpu.model_runner import ModelRunner
 from runtime.actor import Actor, Mailbox
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 from runtime.forward_mode import ForwardMode
 from runtime.messages import AdderMsg, Batch, FlushCache, PolicyMsg, Pull, Ranked, Requeue, Served, StepDone, Wake
 from runtime.req import FinishReason, Req, end_request
@@ -56,7 +56,7 @@ class _Ending:
 
 class Adder(Actor[AdderMsg]):
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, cache: PrefixCache,
+        self, config: CoreConfig, runner: ModelRunner, cache: PrefixCache,
         *, inbox: Mailbox[AdderMsg], policy: Mailbox[PolicyMsg], executor: Mailbox[Batch],
         storage: StorageTier | None = None,
     ):

@@ -49,7 +49,7 @@ from actors.priority import PriorityRule
 from cache import PrefixMatcher
 from cache.storage_tier import Prefetch, StorageTier
 from runtime.actor import Actor, Mailbox
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 from runtime.messages import AdderMsg, Enqueue, GrammarCompiled, PolicyMsg, Pull, Ranked, Requeue, Served, Wake
 from runtime.req import FinishReason, Req, end_request
 from runtime.service import parse_tenant_weights
@@ -59,7 +59,7 @@ QUEUE_FULL = "The request queue is full."
 
 class Policy(Actor[PolicyMsg]):
     def __init__(
-        self, config: EngineConfig, prefix_cache: PrefixMatcher, grammars: GrammarCompiler | None = None,
+        self, config: CoreConfig, prefix_cache: PrefixMatcher, grammars: GrammarCompiler | None = None,
         *, inbox: Mailbox[PolicyMsg], adder: Mailbox[AdderMsg], storage: StorageTier | None = None,
     ):
         super().__init__("policy", inbox)

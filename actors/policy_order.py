@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from actors.cold_lane import ColdLane
 from actors.priority import PriorityRule
 from cache import MatchResult, PrefixMatcher, PrefixSet, RadixNode, token_array
-from runtime.config import CACHE_AWARE_POLICIES, EngineConfig
+from runtime.config import CACHE_AWARE_POLICIES, CoreConfig
 from runtime.req import Req
 
 # In-batch prefix caching (lpm): only requests whose real-cache hit is at most CHECK tokens are
@@ -50,7 +50,7 @@ class QueueOrderer:
 
     def __init__(
         self,
-        config: EngineConfig,
+        config: CoreConfig,
         prefix_cache: PrefixMatcher | None,
         rng: random.Random,
         *,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +18,7 @@ class PriorityRule:
     preemption_threshold: int = 10
 
     @classmethod
-    def of(cls, config: EngineConfig) -> PriorityRule:
+    def of(cls, config: CoreConfig) -> PriorityRule:
         return cls(config.schedule_low_priority_values_first, config.priority_scheduling_preemption_threshold)
 
     def level(self, priority: int) -> int:

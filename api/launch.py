@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from api.frontend.receiver import InvalidInput
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 
 log = logging.getLogger("actorserve.launch")
 
@@ -73,7 +73,7 @@ def needs_tokenizer(sampling: dict[str, Any]) -> str | None:
     return "stop" if sampling.get("stop") else None
 
 
-def load_tokenizer(config: EngineConfig, model_dir: Path) -> Any:
+def load_tokenizer(config: CoreConfig, model_dir: Path) -> Any:
     """The tokenizer the engine's flags ask for (a transformers tokenizer, or IdsOnlyTokenizer)."""
     if config.skip_tokenizer_init:
         return IdsOnlyTokenizer()

@@ -1,13 +1,21 @@
-"""`EngineConfig`: every engine setting, with SGLang's argument names.
+"""The engine's settings, by the side that uses them, with SGLang's argument names.
 
-The CLI flags are derived from the fields (`schedule_policy` -> `--schedule-policy`), and
-`actorserve.Engine(**kwargs)` takes the same names. Values that depend on the model or the device
-("auto", None) are resolved by the Engine, which then builds a new frozen config with
-`msgspec.structs.replace`; contradictions are rejected at construction, naming the flags.
+- `CoreConfig`: what the engine core needs (model, KV pool, caches, scheduling). It is all that
+  crosses the process boundary: the frontend sends `config.core()` in `CoreStart`, and the core
+  answers with it resolved against the model (no "auto", no None sizes).
+- `EngineConfig(CoreConfig)`: the flat set the caller gives (`actorserve.Engine(**kwargs)`, the CLI
+  flags: `schedule_policy` -> `--schedule-policy`): the core's fields plus the frontend's own
+  (how cores are started, tokenization, request defaults) and the router's.
+- `RouterConfig`: how the data-parallel router picks a replica (`config.router()`; the HTTP router
+  program builds its own from its flags).
+
+Each is validated where it is built, naming the flags; values that depend on the model or the
+device are resolved by the core, which builds a new frozen config with `msgspec.structs.replace`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 import msgspec
@@ -42,7 +50,9 @@ SJF_DEFAULT_AGING_S = 5.0
 DETERMINISTIC_SEED = 42  # the sampling seed of requests without one, in deterministic mode (SGLang's)
 
 
-class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine core's settings: the model, the KV pool and caches, scheduling, streaming."""
+
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     dtype: Dtype = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
@@ -54,21 +64,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     random_seed: int | None = None
-    # False: the engine core (Policy, Adder, Executor, OutputProcessor) runs in its own process,
-    # so tokenization, detokenization, streaming and HTTP never share its loop.
-    inline_core: bool = False
     core_threads: int | None = None  # torch threads of the engine core; None: torch's default (every core)
-    # Requests the core process holds beyond max_running_requests (+ max_queued_requests); later
-    # ones wait in the frontend, in arrival order, so the core's queue (and its cost) stays bounded.
-    core_backlog: int = 4096
-
-    # data parallelism: dp_size engine cores, each a process with its own KV pool, prefix cache
-    # and scheduler, behind this frontend's router (api/router/routing.py)
-    dp_size: int = 1
-    router_policy: RouterPolicy = "cache_aware"
-    cache_threshold: float = 0.3  # cache_aware: the match share above which the cache decides
-    balance_abs_threshold: int = 64  # cache_aware: imbalanced when the busiest has this many
-    balance_rel_threshold: float = 1.5  # requests more than the idlest, and this many times as many
 
     # tensor parallelism: the model split over tp_size ranks (processes started by the core, one
     # torch.distributed group: gloo on a CPU, nccl on CUDA); the scheduler runs once, on rank 0
@@ -113,7 +109,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     enable_priority_scheduling: bool = False
     schedule_low_priority_values_first: bool = False
     priority_scheduling_preemption_threshold: int = 10
-    abort_on_priority_when_disabled: bool = False
     max_queued_requests: int | None = None
     queue_timeout_s: float | None = None  # a request waiting longer than this is rejected
     # A waiting request gains one priority level per this many seconds waited, under any policy
@@ -135,9 +130,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tenant_weights: str | None = None
 
     stream_interval: int = 1
-    tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
 
-    # SGLang launch flags (api/server/sglang_flags.py lists what each of SGLang's flags does here).
+    # The core loads the tokenizer too: grammars, stop strings and incremental detokenizing run there.
     tokenizer_path: str | None = None  # None: the model's directory
     trust_remote_code: bool = False  # let transformers run a tokenizer's own code
     chat_template: str | None = None  # a Jinja file or a known name (api/tokenizers.py); None: the tokenizer's
@@ -146,15 +140,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # fixed budget (gpu/model_runner.py). max_total_tokens, when given, wins.
     mem_fraction_static: float | None = None
     kv_cache_dtype: str = "auto"  # the KV pool holds the model's dtype; see KV_CACHE_DTYPES
-    # Sampling defaults of chat requests that leave them out: "model" reads generation_config.json
-    # (SGLang's default), "openai" keeps temperature 1, top_p 1, ...
-    sampling_defaults: SamplingDefaults = "model"
-    preferred_sampling_params: dict[str, Any] | None = None  # under every request's own values, as SGLang's
     load_format: LoadFormat = "auto"
-    # The same request gives the same output whatever runs beside it. With no batch-invariant
-    # kernels here, every batch holds one request (see `resolved_deterministic`); requests without
-    # a seed sample with DETERMINISTIC_SEED, as SGLang's deterministic mode does.
-    enable_deterministic_inference: bool = False
 
     def __post_init__(self) -> None:
         error = self.validation_error()
@@ -183,17 +169,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             return "fcfs"
         return self.schedule_policy
 
-    def resolved_deterministic(self) -> EngineConfig:
-        """With enable_deterministic_inference: one request per batch, no prefix cache (a cached
-        prefix would change how the rest of a prompt is computed), no mixed batches."""
-        if not self.enable_deterministic_inference:
-            return self
-        return msgspec.structs.replace(self, max_running_requests=1, disable_radix_cache=True, enable_mixed_chunk=False)
-
     def validation_error(self) -> str | None:
+        for ok, message in self._core_checks():
+            if not ok:
+                return message
+        return None
+
+    def _core_checks(self) -> list[tuple[bool, str]]:
         weights_error = _weights_error(self.tenant_weights)
-        preferred_error = _sampling_error(self.preferred_sampling_params)
-        checks = [
+        return [
             (self.schedule_policy in SCHEDULE_POLICIES, f"schedule_policy {self.schedule_policy!r} is unknown; choose one of {', '.join(SCHEDULE_POLICIES)}"),
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"),
@@ -204,7 +188,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
             (_positive_or_none(self.prefill_max_requests), f"prefill_max_requests must be positive, got {self.prefill_max_requests}"),
             (self.hicache_ratio > 0, f"hicache_ratio must be positive, got {self.hicache_ratio}"),
-            (self.hicache_block_tokens >= 1 and self.hicache_block_tokens % self.page_size == 0, f"hicache_block_tokens ({self.hicache_block_tokens}) must be a positive multiple of page_size ({self.page_size})"),
+            (self.page_size < 1 or self.hicache_block_tokens >= 1 and self.hicache_block_tokens % self.page_size == 0, f"hicache_block_tokens ({self.hicache_block_tokens}) must be a positive multiple of page_size ({self.page_size})"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache), "enable_hierarchical_cache needs the radix cache: drop disable_radix_cache"),
             (not (self.enable_hierarchical_cache and self.tp_size > 1), "enable_hierarchical_cache is not supported with tp_size > 1 yet"),
             (self.hicache_storage_backend is None or self.enable_hierarchical_cache, "hicache_storage_backend needs the host tier: add enable_hierarchical_cache"),
@@ -232,32 +216,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             (weights_error is None, str(weights_error)),
             (0.0 < self.schedule_conservativeness, f"schedule_conservativeness must be positive, got {self.schedule_conservativeness}"),
             (self.lpm_fallback_queue_len >= 0, f"lpm_fallback_queue_len must be >= 0, got {self.lpm_fallback_queue_len}"),
-            (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),
             (_positive_or_none(self.core_threads), f"core_threads must be positive, got {self.core_threads}"),
-            (self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"),
-            (not (self.dp_size > 1 and self.inline_core), "dp_size > 1 runs each replica in its own core process: drop inline_core"),
             (self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}"),
-            (not (self.tp_size > 1 and self.inline_core), "tp_size > 1 runs the ranks beside a core process: drop inline_core"),
             (self.dist_timeout_s > 0, f"dist_timeout_s must be positive, got {self.dist_timeout_s}"),
             (self.dist_init_addr is None or _host_port(self.dist_init_addr), f"dist_init_addr must be host:port, got {self.dist_init_addr!r}"),
-            (self.router_policy in ROUTER_POLICIES, f"router_policy {self.router_policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}"),
-            (0.0 <= self.cache_threshold <= 1.0, f"cache_threshold must be in [0, 1], got {self.cache_threshold}"),
-            (self.balance_abs_threshold >= 0, f"balance_abs_threshold must be >= 0, got {self.balance_abs_threshold}"),
-            (self.balance_rel_threshold >= 1.0, f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"),
             (self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}"),
             (
                 self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
             ),
             (self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES and self.dtype == "bfloat16", _kv_cache_dtype_error(self.kv_cache_dtype)),
-            (self.sampling_defaults in SAMPLING_DEFAULTS, f"sampling_defaults {self.sampling_defaults!r} is unknown; choose one of {', '.join(SAMPLING_DEFAULTS)}"),
             (self.load_format in LOAD_FORMATS, _load_format_error(self.load_format)),
-            (preferred_error is None, f"preferred_sampling_params: {preferred_error}"),
-            (
-                not self.enable_deterministic_inference or self.max_running_requests in (None, 1),
-                f"enable_deterministic_inference runs one request per batch: drop max_running_requests (got {self.max_running_requests})",
-            ),
-            (not self.enable_deterministic_inference or not self.enable_mixed_chunk, "enable_deterministic_inference runs one request per batch: drop enable_mixed_chunk"),
             (
                 not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,
                 f"chunked_prefill_size ({self.chunked_prefill_size}) must be at least page_size ({self.page_size})",
@@ -271,11 +240,109 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 "schedule_low_priority_values_first needs enable_priority_scheduling",
             ),
         ]
-        for ok, message in checks:
+
+
+class EngineConfig(CoreConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every setting the caller gives: the core's (inherited) and the frontend's and router's own,
+    which stay in the caller's process."""
+
+    # False: the engine core (Policy, Adder, Executor, OutputProcessor) runs in its own process,
+    # so tokenization, detokenization, streaming and HTTP never share its loop.
+    inline_core: bool = False
+    # Requests the core process holds beyond max_running_requests (+ max_queued_requests); later
+    # ones wait in the frontend, in arrival order, so the core's queue (and its cost) stays bounded.
+    core_backlog: int = 4096
+
+    # data parallelism: dp_size engine cores, each a process with its own KV pool, prefix cache
+    # and scheduler, behind this frontend's router (api/router/routing.py)
+    dp_size: int = 1
+    router_policy: RouterPolicy = "cache_aware"
+    cache_threshold: float = 0.3  # cache_aware: the match share above which the cache decides
+    balance_abs_threshold: int = 64  # cache_aware: imbalanced when the busiest has this many
+    balance_rel_threshold: float = 1.5  # requests more than the idlest, and this many times as many
+
+    tokenize_off_loop_chars: int = 4096  # prompts longer than this are tokenized in a thread
+    abort_on_priority_when_disabled: bool = False
+    # Sampling defaults of chat requests that leave them out: "model" reads generation_config.json
+    # (SGLang's default), "openai" keeps temperature 1, top_p 1, ...
+    sampling_defaults: SamplingDefaults = "model"
+    preferred_sampling_params: dict[str, Any] | None = None  # under every request's own values, as SGLang's
+    # The same request gives the same output whatever runs beside it. With no batch-invariant
+    # kernels here, every batch holds one request (see `resolved_deterministic`); requests without
+    # a seed sample with DETERMINISTIC_SEED, as SGLang's deterministic mode does.
+    enable_deterministic_inference: bool = False
+
+    def core(self) -> CoreConfig:
+        """The settings that cross to the engine core."""
+        return CoreConfig(**{name: getattr(self, name) for name in CoreConfig.__struct_fields__})
+
+    def with_core(self, core: CoreConfig) -> EngineConfig:
+        """This config with the core's settings as the core resolved them."""
+        return msgspec.structs.replace(self, **msgspec.structs.asdict(core))
+
+    def router(self) -> RouterConfig:
+        return RouterConfig(self.router_policy, self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold)
+
+    def resolved_deterministic(self) -> EngineConfig:
+        """With enable_deterministic_inference: one request per batch, no prefix cache (a cached
+        prefix would change how the rest of a prompt is computed), no mixed batches."""
+        if not self.enable_deterministic_inference:
+            return self
+        return msgspec.structs.replace(self, max_running_requests=1, disable_radix_cache=True, enable_mixed_chunk=False)
+
+    def validation_error(self) -> str | None:
+        for ok, message in [*self._core_checks(), *self._frontend_checks()]:
             if not ok:
                 return message
         return None
 
+    def _frontend_checks(self) -> list[tuple[bool, str]]:
+        preferred_error = _sampling_error(self.preferred_sampling_params)
+        router_error = _router_error(self.router_policy, self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold)
+        return [
+            (self.core_backlog >= 1, f"core_backlog must be >= 1, got {self.core_backlog}"),
+            (self.dp_size >= 1, f"dp_size must be >= 1, got {self.dp_size}"),
+            (not (self.dp_size > 1 and self.inline_core), "dp_size > 1 runs each replica in its own core process: drop inline_core"),
+            (not (self.tp_size > 1 and self.inline_core), "tp_size > 1 runs the ranks beside a core process: drop inline_core"),
+            (router_error is None, str(router_error)),
+            (self.sampling_defaults in SAMPLING_DEFAULTS, f"sampling_defaults {self.sampling_defaults!r} is unknown; choose one of {', '.join(SAMPLING_DEFAULTS)}"),
+            (preferred_error is None, f"preferred_sampling_params: {preferred_error}"),
+            (
+                not self.enable_deterministic_inference or self.max_running_requests in (None, 1),
+                f"enable_deterministic_inference runs one request per batch: drop max_running_requests (got {self.max_running_requests})",
+            ),
+            (not self.enable_deterministic_inference or not self.enable_mixed_chunk, "enable_deterministic_inference runs one request per batch: drop enable_mixed_chunk"),
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """How the data-parallel router (api/router/routing.py) picks a replica."""
+
+    policy: RouterPolicy = "cache_aware"
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_tokens: int = 1 << 22  # per replica; least recently used prefixes are dropped beyond it
+
+    def __post_init__(self) -> None:
+        error = _router_error(self.policy, self.cache_threshold, self.balance_abs_threshold, self.balance_rel_threshold)
+        if error is None and self.max_tree_tokens < 1:
+            error = f"router max_tree_tokens must be positive, got {self.max_tree_tokens}"
+        if error is not None:
+            raise ValueError(error)
+
+
+def _router_error(policy: str, cache_threshold: float, balance_abs: int, balance_rel: float) -> str | None:
+    if policy not in ROUTER_POLICIES:
+        return f"router_policy {policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}"
+    if not 0.0 <= cache_threshold <= 1.0:
+        return f"cache_threshold must be in [0, 1], got {cache_threshold}"
+    if balance_abs < 0:
+        return f"balance_abs_threshold must be >= 0, got {balance_abs}"
+    if balance_rel < 1.0:
+        return f"balance_rel_threshold must be >= 1, got {balance_rel}"
+    return None
 
 def _kv_cache_dtype_error(name: str) -> str:
     if name in KV_CACHE_DTYPES:

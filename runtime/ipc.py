@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 from runtime.req import CallerRequest
 from runtime.stream import Delta
 
@@ -30,7 +30,7 @@ class CoreStart(msgspec.Struct, frozen=True, tag=True, array_like=True):
     (runtime imports nothing of api); `sys_path`: the frontend's, so that the functions a setup
     names ("module:name") import in the core as they would in the frontend."""
 
-    config: EngineConfig
+    config: CoreConfig
     setup: bytes | None
     sys_path: list[str]
 
@@ -71,7 +71,7 @@ class CoreHello(msgspec.Struct, frozen=True, tag=True, array_like=True):
 class CoreReady(msgspec.Struct, frozen=True, tag=True, array_like=True):
     """The model is loaded: the settings resolved against it, and the limits the Receiver checks."""
 
-    config: EngineConfig
+    config: CoreConfig
     vocab_size: int
     eos_token_ids: list[int]
 

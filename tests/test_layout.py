@@ -63,3 +63,22 @@ def test_the_programs_each_have_a_folder() -> None:
     api = ROOT / "api"
     assert {p.name for p in api.iterdir() if p.is_dir() and (p / "__init__.py").exists()} == {"frontend", "core", "server", "router"}
     assert (api / "frontend" / "core_client.py").exists() and (api / "core" / "process.py").exists()
+
+
+def attribute_names(folder: str) -> dict[str, set[str]]:
+    return {
+        str(p.relative_to(ROOT)): {n.attr for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Attribute)}
+        for p in sorted((ROOT / folder).rglob("*.py"))
+    }
+
+
+@pytest.mark.parametrize("folder", ["actors", "api/core", "cache", "gpu"])
+def test_the_core_reads_no_frontend_setting(folder: str) -> None:
+    """Only CoreConfig crosses to the core process: code that runs there reads none of the
+    settings EngineConfig adds for the frontend and the router."""
+    from runtime.config import CoreConfig, EngineConfig
+
+    frontend_only = set(EngineConfig.__struct_fields__) - set(CoreConfig.__struct_fields__)
+    assert {"inline_core", "dp_size", "router_policy", "preferred_sampling_params"} <= frontend_only
+    readers = {path: sorted(names & frontend_only) for path, names in attribute_names(folder).items() if names & frontend_only}
+    assert readers == {}

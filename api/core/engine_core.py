@@ -33,7 +33,7 @@ from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tensor_parallel import TPLayout
 from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor, Mailbox
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 from runtime.messages import AdderMsg, Batch, PolicyMsg, StepOut
 from runtime.stream import StepOutbox
 
@@ -42,7 +42,7 @@ DEFAULT_MAX_RUNNING_REQUESTS = 256
 
 @dataclass(slots=True)
 class Core:
-    config: EngineConfig  # resolved against the model: no "auto", no None sizes
+    config: CoreConfig  # resolved against the model: no "auto", no None sizes
     runner: ModelRunner
     tokenizer: Any
     prefix_cache: PrefixCache
@@ -116,7 +116,7 @@ def _named(function: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setup: CoreSetup | None = None) -> Core:
+async def load_core(config: CoreConfig, outbox: StepOutbox | None = None, setup: CoreSetup | None = None) -> Core:
     """Load the model (in a thread: it takes seconds) and wire the core's actors (not started).
     `outbox`: in a process of its own, where the core's outputs go to the frontend."""
     check_load_format(config.load_format, config.model_path)
@@ -159,7 +159,7 @@ async def load_core(config: EngineConfig, outbox: StepOutbox | None = None, setu
     return core
 
 
-async def _load_tensor_parallel(config: EngineConfig) -> tuple[ModelRunner, TPRanks]:
+async def _load_tensor_parallel(config: CoreConfig) -> tuple[ModelRunner, TPRanks]:
     """Start ranks 1.. and load rank 0's shard; a rank that dies meanwhile fails the start at once."""
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model_path)  # a GGUF file converts once, here
     unsplittable = TPLayout.check(ModelConfig.from_dir(model_dir), config.tp_size)
@@ -186,7 +186,7 @@ async def _load_tensor_parallel(config: EngineConfig) -> tuple[ModelRunner, TPRa
         raise
 
 
-def runner_config(cfg: EngineConfig) -> RunnerConfig:
+def runner_config(cfg: CoreConfig) -> RunnerConfig:
     return RunnerConfig(
         model_path=cfg.model_path,
         dtype=cfg.dtype,
@@ -203,7 +203,7 @@ def runner_config(cfg: EngineConfig) -> RunnerConfig:
     )
 
 
-def _storage_tier(cfg: EngineConfig, runner: ModelRunner) -> StorageTier | None:
+def _storage_tier(cfg: CoreConfig, runner: ModelRunner) -> StorageTier | None:
     """SGLang's HiCache L3 over files; its directory is per model identity (the model's files,
     dtype and KV layout), so another model never reads these blocks."""
     if cfg.hicache_storage_backend is None:
@@ -222,7 +222,7 @@ def _storage_tier(cfg: EngineConfig, runner: ModelRunner) -> StorageTier | None:
     )
 
 
-def _prefix_cache(cfg: EngineConfig, runner: ModelRunner) -> PrefixCache:
+def _prefix_cache(cfg: CoreConfig, runner: ModelRunner) -> PrefixCache:
     if cfg.disable_radix_cache:
         return ChunkCache(runner.allocator)
     host_tier = None

@@ -27,7 +27,7 @@ from api.core.engine_core import Core, CoreSetup, load_core
 from cache import token_array
 from gpu.tp_ranks import TPRanks
 from runtime.actor import Actor
-from runtime.config import EngineConfig
+from runtime.config import CoreConfig
 from runtime.ipc import (
     CoreAbort,
     CoreFailed,
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
         os._exit(0)
 
 
-async def _run(sockets: CoreSockets, parent_pid: int) -> EngineConfig | None:
+async def _run(sockets: CoreSockets, parent_pid: int) -> CoreConfig | None:
     """Serve the frontend at `sockets`; the config it started with (None: it left before that)."""
     ctx = zmq.asyncio.Context()
     inbox = ctx.socket(zmq.PULL)
@@ -120,7 +120,7 @@ async def _start_message(inbox: zmq.asyncio.Socket, parent_pid: int) -> CoreStar
     return msgspec.msgpack.decode(recv.result(), type=CoreStart)
 
 
-def _apply_start(start: CoreStart) -> tuple[EngineConfig, CoreSetup | None]:
+def _apply_start(start: CoreStart) -> tuple[CoreConfig, CoreSetup | None]:
     sys.path.extend(path for path in start.sys_path if path not in sys.path)
     config = start.config
     if config.core_threads:

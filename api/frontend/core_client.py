@@ -123,7 +123,7 @@ class CoreClient:
         cfg = first.config
         assert cfg.max_running_requests is not None
         # Room for the core's running batch, its queue limit, and requests it is about to refuse.
-        self.max_in_core = cfg.max_running_requests + (cfg.max_queued_requests or 0) + cfg.core_backlog
+        self.max_in_core = cfg.max_running_requests + (cfg.max_queued_requests or 0) + self.config.core_backlog
         try:
             self.stats = await self._first_stats()
         except BaseException:
@@ -206,7 +206,7 @@ class CoreClient:
         if not isinstance(hello, CoreHello):
             return hello
         setup = None if self.setup is None else msgspec.msgpack.encode(self.setup)
-        await self._send_start(self._encoder.encode(CoreStart(self.config, setup, list(sys.path))))
+        await self._send_start(self._encoder.encode(CoreStart(self.config.core(), setup, list(sys.path))))
         return await self._next_while_starting()
 
     async def _send_start(self, start: bytes) -> None:

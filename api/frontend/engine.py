@@ -152,8 +152,8 @@ class Engine:
         self._started, self._closed = True, False
 
     async def _start_inline(self) -> tuple[EngineCores, ModelLimits]:
-        core = await load_core(self.config, setup=self.core_setup)
-        self.core, self.config, self.tokenizer, self.runner = core, core.config, core.tokenizer, core.runner
+        core = await load_core(self.config.core(), setup=self.core_setup)
+        self.core, self.config, self.tokenizer, self.runner = core, self.config.with_core(core.config), core.tokenizer, core.runner
         self.vocab_size, self.model_dir = core.runner.vocab_size, core.runner.model_dir
         return InlineCore(core), core.limits
 
@@ -163,9 +163,11 @@ class Engine:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config, self.model_dir)
         replicas = Replicas(self.config, self.tokenizer, self._core_failed, self.core_setup)
         ready = await replicas.start()
-        # The config the first core resolved (limits, dtype), with the frontend's dp settings.
+        # The core settings the first core resolved (limits, dtype), but its own share of threads and
+        # device are per replica: the frontend keeps what it was given.
         self.replicas, self.vocab_size = replicas, ready.vocab_size
-        self.config = msgspec.structs.replace(ready.config, dp_size=self.config.dp_size, core_threads=self.config.core_threads, device=self.config.device)
+        resolved = msgspec.structs.replace(ready.config, core_threads=self.config.core_threads, device=self.config.device)
+        self.config = self.config.with_core(resolved)
         cfg = self.config
         assert cfg.context_length is not None and cfg.max_total_tokens is not None
         return replicas, ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)

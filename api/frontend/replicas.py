@@ -17,7 +17,7 @@ import msgspec
 
 from api.core.engine_core import CoreSetup
 from api.frontend.core_client import CoreClient
-from api.router.routing import NoHealthyReplica, Router, RouterConfig
+from api.router.routing import NoHealthyReplica, Router
 from runtime.actor import Actor, Mailbox
 from runtime.config import EngineConfig
 from runtime.ipc import CoreReady
@@ -34,13 +34,7 @@ class Replicas:
         self.config = config
         self.on_failure = on_failure
         self.router = Router(
-            RouterConfig(
-                policy=config.router_policy,
-                cache_threshold=config.cache_threshold,
-                balance_abs_threshold=config.balance_abs_threshold,
-                balance_rel_threshold=config.balance_rel_threshold,
-            ),
-            config.dp_size,
+config.router(), config.dp_size
         )
         self.clients = [
             CoreClient(

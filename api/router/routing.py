@@ -28,30 +28,11 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from runtime.config import ROUTER_POLICIES
+from runtime.config import ROUTER_POLICIES, RouterConfig
 
 
 class NoHealthyReplica(RuntimeError):
     """Every replica is down."""
-
-
-@dataclass(frozen=True, slots=True)
-class RouterConfig:
-    policy: str = "cache_aware"
-    cache_threshold: float = 0.3
-    balance_abs_threshold: int = 64
-    balance_rel_threshold: float = 1.5
-    max_tree_tokens: int = 1 << 22  # per replica; least recently used prefixes are dropped beyond it
-
-    def __post_init__(self) -> None:
-        if self.policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy {self.policy!r} is unknown; choose one of {', '.join(ROUTER_POLICIES)}")
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
-        if self.max_tree_tokens < 1:
-            raise ValueError(f"router max_tree_tokens must be positive, got {self.max_tree_tokens}")
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from runtime.config import (
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
     ROUTER_POLICIES,
+    CoreConfig,
     EngineConfig,
 )
 
@@ -123,7 +124,8 @@ def add_parser(commands: Any) -> None:
         conflict_handler="resolve",
     )
     server = p.add_argument_group("server")
-    engine = p.add_argument_group("engine", "EngineConfig fields, with SGLang's flag names")
+    core = p.add_argument_group("engine core", "CoreConfig: what the engine core process is started with (SGLang's flag names)")
+    frontend = p.add_argument_group("frontend", "EngineConfig's own: cores, replicas and routing, tokenization, request defaults")
     _add_sglang_compatibility(p)
     server.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=30000, help="port to bind")
@@ -156,9 +158,10 @@ def add_parser(commands: Any) -> None:
         "--reasoning-parser", choices=tuple(REASONING_PARSERS), default=None,
         help="<think> reasoning into reasoning_content (none: qwen3 where the template has enable_thinking and <think>)",
     )
+    core_fields = set(CoreConfig.__struct_fields__)
     for field in msgspec.structs.fields(EngineConfig):
-        _add_field(engine, field)
-    engine.add_argument(
+        _add_field(core if field.name in core_fields else frontend, field)
+    frontend.add_argument(
         "--load-balance-method", dest="router_policy", type=_load_balance_method, default=argparse.SUPPRESS, metavar="{" + ",".join(LOAD_BALANCE_METHODS) + "}",
         help="SGLang's name for --router-policy round_robin or shortest_queue",
     )
