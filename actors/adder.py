@@ -557,7 +557,7 @@ class Adder(Actor[AdderMsg]):
         end_request(req, reason or FinishReason("abort"))
         self.counters["aborted"] += 1
 
-    def _host_tier_stats(self) -> dict[str, int]:
+    def _host_tier_stats(self) -> dict[str, int | float]:
         host = self.kv.host_tier
         if host is None:
             return {}
@@ -588,6 +588,7 @@ class Adder(Actor[AdderMsg]):
         return True
 
     def stats(self) -> dict[str, Any]:
+        """The Adder's part of the core's `CoreStats` (runtime/stats.py), by field name."""
         return {
             "kv_pool_size": self.kv.allocator.size,
             "kv_free": self.kv.free_slots(),

@@ -16,12 +16,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
 from runtime.config import CoreConfig
 from runtime.req import CallerRequest
+from runtime.stats import CoreStats
 from runtime.stream import Delta
 
 
@@ -52,7 +52,7 @@ class CoreFlush(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class CoreStatsQuery(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Ask for the counters now (not the last periodic ones); answered by `CoreStats` with the ticket."""
+    """Ask for the counters now (not the last periodic ones); answered by `CoreStatsReport` with the ticket."""
 
     ticket: int
 
@@ -91,8 +91,8 @@ class CoreOutputs(msgspec.Struct, frozen=True, tag=True, array_like=True):
     deltas: list[Delta]
 
 
-class CoreStats(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    stats: dict[str, Any]
+class CoreStatsReport(msgspec.Struct, frozen=True, tag=True, array_like=True):
+    stats: CoreStats
     ticket: int | None = None  # the query answered; None: the periodic report
 
 
@@ -101,7 +101,7 @@ class CoreFlushed(msgspec.Struct, frozen=True, tag=True, array_like=True):
     done: bool
 
 
-FromCore = CoreHello | CoreReady | CoreFailed | CoreOutputs | CoreStats | CoreFlushed
+FromCore = CoreHello | CoreReady | CoreFailed | CoreOutputs | CoreStatsReport | CoreFlushed
 
 
 @dataclass(frozen=True, slots=True)

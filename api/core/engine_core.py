@@ -35,6 +35,7 @@ from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor, Mailbox
 from runtime.config import CoreConfig
 from runtime.messages import AdderMsg, Batch, PolicyMsg, StepOut
+from runtime.stats import CoreStats
 from runtime.stream import StepOutbox
 
 DEFAULT_MAX_RUNNING_REQUESTS = 256
@@ -61,25 +62,25 @@ class Core:
         runner = self.runner
         return ModelLimits(runner.context_len, runner.vocab_size, runner.allocator.size, self.config.page_size)
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            **self.adder.stats(),
-            "aborted": self.adder.counters["aborted"] + self.policy.aborted,
-            "num_waiting": len(self.policy.waiting),
-            "num_compiling": len(self.policy.compiling),  # the grammar queue
-            "rejected": self.policy.rejected,
-            "queue_timeouts": self.policy.timed_out,
-            "deadline_infeasible": self.policy.infeasible,
-            # vtc: each tenant's weighted service (prompt + 2 x generated tokens, / its weight)
-            "tenant_service": dict(self.policy.fairness.counters) if self.policy.fairness is not None else {},
-            "generated_tokens": self.output.generated_tokens,
-            "forward_steps": self.executor.steps,
-            "forward_s": self.executor.forward_s,
-            # CPU time of the thread running the core's loop (the whole process's loop when inline)
-            "loop_cpu_s": time.thread_time(),
-            "time": time.monotonic(),  # when these counters were read
-            "actor_cpu_s": {actor.name: actor.cpu_s for actor in self.actors},
-        }
+    def stats(self) -> CoreStats:
+        adder = self.adder.stats()
+        aborted = adder.pop("aborted") + self.policy.aborted
+        return CoreStats(
+            **adder,
+            aborted=aborted,
+            num_waiting=len(self.policy.waiting),
+            num_compiling=len(self.policy.compiling),
+            rejected=self.policy.rejected,
+            queue_timeouts=self.policy.timed_out,
+            deadline_infeasible=self.policy.infeasible,
+            tenant_service=dict(self.policy.fairness.counters) if self.policy.fairness is not None else {},
+            generated_tokens=self.output.generated_tokens,
+            forward_steps=self.executor.steps,
+            forward_s=self.executor.forward_s,
+            loop_cpu_s=time.thread_time(),
+            time=time.monotonic(),
+            actor_cpu_s={actor.name: actor.cpu_s for actor in self.actors},
+        )
 
 
 class CoreSetup(msgspec.Struct, frozen=True):

@@ -40,13 +40,14 @@ from runtime.ipc import (
     CoreShutdown,
     CoreSockets,
     CoreStart,
-    CoreStats,
+    CoreStatsReport,
     CoreStatsQuery,
     FromCore,
     ToCore,
 )
 from runtime.messages import Enqueue, FlushCache, Wake
 from runtime.req import Req, SchedState, mark_aborted
+from runtime.stats import CoreStats
 from runtime.stream import RemoteStream, StepOutbox
 
 log = logging.getLogger("actorserve.core")
@@ -188,7 +189,7 @@ class CoreServer:
             elif isinstance(msg, CoreFlush):
                 asyncio.create_task(self._flush(msg.ticket))
             elif isinstance(msg, CoreStatsQuery):
-                self._send(CoreStats(self.core.stats(), msg.ticket))
+                self._send(CoreStatsReport(self.core.stats(), msg.ticket))
             elif isinstance(msg, CoreShutdown):
                 return
 
@@ -217,11 +218,11 @@ class CoreServer:
         self.outbox.send(self.encoder.encode(msg))
 
     async def _publish_stats(self) -> None:
-        last: dict | None = None
+        last: CoreStats | None = None
         while True:
             stats = self.core.stats()
             if stats != last:
-                self._send(CoreStats(stats))
+                self._send(CoreStatsReport(stats))
                 last = stats
             await asyncio.sleep(STATS_PERIOD_S)
 

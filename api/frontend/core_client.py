@@ -41,13 +41,14 @@ from runtime.ipc import (
     CoreShutdown,
     CoreSockets,
     CoreStart,
-    CoreStats,
+    CoreStatsReport,
     CoreStatsQuery,
     FromCore,
     ToCore,
 )
 from runtime.detokenize import ByteTable, IncrementalDetokenizer, delta_text
 from runtime.req import FinishReason, Req, end_request, reason_of
+from runtime.stats import CoreStats
 from runtime.stream import Delta, StepOutbox
 
 STARTUP_TIMEOUT_S = 300.0
@@ -81,7 +82,7 @@ class CoreClient:
         self.live: dict[str, Req] = {}  # sent to the core, not ended
         self.backlog: dict[str, Req] = {}  # waiting for a credit (insertion order: arrival)
         self.max_in_core = 0  # set once the core has resolved its limits
-        self.stats: dict[str, Any] = {}  # the core's latest periodic report
+        self.stats: CoreStats | None = None  # the core's latest report (from the end of `start` on)
         self._answers: dict[int, asyncio.Future[Any]] = {}  # ticket -> the core's answer to a query
         self._tickets = itertools.count()
         self._encoder = msgspec.msgpack.Encoder()
@@ -159,8 +160,9 @@ class CoreClient:
         """Drop the core's prefix cache; False if it was busy (or is gone)."""
         return bool(await self._ask(CoreFlush, False))
 
-    async def current_stats(self) -> dict[str, Any]:
-        """The core's counters as they are now (after everything sent before this call)."""
+    async def current_stats(self) -> CoreStats | None:
+        """The core's counters as they are now (after everything sent before this call); the
+        latest known when the core is gone."""
         return await self._ask(CoreStatsQuery, self.stats)
 
     async def _ask(self, query: type[CoreFlush] | type[CoreStatsQuery], if_gone: Any) -> Any:
@@ -236,13 +238,13 @@ class CoreClient:
             raise RuntimeError(f"the engine core sent nothing for {STARTUP_TIMEOUT_S:.0f} s while starting")
         raise RuntimeError(f"the engine core process {self._process.exit_message()} while starting")
 
-    async def _first_stats(self) -> dict[str, Any]:
+    async def _first_stats(self) -> CoreStats:
         """The core publishes its counters right after CoreReady; stats() has them from the start."""
         while True:
             msg = await self._next_while_starting()
             if isinstance(msg, CoreFailed):
                 raise RuntimeError(msg.message)
-            if isinstance(msg, CoreStats):
+            if isinstance(msg, CoreStatsReport):
                 return msg.stats
 
     async def _ask_to_exit(self, process: CoreProcess) -> None:
@@ -261,7 +263,7 @@ class CoreClient:
             msg = self._decoder.decode(await self._from_core.recv())
             if isinstance(msg, CoreOutputs):
                 self._deliver(msg)
-            elif isinstance(msg, CoreStats):
+            elif isinstance(msg, CoreStatsReport):
                 self.stats = msg.stats  # periodic or asked for: the newest either way
                 if msg.ticket is not None:
                     self._answer(msg.ticket, msg.stats)

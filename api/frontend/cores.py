@@ -30,7 +30,8 @@ class EngineCores(Protocol):
         """Where the Receiver tells of aborts besides (the same mailbox for core processes)."""
 
     def stats(self) -> dict[str, Any]:
-        """The counters as last known (a core process reports them periodically)."""
+        """The counters as last known (a core process reports them periodically): the core's
+        `CoreStats` (replicas': merged, and each replica's) as a dict."""
 
     async def current_stats(self) -> dict[str, Any]:
         """The counters as they are now."""
@@ -61,10 +62,10 @@ class InlineCore:
         return self.core.adder.mailbox  # type: ignore[return-value]
 
     def stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        return self.core.stats().as_dict()
 
     async def current_stats(self) -> dict[str, Any]:
-        return self.core.stats()
+        return self.core.stats().as_dict()
 
     async def flush_cache(self) -> bool:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()

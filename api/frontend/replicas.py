@@ -23,10 +23,7 @@ from runtime.config import EngineConfig
 from runtime.ipc import CoreReady
 from runtime.messages import Enqueue, Wake
 from runtime.req import FinishReason, Req, end_request
-
-# Counters that are not summed over replicas: taken as the mean or the latest.
-_MEAN_STATS = frozenset({"new_token_ratio"})
-_MAX_STATS = frozenset({"time"})
+from runtime.stats import CoreStats, merged
 
 
 class Replicas:
@@ -103,7 +100,7 @@ config.router(), config.dp_size
     async def current_stats(self) -> dict[str, Any]:
         fresh = await asyncio.gather(*(c.current_stats() for c in self._up()))
         latest = dict(zip(self._up_indices(), fresh))
-        return self._merge([latest.get(i, c.stats) for i, c in enumerate(self.clients)])
+        return self._merge([latest.get(i) or c.stats for i, c in enumerate(self.clients)])
 
     async def close(self) -> None:
         await asyncio.gather(*self._closing, return_exceptions=True)
@@ -116,16 +113,18 @@ config.router(), config.dp_size
     def _up(self) -> list[CoreClient]:
         return [self.clients[i] for i in self._up_indices()]
 
-    def _merge(self, per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    def _merge(self, per_replica: list[CoreStats | None]) -> dict[str, Any]:
+        """The engine's counters (the replicas' merged) as a dict, with each replica's own."""
+        reports = [s.as_dict() if s is not None else {} for s in per_replica]
         if len(per_replica) == 1:
-            return per_replica[0]
-        up = [s for i, s in enumerate(per_replica) if i not in self.failures]
-        merged = merge_stats(up) if up else {}
-        merged["dp_size"] = len(per_replica)
-        merged["replicas"] = [
-            {"replica": i, "up": i not in self.failures, "failure": self.failures.get(i), **s} for i, s in enumerate(per_replica)
+            return reports[0]
+        up = [s for i, s in enumerate(per_replica) if i not in self.failures and s is not None]
+        engine = merged(up).as_dict() if up else {}
+        engine["dp_size"] = len(per_replica)
+        engine["replicas"] = [
+            {"replica": i, "up": i not in self.failures, "failure": self.failures.get(i), **report} for i, report in enumerate(reports)
         ]
-        return merged
+        return engine
 
     def _failed_callback(self, replica: int) -> Callable[[str], None]:
         def failed(message: str) -> None:
@@ -161,28 +160,6 @@ class CoreLink(Actor[Enqueue | Wake]):
             self.replicas.submit(msg.req)
         elif msg.rid is not None:
             self.replicas.abort(msg.rid)
-
-
-def merge_stats(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counters summed over replicas (nested dicts key by key); ratios averaged; flags all()."""
-    merged: dict[str, Any] = {}
-    for key in per_replica[0]:
-        values = [s[key] for s in per_replica if key in s]
-        first = values[0]
-        if isinstance(first, bool):
-            merged[key] = all(values)
-        elif isinstance(first, (int, float)):
-            if key in _MEAN_STATS:
-                merged[key] = sum(values) / len(values)
-            elif key in _MAX_STATS:
-                merged[key] = max(values)
-            else:
-                merged[key] = sum(values)
-        elif isinstance(first, dict):
-            merged[key] = merge_stats(values)
-        else:
-            merged[key] = first
-    return merged
 
 
 def _replica_config(config: EngineConfig, replica: int) -> EngineConfig:
