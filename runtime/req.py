@@ -74,8 +74,8 @@ class SchedState:
     """The core's scheduling and KV state of one request. The Adder writes it (its KV through the
     Adder's KVLedger), except `enqueue_time` and `abort_requested` (the Receiver, at arrival and
     on an abort) and `constraint` (the Policy, once the grammar compiled; after that only the
-    Executor's forward thread advances it). In a core process's frontend the `CoreClient` mirrors
-    `cached_tokens` and `admitted_time` from the core's outputs."""
+    Executor's forward thread advances it). A core process's frontend writes none of it but the
+    abort flag: what the core reports of the request is in `OutputState`."""
 
     enqueue_time: float = 0.0  # reset by the Adder when it requeues a preempted or retracted request
     # The flag travels with the request, so whoever holds it sees the abort without a message.
@@ -92,10 +92,22 @@ class SchedState:
     prefetch: object | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request's first admission, as its stream reports it."""
+
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    queue_time: float  # seconds from arrival
+
+
 @dataclass(slots=True)
 class OutputState:
     """What the request produced and what its stream still owes: written by the OutputProcessor
     (or, in a core process's frontend, the `CoreClient`); `finish_reason` only by `end_request`."""
+
+    # Set once: from the Adder's record when the first delta is described (the core), from the
+    # core's first delta (the frontend).
+    admission: Admission | None = None
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -213,6 +225,7 @@ def describe(req: Req, delta: Delta) -> None:
     """What every delta says about its request (SGLang's meta_info shows it in every chunk)."""
     delta.completion_tokens = len(req.out.output_ids)
     delta.prompt_tokens = len(req.asked.input_ids)
-    delta.cached_tokens = req.sched.cached_tokens
-    if req.sched.admitted_time is not None:
-        delta.queue_time = req.sched.admitted_time - req.asked.arrival_time
+    if req.out.admission is None and req.sched.admitted_time is not None:  # the core: the Adder admitted it
+        req.out.admission = Admission(req.sched.cached_tokens, req.sched.admitted_time - req.asked.arrival_time)
+    if req.out.admission is not None:
+        delta.cached_tokens, delta.queue_time = req.out.admission.cached_tokens, req.out.admission.queue_time

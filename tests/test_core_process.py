@@ -19,6 +19,7 @@ import pytest
 
 from api.frontend.engine import Engine, EngineError, InvalidRequest
 from runtime.ipc import CoreSockets
+from runtime.req import Admission, SchedState
 from tests.engine_helpers import assert_idle_invariants, decoding, process_alive
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
@@ -65,6 +66,23 @@ async def test_same_greedy_answers_as_inline_and_nothing_left_behind(model_path)
         stats = await _wait_stats(engine, lambda s: s["generated_tokens"] == 4 * 12 + 5 and s["kv_free"] == s["kv_pool_size"])
         assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert not process_alive(pid) and not sockets.exists()
+
+
+async def test_every_delta_reports_the_admission_the_core_reported(model_path):
+    """Plain tokens carry only an id over the boundary; their deltas still report the cached prefix
+    and queue time of the core's first delta, which the frontend keeps in its own record (it
+    writes none of the core's scheduling state)."""
+    prompt = list(range(11, 41))
+    async with Engine(model_path=model_path) as engine:
+        await engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 2})
+        deltas, req = [], None
+        async for delta in engine.stream(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8}, rid="again"):
+            req = req or engine.client.live["again"]
+            deltas.append(delta)
+        assert len(deltas) == 8 and deltas[0].queue_time is not None
+        assert {(d.cached_tokens, d.queue_time) for d in deltas} == {(len(prompt) - 1, deltas[0].queue_time)}
+        assert req.out.admission == Admission(len(prompt) - 1, deltas[0].queue_time)
+        assert req.sched == SchedState(enqueue_time=req.sched.enqueue_time)
 
 
 @pytest.mark.parametrize("inline_core", [True, False], ids=["inline", "core-process"])

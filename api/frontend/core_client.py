@@ -47,7 +47,7 @@ from runtime.ipc import (
     ToCore,
 )
 from runtime.detokenize import ByteTable, IncrementalDetokenizer, delta_text
-from runtime.req import FinishReason, Req, end_request, reason_of
+from runtime.req import Admission, FinishReason, Req, end_request, reason_of
 from runtime.stats import CoreStats
 from runtime.stream import Delta, StepOutbox
 
@@ -301,9 +301,8 @@ class CoreClient:
                     continue
             else:
                 req.out.output_ids.extend(delta.output_ids)
-                req.sched.cached_tokens = delta.cached_tokens
-                if delta.queue_time is not None:
-                    req.sched.admitted_time = req.asked.arrival_time + delta.queue_time
+                if req.out.admission is None and delta.queue_time is not None:
+                    req.out.admission = Admission(delta.cached_tokens, delta.queue_time)
             tokens += len(delta.output_ids)
             detok = req.out.detokenizer
             if detok is None and delta.output_ids:
@@ -336,11 +335,10 @@ class CoreClient:
     def _plain_delta(req: Req, token: int) -> Delta:
         """A plain token's delta, with what the core's first delta said about the request."""
         req.out.output_ids.append(token)
-        queue_time = None if req.sched.admitted_time is None else req.sched.admitted_time - req.asked.arrival_time
-        return Delta(
-            rid=req.rid, output_ids=[token], prompt_tokens=len(req.asked.input_ids),
-            completion_tokens=len(req.out.output_ids), cached_tokens=req.sched.cached_tokens, queue_time=queue_time,
-        )
+        delta = Delta(rid=req.rid, output_ids=[token], prompt_tokens=len(req.asked.input_ids), completion_tokens=len(req.out.output_ids))
+        if req.out.admission is not None:
+            delta.cached_tokens, delta.queue_time = req.out.admission.cached_tokens, req.out.admission.queue_time
+        return delta
 
     def _process_exited(self) -> None:
         assert self._process is not None
