@@ -26,9 +26,10 @@ from actors.grammar import accept_tokens, mask_logits
 from cache.storage_tier import StorageTier
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
-from gpu.kv_pool import KVBuffers
+from gpu.kv_pool import KVBuffers, KVMove
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
+from gpu.torch_threads import TorchThreads
 from runtime.actor import Actor, ExitCallback, Mailbox
 from runtime.messages import Batch, InputLogprobs, StepOut
 from runtime.req import Req
@@ -54,11 +55,14 @@ class StepRunner(Protocol):
 
 
 class Executor(Actor[Batch]):
-    def __init__(self, step_runner: StepRunner, *, inbox: Mailbox[Batch], output: Mailbox[StepOut]):
+    def __init__(
+        self, step_runner: StepRunner, *, inbox: Mailbox[Batch], output: Mailbox[StepOut], worker: ThreadPoolExecutor | None = None
+    ):
         super().__init__("executor", inbox)
         self.step_runner = step_runner
         self.output = output
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
+        # One thread (the one that loaded the model, where given): see gpu/torch_threads.py.
+        self._worker = worker or ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-forward")
         self._launched: asyncio.Queue[asyncio.Future[StepOut | PendingStep]] = asyncio.Queue()
         self.steps = 0
         self.forward_s = 0.0
@@ -102,10 +106,13 @@ class _Launched:
 class ModelStepRunner:
     """The model's StepRunner: the model runner (weights, KV buffers) and the token pool."""
 
-    def __init__(self, runner: ModelRunner, host_kv_slots: int = 0, storage: StorageTier | None = None):
+    def __init__(
+        self, runner: ModelRunner, host_kv_slots: int = 0, storage: StorageTier | None = None, threads: TorchThreads | None = None
+    ):
         self.runner = runner
+        self.threads = threads  # torch threads of the forward thread (None: whatever it has)
         # The host tier's KV (cache/host_tier.py books it; the copies come with the batches).
-        self.host_kv = _host_buffers(runner, host_kv_slots) if host_kv_slots else None
+        self.host_kv = runner.host_buffers(host_kv_slots) if host_kv_slots else None
         self.storage = storage  # blocks copied to the host with `persist` are written there
         self.token_pool = torch.zeros(
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
@@ -118,6 +125,8 @@ class ModelStepRunner:
         """On a CPU the step is complete on return; on CUDA it is launched on the forward stream
         and its results reach the host behind an event."""
         start = time.perf_counter()
+        if self.threads is not None:
+            self.threads.claim()
         if self.streams is None:
             self._copy_kv(batch)
             _, _, tensors = self._step(batch)
@@ -139,6 +148,8 @@ class ModelStepRunner:
         if not batch.kv_copies:
             return
         assert self.host_kv is not None, "host tier copies without a host tier"
+        # Tensor parallelism (no storage tier there): the other ranks move their heads' KV too.
+        self.runner.send_moves([KVMove(c.to_host, c.device_slots, c.host_slots) for c in batch.kv_copies])
         device_kv = self.runner.kv
         on_cuda = device_kv.k[0].device.type == "cuda"
         # A copy to the device is asynchronous on CUDA: until the stream passes it, a write into its
@@ -273,15 +284,6 @@ class ModelStepRunner:
         # The context length bounds positions; a token past it is never read (the request ends).
         ends = [min(e, self.token_pool.shape[1] - 1) for e in ends]
         self.token_pool[_on(rows, device), _on(ends, device)] = token_ids
-
-
-def _host_buffers(runner: ModelRunner, num_slots: int) -> KVBuffers:
-    kv = runner.kv
-    _, heads, dim = kv.k[0].shape
-    host = KVBuffers.allocate(len(kv.k), num_slots, heads, dim, kv.k[0].dtype, "cpu")
-    if runner.device.type == "cuda":  # pinned: copies overlap the device's work
-        host = KVBuffers([t.pin_memory() for t in host.k], [t.pin_memory() for t in host.v])
-    return host
 
 
 def _gather_host(host: KVBuffers, slots: torch.Tensor) -> torch.Tensor:

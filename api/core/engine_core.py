@@ -31,6 +31,7 @@ from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tensor_parallel import TPLayout
+from gpu.torch_threads import TorchThreads
 from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor, Mailbox
 from runtime.config import CoreConfig
@@ -123,8 +124,11 @@ async def load_core(config: CoreConfig, outbox: StepOutbox | None = None, setup:
     check_load_format(config.load_format, config.model_path)
     if config.random_seed is not None:
         torch.manual_seed(config.random_seed)  # requests without a seed draw from torch's generator
+    threads = TorchThreads.current(config.core_threads)
+    # The forward's one thread loads the model too: no other thread's torch ops (gpu/torch_threads.py).
+    forward = ThreadPoolExecutor(1, thread_name_prefix="actorserve-forward")
     if config.tp_size == 1:
-        runner, tp_ranks = await asyncio.to_thread(ModelRunner, runner_config(config)), None
+        runner, tp_ranks = await asyncio.get_running_loop().run_in_executor(forward, _load_runner, config, threads), None
     else:
         runner, tp_ranks = await _load_tensor_parallel(config)
     tokenizer = await asyncio.to_thread(load_tokenizer, config, runner.model_dir)
@@ -149,7 +153,8 @@ async def load_core(config: CoreConfig, outbox: StepOutbox | None = None, setup:
     policy = Policy(cfg, prefix_cache, grammars, inbox=to_policy, adder=to_adder, storage=storage)
     adder = Adder(cfg, runner, prefix_cache, inbox=to_adder, policy=to_policy, executor=to_executor, storage=storage)
     host_slots = prefix_cache.host_tier.allocator.total_slots if isinstance(prefix_cache, RadixCache) and prefix_cache.host_tier else 0
-    executor = Executor(ModelStepRunner(runner, host_slots, storage) if chosen is None else chosen, inbox=to_executor, output=to_output)
+    step_runner = ModelStepRunner(runner, host_slots, storage, threads) if chosen is None else chosen
+    executor = Executor(step_runner, inbox=to_executor, output=to_output, worker=forward)
     # Inline, the core streams text; in a process of its own, token ids the frontend detokenizes.
     output = OutputProcessor(
         tokenizer, runner.model_config.eos_token_ids, cfg.stream_interval, outbox, inbox=to_output, adder=to_adder,
@@ -158,6 +163,11 @@ async def load_core(config: CoreConfig, outbox: StepOutbox | None = None, setup:
     if setup is not None:
         setup.apply(core)
     return core
+
+
+def _load_runner(config: CoreConfig, threads: TorchThreads) -> ModelRunner:
+    threads.claim()
+    return ModelRunner(runner_config(config))
 
 
 async def _load_tensor_parallel(config: CoreConfig) -> tuple[ModelRunner, TPRanks]:

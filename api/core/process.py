@@ -20,6 +20,7 @@ import sys
 import time
 
 import msgspec
+import torch
 import zmq
 import zmq.asyncio
 
@@ -124,10 +125,9 @@ async def _start_message(inbox: zmq.asyncio.Socket, parent_pid: int) -> CoreStar
 def _apply_start(start: CoreStart) -> tuple[CoreConfig, CoreSetup | None]:
     sys.path.extend(path for path in start.sys_path if path not in sys.path)
     config = start.config
-    if config.core_threads:
-        import torch
-
-        torch.set_num_threads(config.core_threads)
+    # Several torch threads on the forward thread only, one on every other (gpu/torch_threads.py).
+    config = msgspec.structs.replace(config, core_threads=config.core_threads or torch.get_num_threads())
+    torch.set_num_threads(1)
     setup = None if start.setup is None else msgspec.msgpack.decode(start.setup, type=CoreSetup)
     return config, setup
 

@@ -6,10 +6,10 @@
 // rounds, so both paths agree bit for bit wherever the float32 math does.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "parallel.h"
 
 #include <cmath>
 #include <vector>
@@ -34,7 +34,7 @@ void rms_norm_rows(const at::Tensor& x, at::Tensor* residual, const at::Tensor& 
   const T* w = weight.data_ptr<T>();
   T* res = residual ? residual->data_ptr<T>() : nullptr;
   T* od = out.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
     std::vector<float> v(dim);
     for (int64_t r = first; r < last; ++r) {
       const T* src = xd + r * dim;
@@ -89,7 +89,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t inter = out.size(-1), rows = out.numel() / inter;
   const T* in = gate_up.data_ptr<T>();
   T* od = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
+  actorserve::parallel_for(rows, 4, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* gate = in + r * 2 * inter;
       const T* up = gate + inter;
@@ -124,7 +124,7 @@ void rope_rows(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cd = cos.data_ptr<float>();
   const float* sd = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, 4, [&](int64_t first, int64_t last) {
+  actorserve::parallel_for(tokens, 4, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
       const float* c = cd + pos[t] * dim;
       const float* s = sd + pos[t] * dim;

@@ -9,10 +9,10 @@
 // model is quantized.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "parallel.h"
 
 #include <cfloat>
 #include <cmath>
@@ -34,7 +34,7 @@ void quantize_rows_impl(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
   const T* xd = x.data_ptr<T>();
   uint8_t* qd = q.data_ptr<uint8_t>();
   float* sd = scale.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t first, int64_t last) {
+  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const T* src = xd + r * dim;
       float amax = 0.f;
@@ -67,7 +67,7 @@ void dequantize_rows_impl(const at::Tensor& acc, const at::Tensor& scale, const 
   const float* ad = acc.data_ptr<float>();
   const float* sd = scale.data_ptr<float>();
   T* od = out.data_ptr<T>();
-  at::parallel_for(0, rows, 4, [&](int64_t first, int64_t last) {
+  actorserve::parallel_for(rows, 4, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
       const float* a = ad + r * dim;
       const float s = sd[r];
