@@ -26,7 +26,7 @@ from actors.grammar import accept_tokens, mask_logits
 from cache.storage_tier import StorageTier
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
-from gpu.kv_pool import KVBuffers
+from gpu.kv_pool import KVBuffers, KVMove
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
 from gpu.torch_threads import TorchThreads
@@ -112,7 +112,7 @@ class ModelStepRunner:
         self.runner = runner
         self.threads = threads  # torch threads of the forward thread (None: whatever it has)
         # The host tier's KV (cache/host_tier.py books it; the copies come with the batches).
-        self.host_kv = _host_buffers(runner, host_kv_slots) if host_kv_slots else None
+        self.host_kv = runner.host_buffers(host_kv_slots) if host_kv_slots else None
         self.storage = storage  # blocks copied to the host with `persist` are written there
         self.token_pool = torch.zeros(
             (runner.req_to_token.max_requests + 1, runner.context_len + 1), dtype=torch.int64, device=runner.device
@@ -148,6 +148,8 @@ class ModelStepRunner:
         if not batch.kv_copies:
             return
         assert self.host_kv is not None, "host tier copies without a host tier"
+        # Tensor parallelism (no storage tier there): the other ranks move their heads' KV too.
+        self.runner.send_moves([KVMove(c.to_host, c.device_slots, c.host_slots) for c in batch.kv_copies])
         device_kv = self.runner.kv
         on_cuda = device_kv.k[0].device.type == "cuda"
         # A copy to the device is asynchronous on CUDA: until the stream passes it, a write into its
@@ -282,15 +284,6 @@ class ModelStepRunner:
         # The context length bounds positions; a token past it is never read (the request ends).
         ends = [min(e, self.token_pool.shape[1] - 1) for e in ends]
         self.token_pool[_on(rows, device), _on(ends, device)] = token_ids
-
-
-def _host_buffers(runner: ModelRunner, num_slots: int) -> KVBuffers:
-    kv = runner.kv
-    _, heads, dim = kv.k[0].shape
-    host = KVBuffers.allocate(len(kv.k), num_slots, heads, dim, kv.k[0].dtype, "cpu")
-    if runner.device.type == "cuda":  # pinned: copies overlap the device's work
-        host = KVBuffers([t.pin_memory() for t in host.k], [t.pin_memory() for t in host.v])
-    return host
 
 
 def _gather_host(host: KVBuffers, slots: torch.Tensor) -> torch.Tensor:

@@ -174,6 +174,15 @@ class TokenSlotAllocator:
         self._num_free = self.num_pages
 
 
+@dataclass(frozen=True, slots=True)
+class KVMove:
+    """The same slots' KV from the device pool to the host tier's buffers, or back."""
+
+    to_host: bool
+    device_slots: torch.Tensor
+    host_slots: torch.Tensor
+
+
 @dataclass(slots=True)
 class KVBuffers:
     """K and V for every layer: `[num_slots, num_kv_heads, head_dim]` each."""
@@ -191,12 +200,29 @@ class KVBuffers:
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
 
+    def host_buffers(self, num_slots: int) -> KVBuffers:
+        """Host memory for `num_slots` of these buffers' tokens (the host tier's), pinned when
+        these are on CUDA so that copies overlap the device's work."""
+        _, heads, dim = self.k[0].shape
+        host = KVBuffers.allocate(len(self.k), num_slots, heads, dim, self.k[0].dtype, "cpu")
+        if self.k[0].device.type == "cuda":
+            host = KVBuffers([t.pin_memory() for t in host.k], [t.pin_memory() for t in host.v])
+        return host
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def move(self, moves: list[KVMove], host: KVBuffers) -> None:
+        """Copy between these (the device pool) and the host tier's buffers, in order."""
+        for m in moves:
+            if m.to_host:
+                self.copy_to(m.device_slots, host, m.host_slots)
+            else:
+                host.copy_to(m.host_slots, self, m.device_slots)
 
     def copy_to(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor) -> None:
         """K and V of `slots` in every layer into `other_slots` of `other` (another device: the

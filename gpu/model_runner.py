@@ -28,13 +28,13 @@ from gpu.cpu_ops import cpu_kernels
 from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
-from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
+from gpu.kv_pool import KVBuffers, KVMove, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout
-from gpu.tp_batch import BatchChannel
+from gpu.tp_batch import BatchChannel, HostMoves
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # default KV pool size on a CPU when max_total_tokens is not given
 
@@ -95,6 +95,7 @@ class ModelRunner:
             self.dtype, self.device,
         )
         self.channel = BatchChannel(tp, self.req_to_token, self.device) if tp.size > 1 else None
+        self.host_kv: KVBuffers | None = None  # the host tier's KV for this rank's heads: `host_buffers`
         self.attn: AttentionBackend = self._make_attention()
         self.sampler = Sampler()
         self.graph_runner: DecodeGraphRunner | None = None
@@ -128,10 +129,25 @@ class ModelRunner:
         return self._forward(batch)
 
     def serve_ranks(self) -> None:
-        """Rank > 0: run every batch rank 0 sends until it says stop."""
+        """Rank > 0: run every batch (and make every host-tier move) rank 0 sends until it says stop."""
         assert self.channel is not None and self.tp.rank > 0
-        while (batch := self.channel.receive()) is not None:
-            self._forward(batch)
+        while (msg := self.channel.receive()) is not None:
+            if isinstance(msg, HostMoves):
+                self.kv.move(msg.moves, self.host_buffers(msg.host_slots))
+            else:
+                self._forward(msg)
+
+    def host_buffers(self, num_slots: int) -> KVBuffers:
+        """The host tier's buffers for this rank's heads, allocated at the first call."""
+        if self.host_kv is None:
+            self.host_kv = self.kv.host_buffers(num_slots)
+        return self.host_kv
+
+    def send_moves(self, moves: list[KVMove]) -> None:
+        """Rank 0, before its own moves: the other ranks make the same ones in their pools."""
+        if self.channel is not None and moves:
+            assert self.host_kv is not None
+            self.channel.send_moves(HostMoves(moves, self.host_kv.k[0].shape[0]))
 
     def stop_ranks(self) -> None:
         """Rank 0: let the other ranks' `serve_ranks` return (call when no forward is running)."""

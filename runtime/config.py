@@ -190,7 +190,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             (self.hicache_ratio > 0, f"hicache_ratio must be positive, got {self.hicache_ratio}"),
             (self.page_size < 1 or self.hicache_block_tokens >= 1 and self.hicache_block_tokens % self.page_size == 0, f"hicache_block_tokens ({self.hicache_block_tokens}) must be a positive multiple of page_size ({self.page_size})"),
             (not (self.enable_hierarchical_cache and self.disable_radix_cache), "enable_hierarchical_cache needs the radix cache: drop disable_radix_cache"),
-            (not (self.enable_hierarchical_cache and self.tp_size > 1), "enable_hierarchical_cache is not supported with tp_size > 1 yet"),
+            (
+                not (self.hicache_storage_backend and self.tp_size > 1),
+                "hicache_storage_backend is not supported with tp_size > 1 yet (the host tier is: drop the storage backend)",
+            ),
             (self.hicache_storage_backend is None or self.enable_hierarchical_cache, "hicache_storage_backend needs the host tier: add enable_hierarchical_cache"),
             (self.hicache_storage_prefetch_timeout_s > 0, f"hicache_storage_prefetch_timeout_s must be positive, got {self.hicache_storage_prefetch_timeout_s}"),
             (self.hicache_storage_capacity_gb is None or self.hicache_storage_capacity_gb > 0, f"hicache_storage_capacity_gb must be positive, got {self.hicache_storage_capacity_gb}"),

@@ -254,6 +254,23 @@ async def test_tp2_retraction_keeps_tp1_answers(tiny_model_factory):
     assert await run(2) == await run(1)
 
 
+async def test_tp2_host_tier_serves_an_evicted_prompt_as_no_cache_would(tiny_model_factory):
+    """With the host tier every rank moves its own heads' KV to host memory and back: a prompt
+    evicted from a small pool, matched on the host and loaded back, decodes as with no cache."""
+    path = tiny_model_factory("llama", max_position_embeddings=512)
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(60)] for i in range(2)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    small = {"model_path": str(path), "dtype": "float32", "max_total_tokens": 96}
+    async with Engine(**small, disable_radix_cache=True, inline_core=True) as plain:
+        expected = [(await plain.generate(input_ids=p, sampling_params=params)).output_ids for p in prompts]
+    engine = Engine(**small, core_threads=1, tp_size=2, enable_hierarchical_cache=True, hicache_block_tokens=8)
+    async with engine:
+        outs = [await engine.generate(input_ids=p, sampling_params=params) for p in prompts + prompts[:1]]
+        assert [o.output_ids for o in outs] == expected + expected[:1]
+        assert outs[2].cached_tokens >= 48 and (await engine.current_stats())["hicache_host_hit_tokens"] >= 48
+        await assert_idle_invariants(engine)
+
+
 # --- failures --------------------------------------------------------------------------------------
 async def test_heads_that_do_not_split_are_refused_at_startup(tiny_model_factory):
     path = tiny_model_factory("llama", num_heads=3, num_kv_heads=1, hidden_size=48)
@@ -277,6 +294,8 @@ def test_tp_settings_that_cannot_work_are_refused():
         Engine(tp_size=2, inline_core=True)
     with pytest.raises(ValueError, match="dist_init_addr must be host:port"):
         Engine(tp_size=2, dist_init_addr="localhost")
+    with pytest.raises(ValueError, match="hicache_storage_backend is not supported with tp_size > 1"):
+        Engine(tp_size=2, enable_hierarchical_cache=True, hicache_storage_backend="file")
 
 
 @contextlib.asynccontextmanager
