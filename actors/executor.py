@@ -26,12 +26,12 @@ from actors.grammar import accept_tokens, mask_logits
 from cache.storage_tier import StorageTier
 from gpu.cuda_streams import HostResult, StepStreams, host_to_device
 from gpu.forward_batch import ForwardBatch
-from gpu.kv_pool import KVBuffers, KVMove
+from gpu.kv_pool import KVBuffers, KVMove, LayerLoads
 from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
 from gpu.torch_threads import TorchThreads
 from runtime.actor import Actor, ExitCallback, Mailbox
-from runtime.messages import Batch, InputLogprobs, StepOut
+from runtime.messages import Batch, InputLogprobs, KVCopy, StepOut
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
 
@@ -128,12 +128,11 @@ class ModelStepRunner:
         if self.threads is not None:
             self.threads.claim()
         if self.streams is None:
-            self._copy_kv(batch)
-            _, _, tensors = self._step(batch)
+            _, _, tensors = self._step(batch, self._copy_kv(batch))
             return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)
         with self.streams.launch():
-            self._copy_kv(batch)  # on the forward stream, before the step that may read them
-            fb, logits, tensors = self._step(batch)
+            loads = self._copy_kv(batch)  # on the forward stream, before the step that may read them
+            fb, logits, tensors = self._step(batch, loads)
             # The step's inputs stay referenced until its event fires (see gpu/cuda_streams.py).
             host = self.streams.copy_out(tensors, keep_alive=(fb, logits, batch.out_cache_loc))
         return _Launched(batch, host, time.perf_counter() - start)
@@ -144,19 +143,30 @@ class ModelStepRunner:
         if self.storage is not None:
             self.storage.close()
 
-    def _copy_kv(self, batch: Batch) -> None:
+    def _copy_kv(self, batch: Batch) -> LayerLoads | None:
+        """Make the batch's host-tier copies, in order; the loads to the device that come last
+        are left to the forward, layer by layer (returned)."""
         if not batch.kv_copies:
-            return
+            return None
         assert self.host_kv is not None, "host tier copies without a host tier"
         # Tensor parallelism (no storage tier there): the other ranks move their heads' KV too.
         self.runner.send_moves([KVMove(c.to_host, c.device_slots, c.host_slots) for c in batch.kv_copies])
+        now, later = _split_loads(batch.kv_copies)
+        self._copy_now(now)
+        if not later:
+            return None
+        side = self.streams.loads if self.streams is not None else None
+        return LayerLoads([KVMove(False, c.device_slots, c.host_slots) for c in later], self.host_kv, self.runner.kv, side)
+
+    def _copy_now(self, copies: list[KVCopy]) -> None:
+        assert self.host_kv is not None
         device_kv = self.runner.kv
         on_cuda = device_kv.k[0].device.type == "cuda"
         # A copy to the device is asynchronous on CUDA: until the stream passes it, a write into its
         # host slots from the CPU (a block read from storage) would race it. A copy to the host is
         # blocking: it waits for the stream.
         reads_in_flight = on_cuda  # this step's predecessors may still be copying
-        for copy in batch.kv_copies:
+        for copy in copies:
             if copy.staged is not None:
                 if reads_in_flight:
                     torch.cuda.current_stream(device_kv.k[0].device).synchronize()
@@ -172,10 +182,12 @@ class ModelStepRunner:
                 self.host_kv.copy_to(copy.host_slots, device_kv, copy.device_slots)
                 reads_in_flight = on_cuda
 
-    def _step(self, batch: Batch) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
-        """Forward, sample, store the sampled ids in the token pool; (inputs, logits, results)."""
+    def _step(self, batch: Batch, loads: LayerLoads | None) -> tuple[ForwardBatch, torch.Tensor, tuple[torch.Tensor | None, ...]]:
+        """Forward (making `loads` layer by layer), sample, store the sampled ids in the token
+        pool; (inputs, logits, results)."""
         runner = self.runner
         fb = self._forward_batch(batch)
+        fb.layer_loads = loads
         # Tokens each request has generated before this step (the token pool is complete, the
         # requests' output_ids may lag one step behind under overlap).
         prompt_lens = [len(r.asked.input_ids) for r in batch.reqs]
@@ -284,6 +296,12 @@ class ModelStepRunner:
         # The context length bounds positions; a token past it is never read (the request ends).
         ends = [min(e, self.token_pool.shape[1] - 1) for e in ends]
         self.token_pool[_on(rows, device), _on(ends, device)] = token_ids
+
+
+def _split_loads(copies: list[KVCopy]) -> tuple[list[KVCopy], list[KVCopy]]:
+    """(copies to make now, in order; the loads from the host after the last other copy)."""
+    last_other = max((i for i, c in enumerate(copies) if c.to_host or c.staged is not None), default=-1)
+    return copies[: last_other + 1], copies[last_other + 1 :]
 
 
 def _gather_host(host: KVBuffers, slots: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,7 @@ class StepStreams:
         self.device = device
         self.schedule = torch.cuda.current_stream(device)
         self.forward = torch.cuda.Stream(device)
+        self.loads = torch.cuda.Stream(device)  # host-tier loads, layer by layer (gpu/kv_pool.py's LayerLoads)
         # Steps complete in launch order, so one thread waiting on one event at a time suffices.
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actorserve-cuda-event")
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.cuda_streams import host_to_device
+from gpu.kv_pool import LayerLoads
 from runtime.forward_mode import ForwardMode
 
 
@@ -31,6 +32,8 @@ class ForwardBatch:
     return_all_logits: bool = False  # logits for every new token, not only each request's last
     # Packed token indices to compute logits for, in this order (overrides the two above).
     logit_index: torch.Tensor | None = None
+    # Host-tier loads the forward makes ready layer by layer, before each layer runs.
+    layer_loads: LayerLoads | None = None
 
     @property
     def batch_size(self) -> int:

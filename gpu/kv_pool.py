@@ -224,12 +224,60 @@ class KVBuffers:
             else:
                 host.copy_to(m.host_slots, self, m.device_slots)
 
-    def copy_to(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor) -> None:
-        """K and V of `slots` in every layer into `other_slots` of `other` (another device: the
-        host tier's buffers, or back)."""
+    def copy_to(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor, layers: range | None = None) -> None:
+        """K and V of `slots` in every layer (or `layers`) into `other_slots` of `other` (another
+        device: the host tier's buffers, or back)."""
         src, dst = slots.to(self.k[0].device), other_slots.to(other.k[0].device)
         # Only a copy onto the device may be asynchronous: one to the host is read at once.
         to_device = other.k[0].device.type != "cpu"
-        for mine, theirs in ((self.k, other.k), (self.v, other.v)):
-            for a, b in zip(mine, theirs):
-                b[dst] = a[src].to(b.device, non_blocking=to_device)
+        # A run of slots (a host-tier block) is read as a view: from pinned memory that copy is
+        # asynchronous, where gathering the rows first would make a pageable copy the host waits for.
+        run = _run_start(src) if to_device else None
+        for layer in layers if layers is not None else range(len(self.k)):
+            for mine, theirs in ((self.k, other.k), (self.v, other.v)):
+                rows = mine[layer][run : run + src.numel()] if run is not None else mine[layer][src]
+                theirs[layer][dst] = rows.to(theirs[layer].device, non_blocking=to_device)
+
+
+def _run_start(slots: torch.Tensor) -> int | None:
+    """The first slot when `slots` are consecutive, else None."""
+    first = int(slots[0]) if slots.numel() else 0
+    return first if bool(torch.equal(slots, torch.arange(first, first + slots.numel(), dtype=slots.dtype))) else None
+
+
+class LayerLoads:
+    """Host-tier loads into the device pool for one forward, made layer by layer: the forward
+    calls `ready(layer)` before each layer. On CUDA every layer's copies are issued at once on a
+    side stream, each followed by an event, and `ready` makes the forward stream wait for that
+    layer's event: the loads of later layers overlap the compute of earlier ones. On a CPU (no copy
+    engine to overlap with) `ready` copies the layers up to that one, on the forward's thread."""
+
+    def __init__(self, moves: list[KVMove], host: KVBuffers, device: KVBuffers, side: torch.cuda.Stream | None = None):
+        assert all(not m.to_host for m in moves), "only loads to the device are made layer by layer"
+        self.moves, self.host, self.device = moves, host, device
+        self.num_layers = len(device.k)
+        self._copied = 0  # layers copied (a CPU)
+        self._events: list[torch.cuda.Event] = []
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(side.device))  # after the step's earlier copies
+            with torch.cuda.stream(side):
+                for layer in range(self.num_layers):
+                    self._copy(range(layer, layer + 1))
+                    event = torch.cuda.Event()
+                    event.record(side)
+                    self._events.append(event)
+
+    def ready(self, layer: int) -> None:
+        if self._events:
+            torch.cuda.current_stream(self.device.k[0].device).wait_event(self._events[layer])
+        elif layer >= self._copied:
+            self._copy(range(self._copied, layer + 1))
+            self._copied = layer + 1
+
+    def finish(self) -> None:
+        """Every layer ready (for a forward that does not go layer by layer)."""
+        self.ready(self.num_layers - 1)
+
+    def _copy(self, layers: range) -> None:
+        for m in self.moves:
+            self.host.copy_to(m.host_slots, self.device, m.device_slots, layers)

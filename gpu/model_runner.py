@@ -156,6 +156,8 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if batch.layer_loads is not None:  # a captured graph does not go layer by layer
+                batch.layer_loads.finish()
             return self.graph_runner.run(batch)
         return self.model(batch, self.attn)
 

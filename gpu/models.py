@@ -246,7 +246,10 @@ class CausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() before forward()"
         attn.init_forward_metadata(batch)
         hidden = self.model.embed_tokens(batch.input_ids)
-        for layer in self.model.layers:
+        loads = batch.layer_loads
+        for i, layer in enumerate(self.model.layers):
+            if loads is not None:
+                loads.ready(i)
             hidden = layer(hidden, batch.positions, self.rotary, attn)
         if batch.logit_index is not None:
             hidden = hidden[batch.logit_index]

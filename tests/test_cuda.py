@@ -20,6 +20,7 @@ from gpu.attention import TorchAttention
 from gpu.cuda_streams import StepStreams
 from gpu.forward_batch import ForwardBatch
 from gpu.graph_runner import capture_batch_sizes
+from gpu.kv_pool import KVBuffers, KVMove, LayerLoads
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
 from gpu.sampler import Sampler, SamplingInfo, TokenSpans
@@ -188,6 +189,29 @@ def test_streams_copy_out_after_the_forward_stream():
     values = asyncio.run(result.wait())
     assert values[0].item() == 2.0 * (1 << 20) and values[1] is None
     assert result.done() and result.keep_alive == ()
+    streams.close()
+
+
+@needs_cuda
+def test_host_tier_loads_reach_the_forward_stream_layer_by_layer():
+    """Loads issued on the side stream, each layer behind its event: once the forward stream has
+    waited for a layer, its work reads that layer's loaded KV (pinned host memory, async copies)."""
+    streams = StepStreams(torch.device("cuda"))
+    device = KVBuffers.allocate(4, 64, 2, 8, torch.bfloat16, "cuda")
+    host = device.host_buffers(64)
+    assert host.k[0].is_pinned()
+    for layer in range(4):
+        host.k[layer][10:20], host.v[layer][10:20] = layer + 1.0, -(layer + 1.0)
+    with streams.launch():
+        loads = LayerLoads([KVMove(False, torch.arange(30, 40), torch.arange(10, 20))], host, device, streams.loads)
+        sums = []
+        for layer in range(4):
+            loads.ready(layer)
+            sums.append((device.k[layer][30:40].float().sum() - device.v[layer][30:40].float().sum()).reshape(1))
+        result = streams.copy_out([torch.cat(sums)], keep_alive=[])
+    # 10 slots x 2 heads x 8 values of l + 1 in K and -(l + 1) in V: 320 (l + 1) when read after the load
+    assert asyncio.run(result.wait())[0].tolist() == [320.0, 640.0, 960.0, 1280.0]
+    assert [device.k[layer][30:40].float().mean().item() for layer in range(4)] == [1.0, 2.0, 3.0, 4.0]
     streams.close()
 
 

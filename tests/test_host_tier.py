@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from actors.executor import _split_loads
 from actors.kv_ledger import KVLedger
 from api.frontend.engine import Engine
 from cache import RadixCache
 from cache.host_tier import HostTier
-from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
+from gpu.kv_pool import KVBuffers, KVMove, LayerLoads, ReqToTokenPool, TokenSlotAllocator, _run_start
+from runtime.messages import KVCopy
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -111,6 +113,36 @@ def test_copies_move_kv_both_ways():
     host.copy_to(torch.tensor([5]), device, torch.tensor([6]))
     assert [float(device.k[layer][6, 0, 0]) for layer in range(2)] == [1.0, 2.0]
     assert [float(device.v[layer][6, 0, 1]) for layer in range(2)] == [-1.0, -2.0]
+
+
+def test_loads_are_made_layer_by_layer_as_the_forward_asks():
+    device = KVBuffers.allocate(3, 8, 1, 2, torch.float32, "cpu")
+    host = KVBuffers.allocate(3, 8, 1, 2, torch.float32, "cpu")
+    for layer in range(3):
+        host.k[layer][5], host.v[layer][5] = layer + 1.0, -(layer + 1.0)
+    loads = LayerLoads([KVMove(False, torch.tensor([2]), torch.tensor([5]))], host, device)
+    loads.ready(0)
+    assert [float(device.k[layer][2, 0, 0]) for layer in range(3)] == [1.0, 0.0, 0.0]
+    loads.ready(1)
+    assert [float(device.v[layer][2, 0, 1]) for layer in range(3)] == [-1.0, -2.0, 0.0]
+    loads.finish()
+    assert [float(device.k[layer][2, 0, 0]) for layer in range(3)] == [1.0, 2.0, 3.0]
+
+
+def test_a_run_of_host_slots_is_read_as_one_view():
+    assert _run_start(torch.tensor([4, 5, 6])) == 4  # a block: copied from a pinned view, asynchronously
+    assert _run_start(torch.tensor([4, 6, 7])) is None and _run_start(torch.tensor([5, 4])) is None
+
+
+def test_only_the_loads_after_every_other_copy_wait_for_the_forward():
+    def copy(to_host: bool, staged: bool = False) -> KVCopy:
+        return KVCopy(to_host, torch.tensor([1]), torch.tensor([2]), staged=torch.zeros(1) if staged else None)
+
+    evict, load, fill = copy(True), copy(False), copy(False, staged=True)
+    assert _split_loads([evict, load, load]) == ([evict], [load, load])
+    assert _split_loads([load, evict, load]) == ([load, evict], [load])  # a load before an eviction keeps its place
+    assert _split_loads([fill, load]) == ([fill], [load])  # a block read from storage reaches the host first
+    assert _split_loads([evict]) == ([evict], [])
 
 
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
