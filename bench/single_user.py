@@ -62,10 +62,13 @@ class Sample:
 class ServingCpu:
     """CPU ms per streamed token of an actorserve server's two serving threads: the HTTP server's
     process (all its threads) and the engine core's loop thread (its forward threads excluded).
-    Other processes on the machine do not add to these, unlike to wall times."""
+    Other processes on the machine do not add to these, unlike to wall times. `step_ms`: the
+    engine's own wall time per step on its forward thread (its forward_s / forward_steps), to
+    set beside the bare forward."""
 
     frontend_ms: float
     core_loop_ms: float
+    step_ms: float
 
 
 def main() -> None:
@@ -81,7 +84,9 @@ def main() -> None:
             got, serving_cpu = _run_server(server, args)
             samples[server.label] += got
             cpu[server.label] += [serving_cpu] if serving_cpu is not None else []
-            print(f"round {round_ + 1} {server.label}: " + ", ".join(f"{s.decode_tok_s:.1f} tok/s ttft {s.ttft_s * 1e3:.1f} ms" for s in got), flush=True)
+            step = f" (engine step {serving_cpu.step_ms:.1f} ms)" if serving_cpu is not None else ""
+            print(f"round {round_ + 1} {server.label}: " + ", ".join(f"{s.decode_tok_s:.1f} tok/s ttft {s.ttft_s * 1e3:.1f} ms" for s in got)
+                  + f"{step}; load {_loadavg().split()[0]}", flush=True)
     forward = {mode: _bare_forward_ms(mode, gguf, args.threads, args.forward_repeats) for mode in args.modes} if args.forward_repeats else {}
     print(f"load after: {_loadavg()}")
     _table(samples, cpu, forward)
@@ -159,13 +164,22 @@ async def _measure(base: str, proc: subprocess.Popen, requests: int) -> tuple[li
         await _wait_ready(session, base, proc)
         await _complete(session, base, prompt)  # fills the prefix cache; not counted
         core = _core_pid(proc.pid)
-        before = (_cpu_s(proc.pid), _cpu_s(core, thread=core)) if core is not None else None
+        before = (_cpu_s(proc.pid), _cpu_s(core, thread=core), await _steps(session, base)) if core is not None else None
         samples = [await _complete(session, base, prompt) for _ in range(requests)]
         if core is None or before is None:
             return samples, None
         tokens = sum(s.tokens for s in samples)
         frontend, loop = _cpu_s(proc.pid) - before[0], _cpu_s(core, thread=core) - before[1]
-        return samples, ServingCpu(frontend_ms=frontend / tokens * 1e3, core_loop_ms=loop / tokens * 1e3)
+        (forward_s, steps), (forward_s_before, steps_before) = await _steps(session, base), before[2]
+        step_ms = (forward_s - forward_s_before) / max(steps - steps_before, 1) * 1e3
+        return samples, ServingCpu(frontend_ms=frontend / tokens * 1e3, core_loop_ms=loop / tokens * 1e3, step_ms=step_ms)
+
+
+async def _steps(session: aiohttp.ClientSession, base: str) -> tuple[float, int]:
+    """The engine's forward seconds and steps so far."""
+    async with session.get(f"{base}/get_server_info") as resp:
+        stats = (await resp.json())["stats"]
+    return stats["forward_s"], stats["forward_steps"]
 
 
 def _core_pid(server_pid: int) -> int | None:
@@ -233,8 +247,8 @@ def _bare_forward_ms(mode: str, gguf: str, threads: int, repeats: int) -> float:
 
 def _table(samples: dict[str, list[Sample]], cpu: dict[str, list[ServingCpu]], forward: dict[str, float]) -> None:
     print("\n| server | decode tok/s (median) | ms/token | TTFT repeated prompt, ms (median) | TTFT / ms per token | bare forward ms/token "
-          "| ms/token over the bare forward | frontend CPU ms/token | core loop CPU ms/token | requests |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| engine step ms | ms/token over the bare forward | frontend CPU ms/token | core loop CPU ms/token | requests |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for label, got in samples.items():
         tok_s = statistics.median(s.decode_tok_s for s in got)
         ttft = statistics.median(s.ttft_s for s in got) * 1e3
@@ -243,8 +257,9 @@ def _table(samples: dict[str, list[Sample]], cpu: dict[str, list[ServingCpu]], f
         fwd = forward.get(mode)
         fwd_cell, over_cell = ("", "") if fwd is None else (f"{fwd:.2f}", f"{1e3 / tok_s - fwd:.2f}")
         runs = cpu[label]
-        front, loop = (f"{statistics.median(c.frontend_ms for c in runs):.2f}", f"{statistics.median(c.core_loop_ms for c in runs):.2f}") if runs else ("", "")
-        print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {ttft * tok_s / 1e3:.2f} | {fwd_cell} | {over_cell} | {front} | {loop} | {len(got)} |")
+        median = lambda value: f"{statistics.median(value(c) for c in runs):.2f}" if runs else ""  # noqa: E731
+        print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {ttft * tok_s / 1e3:.2f} | {fwd_cell} | {median(lambda c: c.step_ms)} "
+              f"| {over_cell} | {median(lambda c: c.frontend_ms)} | {median(lambda c: c.core_loop_ms)} | {len(got)} |")
 
 
 def _free_port() -> int:
