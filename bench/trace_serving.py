@@ -39,7 +39,7 @@ import json
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +184,11 @@ class Result:
     storage_hit_tokens: int = 0  # by the engine's stats
     storage_written_blocks: int = 0
     storage_dropped_writes: int = 0
+    # Where the wall time went: the modelled device busy (a fraction of the run), and the CPU of
+    # the loop thread (the actors and the requests; sim_speed weighs it against modelled time).
+    device_busy: float = 0.0
+    loop_cpu_s: float = 0.0
+    actor_cpu_s: dict[str, float] = field(default_factory=dict)
 
     def ttfts_ms(self) -> list[float]:
         return sorted(o.ttft_s * 1e3 for o in self.outcomes if o.ttft_s is not None)
@@ -216,7 +221,8 @@ class Result:
             "host_load_tokens": self.loaded_tokens, "host_load_s": round(self.load_s * sim_speed, 2),
             "storage_read_tokens": self.storage_tokens, "storage_read_s": round(self.storage_s * sim_speed, 2),
             "storage_written_blocks": self.storage_written_blocks, "storage_dropped_writes": self.storage_dropped_writes,
-            "wall_s": round(self.seconds, 1),
+            "wall_s": round(self.seconds, 1), "device_busy": round(self.device_busy, 3), "loop_cpu_s": round(self.loop_cpu_s, 1),
+            "actor_cpu_s": {name: round(s, 1) for name, s in self.actor_cpu_s.items()},
         }
 
 
@@ -244,10 +250,11 @@ async def _serve(
     engine = Engine(model_path=str(model_dir or trace_model_dir()), random_seed=0, inline_core=True, core_setup=setup, **config)
     await engine.start()
     try:
-        start = time.perf_counter()
+        start, cpu0 = time.perf_counter(), time.thread_time()
         t0 = trace[0].timestamp
         outcomes = await asyncio.gather(*(_one(engine, r, start, (r.timestamp - t0) / 1000, time_scale * sim_speed) for r in trace))
-        seconds = time.perf_counter() - start
+        end = time.perf_counter()
+        seconds, cpu_s = end - start, time.thread_time() - cpu0
         failures = [o.error for o in outcomes if o.code == FAILED]
         if failures:
             print(f"{name}: {len(failures)} requests failed; the first: {failures[0]}", flush=True)
@@ -258,6 +265,7 @@ async def _serve(
             name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds,
             runner.storage_tokens, runner.storage_s, int(stats.get("hicache_storage_hit_tokens", 0)),
             int(stats.get("hicache_storage_written_blocks", 0)), int(stats.get("hicache_storage_dropped_writes", 0)),
+            runner.busy_between(start, end) / seconds, cpu_s, dict(stats.get("actor_cpu_s", {})),
         )
     finally:
         await engine.close()
@@ -295,8 +303,8 @@ def settings(host_ratios: list[float], radix: bool = True, storage_ratios: list[
     return out
 
 
-HEADER = ("| cache | requests | hit rate | from host | from storage | prefill tokens saved | TTFT p50 ms | TTFT p99 ms | p50 vs radix | p99 vs radix | host loads s | storage reads s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = ("| cache | requests | hit rate | from host | from storage | prefill tokens saved | TTFT p50 ms | TTFT p99 ms | p50 vs radix | p99 vs radix | host loads s | storage reads s | device busy | loop CPU s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
@@ -306,7 +314,8 @@ def table_row(row: dict[str, Any], base: dict[str, Any]) -> str:
     if row["failed"]:
         return f"| {row['cache']} | {served} | the engine failed: {row['failed']} requests ended with an error |"
     return (f"| {row['cache']} | {served} | {row['hit_rate']:.1%} | {row['host_hit_rate']:.1%} | {row['storage_hit_rate']:.1%} | {row['prefill_tokens_saved']:,} | "
-            f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} | {row['storage_read_s']} |")
+            f"{row['ttft_p50_ms']:,.0f} | {row['ttft_p99_ms']:,.0f} | {change('ttft_p50_ms')} | {change('ttft_p99_ms')} | {row['host_load_s']} | {row['storage_read_s']} | "
+            f"{row['device_busy']:.0%} | {row['loop_cpu_s']} |")
 
 
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -98,3 +98,4 @@ async def test_a_prefix_pushed_out_of_device_and_host_is_served_from_storage(tin
     assert tiered.storage_written_blocks >= 2 * BLOCK // 64  # request 0's blocks at least (read back above)
     row = tiered.row(sim_speed=20)
     assert row["storage_hit_rate"] == round(tiered.storage_hit_tokens / row["prompt_tokens"], 4) > 0
+    assert 0 < row["device_busy"] < 1 and tiered.loop_cpu_s > 0 and tiered.actor_cpu_s["adder"] > 0
