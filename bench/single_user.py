@@ -25,30 +25,17 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import aiohttp
 
+from bench import cpu_servers
+
 PROMPT_LEN = 256
 MAX_TOKENS = 128
-STARTUP_TIMEOUT_S = 300.0
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Server:
-    """How to start one server: its label, command line and working directory."""
-
-    label: str
-    argv: tuple[str, ...]
-    cwd: Path
-    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,10 +60,10 @@ class ServingCpu:
 
 def main() -> None:
     args = _args()
-    gguf = args.gguf or str(_default_gguf())
+    gguf = args.gguf or str(cpu_servers.default_gguf())
     servers = _servers(args, gguf)
-    print(f"cpu flags: {_cpu_flags()}")
-    print(f"load before: {_loadavg()}")
+    print(f"cpu flags: {cpu_servers.cpu_flags()}")
+    print(f"load before: {cpu_servers.loadavg()}")
     samples: dict[str, list[Sample]] = {s.label: [] for s in servers}
     cpu: dict[str, list[ServingCpu]] = {s.label: [] for s in servers}
     for round_ in range(args.rounds):
@@ -86,9 +73,9 @@ def main() -> None:
             cpu[server.label] += [serving_cpu] if serving_cpu is not None else []
             step = f" (engine step {serving_cpu.step_ms:.1f} ms)" if serving_cpu is not None else ""
             print(f"round {round_ + 1} {server.label}: " + ", ".join(f"{s.decode_tok_s:.1f} tok/s ttft {s.ttft_s * 1e3:.1f} ms" for s in got)
-                  + f"{step}; load {_loadavg().split()[0]}", flush=True)
+                  + f"{step}; load {cpu_servers.loadavg().split()[0]}", flush=True)
     forward = {mode: _bare_forward_ms(mode, gguf, args.threads, args.forward_repeats) for mode in args.modes} if args.forward_repeats else {}
-    print(f"load after: {_loadavg()}")
+    print(f"load after: {cpu_servers.loadavg()}")
     _table(samples, cpu, forward)
 
 
@@ -109,50 +96,25 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _default_gguf() -> Path:
-    from gpu.gguf_loader import default_model_path
-
-    return default_model_path()
-
-
-def _servers(args: argparse.Namespace, gguf: str) -> list[Server]:
-    servers: list[Server] = []
+def _servers(args: argparse.Namespace, gguf: str) -> list[cpu_servers.Server]:
+    servers: list[cpu_servers.Server] = []
     if args.llama_server:
-        argv = (args.llama_server, "-m", gguf, "-t", str(args.threads), "-tb", str(args.threads), "-np", "1", "-c", "2048",
-                "--host", "127.0.0.1", "--port", "{port}")
-        servers.append(Server("llama.cpp Q4_1", argv, ROOT))
-    trees = [("", ROOT, args.modes)]
+        servers.append(cpu_servers.llama_server(args.llama_server, gguf, args.threads, slots=1, context=2048))
+    trees = [("", cpu_servers.ROOT, args.modes)]
     if args.baseline_tree:
         trees.append(("baseline ", Path(args.baseline_tree).resolve(), args.baseline_modes or args.modes))
     runs = [(f"{prefix}actorserve {mode}", tree, mode, ()) for prefix, tree, modes in trees for mode in modes]
     for variant in args.variant:
         name, spec = variant.split("=", 1)
         mode, flags = spec.split(":", 1)
-        runs.append((f"actorserve {mode} {name}", ROOT, mode, tuple(flags.split())))
-    for label, tree, mode, flags in runs:
-        dtype, quant = ("bfloat16", ("--quantization", "int8")) if mode == "int8" else (mode, ())
-        argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
-                "--dtype", dtype, *quant, "--core-threads", str(args.threads), "--host", "127.0.0.1", "--port", "{port}",
-                "--log-level", "warning", *flags)
-        servers.append(Server(label, argv, tree, (("PYTHONPATH", str(tree)), ("HF_HUB_OFFLINE", "1"))))
+        runs.append((f"actorserve {mode} {name}", cpu_servers.ROOT, mode, tuple(flags.split())))
+    servers += [cpu_servers.actorserve(mode, gguf, args.threads, tree, label, flags) for label, tree, mode, flags in runs]
     return servers
 
 
-def _run_server(server: Server, args: argparse.Namespace) -> tuple[list[Sample], ServingCpu | None]:
-    port = _free_port()
-    argv = [a.replace("{port}", str(port)) for a in server.argv]
-    env = {**os.environ, **dict(server.env)}
-    proc = subprocess.Popen(argv, cwd=server.cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    try:
-        return asyncio.run(_measure(f"http://127.0.0.1:{port}", proc, args.requests))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        proc.stderr.close()  # type: ignore[union-attr]
+def _run_server(server: cpu_servers.Server, args: argparse.Namespace) -> tuple[list[Sample], ServingCpu | None]:
+    with cpu_servers.running(server) as (base, proc):
+        return asyncio.run(_measure(base, proc, args.requests))
 
 
 async def _measure(base: str, proc: subprocess.Popen, requests: int) -> tuple[list[Sample], ServingCpu | None]:
@@ -161,7 +123,7 @@ async def _measure(base: str, proc: subprocess.Popen, requests: int) -> tuple[li
     # one would fail; both servers get the same.
     connector = aiohttp.TCPConnector(force_close=True)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _wait_ready(session, base, proc)
+        await cpu_servers.wait_ready(session, base, proc)
         await _complete(session, base, prompt)  # fills the prefix cache; not counted
         core = _core_pid(proc.pid)
         before = (_cpu_s(proc.pid), _cpu_s(core, thread=core), await _steps(session, base)) if core is not None else None
@@ -193,21 +155,6 @@ def _cpu_s(pid: int, thread: int | None = None) -> float:
     path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     fields = Path(path).read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def _wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        try:
-            async with session.get(f"{base}/health") as resp:
-                if resp.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"server at {base} not ready within {STARTUP_TIMEOUT_S:.0f} s")
 
 
 async def _complete(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> Sample:
@@ -260,21 +207,6 @@ def _table(samples: dict[str, list[Sample]], cpu: dict[str, list[ServingCpu]], f
         median = lambda value: f"{statistics.median(value(c) for c in runs):.2f}" if runs else ""  # noqa: E731
         print(f"| {label} | {tok_s:.1f} | {1e3 / tok_s:.2f} | {ttft:.1f} | {ttft * tok_s / 1e3:.2f} | {fwd_cell} | {median(lambda c: c.step_ms)} "
               f"| {over_cell} | {median(lambda c: c.frontend_ms)} | {median(lambda c: c.core_loop_ms)} | {len(got)} |")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cpu_flags() -> str:
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
-    return " ".join(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-
-
-def _loadavg() -> str:
-    return Path("/proc/loadavg").read_text().strip()
 
 
 if __name__ == "__main__":

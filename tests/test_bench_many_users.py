@@ -1,0 +1,27 @@
+"""bench.many_users: W1-mixed from several clients through a real `actorserve serve` process (a tiny
+model here; llama-server is not built in the test environment)."""
+
+from __future__ import annotations
+
+from bench import many_users
+from bench.workloads import make_workload
+
+
+def test_every_request_is_counted_once_at_its_full_length(tiny_model_factory, capsys) -> None:
+    model = tiny_model_factory("llama", max_position_embeddings=1024)
+    runs = many_users.main(["--gguf", str(model), "--modes", "float32", "--clients", "2", "--requests", "4", "--threads", "1"])
+    [run] = runs["actorserve float32"]
+    wanted = [r.max_new_tokens for r in make_workload("W1-mixed-64", many_users._vocab_size(str(model)), num_requests=4).requests]
+    assert sorted(f.output_tokens for f in run.requests) == sorted(wanted)
+    assert run.output_tok_s == sum(wanted) / run.wall_s and all(f.ttft_s > 0 and f.tpot_s > 0 for f in run.requests)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| actorserve float32 |")]
+    assert len(rows) == 1 and rows[0].endswith("| 4 |")
+
+
+def test_the_table_gives_each_server_its_ratio_to_llama_cpp() -> None:
+    def run(label: str, tok_s: float) -> many_users.Run:
+        return many_users.Run(label, 2.0, [many_users.Finished(int(tok_s * 2), 0.01, 0.002)])
+
+    text = many_users.table({"llama.cpp Q4_1": [run("llama.cpp Q4_1", 50.0)], "actorserve int8": [run("actorserve int8", 135.0)]}, "llama.cpp Q4_1")
+    assert "| actorserve int8 | 135.0 | 2.70x | 10 / 10 | 2 / 2 | 1 |" in text
+    assert "| llama.cpp Q4_1 | 50.0 | 1.00x |" in text
