@@ -12,9 +12,10 @@ wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU fo
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
 per output channel) and activations quantized per row (per token) at every call, multiplied by
 oneDNN's u8 x s8 kernel (VNNI where the CPU has it). Each token's scale is its own, so a request's
-output does not depend on what else is in the batch. The output layer is quantized too: it is
-the largest matmul of a decode step. See BENCHMARKS.md for its speed and its error against the
-unquantized model.
+output does not depend on what else is in the batch; SmoothQuant scales folded in first
+(gpu/int8_smoothing.py) keep a few large input channels from setting that scale. The output layer
+is quantized too: it is the largest matmul of a decode step. See BENCHMARKS.md for its speed and
+its error against the unquantized model.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension
+from gpu.int8_smoothing import smooth
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +154,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
 
 def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> None:
     """Fuse and pack every linear layer of a loaded CausalLM (gpu/models.py); with quantization
-    "int8", as Int8Linears."""
+    "int8", as Int8Linears, after SmoothQuant's scales are folded in (gpu/int8_smoothing.py: one
+    calibration forward of the still unquantized model)."""
     kernels = int8_kernels() if quantization == "int8" else None
+    if quantization == "int8":
+        smooth(model)
 
     def fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> CpuLinear:
         return Int8Linear(weights, biases, kernels) if quantization == "int8" else PackedLinear(weights, biases)
