@@ -16,6 +16,11 @@ per thread (OpenMP's) and one for threads that have not used torch yet (the last
 each shared library with torch's inline `parallel_for` on its first call there (libtorch_python,
 a compiled extension): that is what can undo the forward thread's count later, so `claim` runs
 before every step and costs one `get_num_threads` when nothing changed.
+
+The price: on cores that other processes keep busy, a team that spins the full count loses its
+time slices to the spinning (BENCHMARKS.md measured 259-313 ms per step at load 4, against 27 ms
+throttled). GOMP_SPINCOUNT=100 in the server's environment, which the core process inherits,
+gives such a machine the throttled behaviour back.
 """
 
 from __future__ import annotations
