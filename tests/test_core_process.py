@@ -85,6 +85,16 @@ async def test_every_delta_reports_the_admission_the_core_reported(model_path):
         assert req.sched == SchedState(enqueue_time=req.sched.enqueue_time)
 
 
+async def test_an_idle_core_reports_nothing_and_a_busy_one_reports_its_counters(model_path):
+    async with Engine(model_path=model_path) as engine:
+        await asyncio.sleep(0.3)  # the reports of the start are in
+        idle = engine.client.stats
+        await asyncio.sleep(0.3)  # six periods: only the clocks moved
+        assert engine.client.stats is idle
+        await engine.generate(input_ids=PROMPTS[0], sampling_params={**GREEDY, "max_new_tokens": 3})
+        await _wait_stats(engine, lambda s: s["generated_tokens"] == 3)  # from a report, not a query
+
+
 @pytest.mark.parametrize("inline_core", [True, False], ids=["inline", "core-process"])
 async def test_random_disconnects_free_every_slot(model_path, inline_core):
     """Inline, this found aborts that came after a request's last token was launched: that

@@ -53,7 +53,7 @@ from runtime.stream import RemoteStream, StepOutbox
 
 log = logging.getLogger("actorserve.core")
 
-STATS_PERIOD_S = 0.05  # how often the frontend's view of the core's counters is refreshed
+STATS_PERIOD_S = 0.05  # how often the core looks for changed counters to send the frontend
 PARENT_CHECK_PERIOD_S = 0.2
 
 
@@ -221,7 +221,8 @@ class CoreServer:
         last: CoreStats | None = None
         while True:
             stats = self.core.stats()
-            if stats != last:
+            # The clocks always move: an idle core sends nothing (and wakes no frontend).
+            if last is None or msgspec.structs.replace(stats, time=last.time, loop_cpu_s=last.loop_cpu_s) != last:
                 self._send(CoreStatsReport(stats))
                 last = stats
             await asyncio.sleep(STATS_PERIOD_S)

@@ -256,8 +256,9 @@ class Engine:
         return await self.cores.flush_cache()
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters; with a core process, as of its latest report (at most
-        `STATS_PERIOD_S` old). `current_stats` waits for the core's counters as they are now."""
+        """The engine's counters; with a core process, as of its latest report: at most
+        `STATS_PERIOD_S` behind, but an idle core reports nothing, so its clocks (`time`,
+        `loop_cpu_s`) may be older. `current_stats` waits for the core's counters as they are now."""
         if not self._started or self.cores is None:
             return {"running": False, "failure": self._failure}
         return {**self.cores.stats(), "failure": self._failure}
