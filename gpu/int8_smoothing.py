@@ -35,8 +35,8 @@ CALIBRATION_SEED = 0
 
 @dataclass(frozen=True, slots=True)
 class SmoothingAlphas:
-    """Migration strength per projection input: on SmolLM2-135M, the smallest logit error of
-    0.3/0.5/0.75/0.9 (down: also 0.4/0.6/0.7), each site's int8 layers alone against bfloat16."""
+    """Migration strength per projection input, chosen on SmolLM2-135M from 0.3/0.5/0.75/0.9
+    (down also 0.4/0.6/0.7) by the logit error of that site's layers alone in int8 (BENCHMARKS.md)."""
 
     qkv: float = 0.75
     gate_up: float = 0.5
