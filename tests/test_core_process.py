@@ -79,7 +79,8 @@ async def test_every_delta_reports_the_admission_the_core_reported(model_path):
         async for delta in engine.stream(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 8}, rid="again"):
             req = req or engine.client.live["again"]
             deltas.append(delta)
-        assert len(deltas) == 8 and deltas[0].queue_time is not None
+        # (a slow reader gets tokens merged into fewer deltas: each still carries the report)
+        assert sum(len(d.output_ids) for d in deltas) == 8 and deltas[0].queue_time is not None
         assert {(d.cached_tokens, d.queue_time) for d in deltas} == {(len(prompt) - 1, deltas[0].queue_time)}
         assert req.out.admission == Admission(len(prompt) - 1, deltas[0].queue_time)
         assert req.sched == SchedState(enqueue_time=req.sched.enqueue_time)
