@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,17 @@ async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess
             pass
         await asyncio.sleep(0.2)
     raise RuntimeError(f"server at {base} not ready within {STARTUP_TIMEOUT_S:.0f} s")
+
+
+async def streamed_choices(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int) -> AsyncIterator[dict]:
+    """The choices of a streamed greedy /v1/completions request (ignore_eos), as they arrive."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
+    async with session.post(f"{base}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                yield (json.loads(line[6:]).get("choices") or [{}])[0]
 
 
 def free_port() -> int:

@@ -119,21 +119,14 @@ async def _load(label: str, base: str, proc, prompts: list[tuple[list[int], int]
 async def complete(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int) -> Finished:
     """One streamed greedy completion of `max_tokens` tokens (ignore_eos): it must end with
     finish_reason "length", so every server is counted the same `max_tokens`."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
     start = time.perf_counter()
     first = last = None
     reason = None
-    async with session.post(f"{base}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            if choices[0].get("text"):
-                last = time.perf_counter()
-                first = first or last
-            reason = choices[0].get("finish_reason") or reason
+    async for choice in cpu_servers.streamed_choices(session, base, prompt, max_tokens):
+        if choice.get("text"):
+            last = time.perf_counter()
+            first = first or last
+        reason = choice.get("finish_reason") or reason
     if reason != "length" or first is None or last is None:
         raise RuntimeError(f"a completion of {max_tokens} tokens ended with {reason!r}")
     return Finished(max_tokens, first - start, (last - first) / max(max_tokens - 1, 1))

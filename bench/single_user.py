@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import statistics
 import subprocess
@@ -158,18 +157,11 @@ def _cpu_s(pid: int, thread: int | None = None) -> float:
 
 
 async def _complete(session: aiohttp.ClientSession, base: str, prompt: list[int]) -> Sample:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0, "stream": True, "ignore_eos": True}
     times: list[float] = []
     start = time.perf_counter()
-    async with session.post(f"{base}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
+    async for choice in cpu_servers.streamed_choices(session, base, prompt, MAX_TOKENS):
+        if choice.get("text"):
+            times.append(time.perf_counter())
     if len(times) < 2:
         raise RuntimeError(f"only {len(times)} chunks with text came back")
     # One chunk per token on both servers (streamed as generated); the count says so.
