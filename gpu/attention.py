@@ -215,6 +215,12 @@ class TorchAttention(AttentionBackend):
             out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
         return out
 
+    def plain_paged_decode(self) -> PagedDecode | None:
+        """The current batch's plan when it is a decode batch the compiled kernel attends in place
+        with nothing to merge (gpu/cpu_decode.py runs such batches' layers in one call)."""
+        meta = self._meta
+        return meta.paged if meta is not None and meta.shared is None else None
+
     def _decode_merged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
         if meta.paged:
             out, lse = meta.paged.attend(q, self.kv.k[layer_id], self.kv.v[layer_id], self.req_to_token, self.scale)

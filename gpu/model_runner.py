@@ -31,6 +31,7 @@ from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cud
 from gpu.kv_pool import KVBuffers, KVMove, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
+from gpu.cpu_decode import CpuDecodeLayers
 from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout
@@ -97,6 +98,8 @@ class ModelRunner:
         self.channel = BatchChannel(tp, self.req_to_token, self.device) if tp.size > 1 else None
         self.host_kv: KVBuffers | None = None  # the host tier's KV for this rank's heads: `host_buffers`
         self.attn: AttentionBackend = self._make_attention()
+        if config.quantization is not None:
+            self.model.cpu_decode = CpuDecodeLayers.build(self.model, self.attn)
         self.sampler = Sampler()
         self.graph_runner: DecodeGraphRunner | None = None
         if self.uses_cuda_graphs:

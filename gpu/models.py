@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.attention import AttentionBackend
+from gpu.cpu_decode import CpuDecodeLayers
 from gpu.cpu_ops import CpuKernels
 from gpu.forward_batch import ForwardBatch
 from gpu.model_config import ModelConfig, RopeConfig
@@ -223,6 +224,8 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, layout.vocab_shard, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.packed_head: CpuLinear | None = None  # the output layer packed (gpu/packed_linear.py)
+        # Every layer of a small int8 decode batch in one call (gpu/cpu_decode.py), set by the runner.
+        self.cpu_decode: CpuDecodeLayers | None = None
 
     def init_rotary(self, device: torch.device | str) -> None:
         """Build the RoPE tables; separate from __init__ so the model can be created on `meta`."""
@@ -246,11 +249,11 @@ class CausalLM(nn.Module):
         assert self.rotary is not None, "call init_rotary() before forward()"
         attn.init_forward_metadata(batch)
         hidden = self.model.embed_tokens(batch.input_ids)
-        loads = batch.layer_loads
-        for i, layer in enumerate(self.model.layers):
-            if loads is not None:
-                loads.ready(i)
-            hidden = layer(hidden, batch.positions, self.rotary, attn)
+        fast = self.cpu_decode.inputs(batch, attn) if self.cpu_decode is not None else None
+        if fast is not None:
+            self.cpu_decode.run(hidden, batch.positions, fast)
+        else:
+            hidden = self._layers(hidden, batch, attn)
         if batch.logit_index is not None:
             hidden = hidden[batch.logit_index]
         elif not batch.return_all_logits:
@@ -260,3 +263,11 @@ class CausalLM(nn.Module):
         if self.tp.size == 1:
             return logits
         return self.tp.gather_last_dim(logits)[:, : self.config.vocab_size]
+
+    def _layers(self, hidden: torch.Tensor, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        loads = batch.layer_loads
+        for i, layer in enumerate(self.model.layers):
+            if loads is not None:
+                loads.ready(i)
+            hidden = layer(hidden, batch.positions, self.rotary, attn)
+        return hidden

@@ -11,7 +11,10 @@ wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU fo
 
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
 per output channel) and activations quantized per row (per token) at every call, multiplied by
-oneDNN's u8 x s8 kernel (VNNI where the CPU has it). Each token's scale is its own, so a request's
+oneDNN's u8 x s8 kernel (VNNI where the CPU has it). A few rows (decode at small batches) take
+gpu/csrc/int8_matmul.cpp's matrix-vector kernel instead, 2-8x faster there and bit for bit the
+same result; on a CPU with AVX512-VNNI each layer then holds its int8 weights twice, once per
+kernel's layout. Each token's scale is its own, so a request's
 output does not depend on what else is in the batch; SmoothQuant scales folded in first
 (gpu/int8_smoothing.py) keep a few large input channels from setting that scale. The output layer
 is quantized too: it is the largest matmul of a decode step. See BENCHMARKS.md for its speed and
@@ -37,6 +40,9 @@ log = logging.getLogger(__name__)
 PACKABLE = (torch.float32, torch.bfloat16)
 QUANTIZATIONS = ("int8",)
 ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
+# Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's shapes (2 threads, AVX512):
+# 2-8x at 1-4 rows, 1.2-2.4x at 16 except the widest layer (0.9x); oneDNN's wins from 64 rows.
+SMALL_BATCH_ROWS = 16
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -60,24 +66,36 @@ class PackedLinear(nn.Module):
 
 
 @dataclass(frozen=True, slots=True)
+class SmallBatchMatmul:
+    """gpu/csrc/int8_matmul.cpp (AVX512-VNNI): quantize, multiply and scale back in one call, for
+    few rows. `pack(q)` -> (weight in the kernel's layout, zero-point offsets);
+    `matmul(x, packed, offsets, weight_scale, bias, out_features)`."""
+
+    pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    matmul: Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class Int8Kernels:
-    """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do."""
+    """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do;
+    and the small-batch kernel where the CPU has AVX512-VNNI."""
 
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dequantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
+    small_batch: SmallBatchMatmul | None = None
 
 
 @cache
 def int8_kernels() -> Int8Kernels | None:
-    """The compiled quantize/dequantize passes, or None (the torch ops, reason logged once). An
-    extension of their own, in their own build folder: nothing else loads or rebuilds it."""
+    """The compiled int8 kernels, or None (the torch ops, reason logged once)."""
     try:
-        build_extension("actorserve_int8_ops", [CSRC / "quantize.cpp"], BUILD_DIR.with_name("int8_ops"))
+        build_int8_ops()
     except Exception as exc:  # a missing compiler surfaces as any of several error types
         log.warning("int8 quantization kernels unavailable, using torch ops: %s", exc)
         return None
     ops = torch.ops.actorserve
-    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows)
+    small_batch = SmallBatchMatmul(ops.int8_pack_weight, ops.int8_matmul) if ops.int8_matmul_available() else None
+    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows, small_batch)
 
 
 class Int8Linear(nn.Module):
@@ -95,8 +113,18 @@ class Int8Linear(nn.Module):
         bias = _concat_biases(weight, weights, biases)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
         self.kernels = kernels
+        self.out_features = q.shape[0]
+        self.small_batch = kernels.small_batch if kernels is not None else None
+        if self.small_batch is not None:
+            packed, offsets = self.small_batch.pack(q)
+            self.register_buffer("small_batch_weight", packed, persistent=False)
+            self.register_buffer("small_batch_offsets", offsets, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS:
+            return self.small_batch.matmul(
+                x.contiguous(), self.small_batch_weight, self.small_batch_offsets, self.weight_scale, self.bias, self.out_features
+            )
         quantize = self.kernels.quantize_rows if self.kernels is not None else quantize_rows_torch
         dequantize = self.kernels.dequantize_rows if self.kernels is not None else dequantize_rows_torch
         q, row_scale = quantize(x.contiguous())
@@ -122,6 +150,13 @@ def row_bucket(rows: int) -> int:
     if rows > ROW_STEP:
         return -(-rows // ROW_STEP) * ROW_STEP
     return 1 << max(rows - 1, 0).bit_length()
+
+
+def build_int8_ops() -> None:
+    """Build (when needed) and load the int8 extension: its own build folder, which nothing else
+    loads or rebuilds; gpu/csrc/decode_layers.cpp calls the CPU kernels' extension (gpu/cpu_ops.py)."""
+    sources = [CSRC / name for name in ("quantize.cpp", "int8_matmul.cpp", "decode_layers.cpp")]
+    build_extension("actorserve_int8_ops", sources, BUILD_DIR.with_name("int8_ops"))
 
 
 def can_quantize(device: torch.device) -> bool:

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from api.cli import _parser
 from api.server.cli import engine_kwargs
 from bench.quant_accuracy import PARITY_PROMPTS, all_logits
-from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension, cxx_compiler
+from gpu.cpu_ops import cxx_compiler
 from gpu.int8_smoothing import smooth
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
@@ -23,6 +23,7 @@ from gpu.packed_linear import (
     ZERO_POINT,
     Int8Kernels,
     Int8Linear,
+    build_int8_ops,
     dequantize_rows_torch,
     int8_kernels,
     quantize_rows_torch,
@@ -53,7 +54,7 @@ MIN_GREEDY_AGREEMENT = 0.9
 
 def _int8_kernels_or_raise() -> Int8Kernels:
     if int8_kernels() is None:  # cached None: build again to raise the reason
-        build_extension("actorserve_int8_ops", [CSRC / "quantize.cpp"], BUILD_DIR.with_name("int8_ops"))
+        build_int8_ops()
     kernels = int8_kernels()
     assert kernels is not None
     return kernels

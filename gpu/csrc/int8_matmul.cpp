@@ -1,0 +1,251 @@
+// int8 linear layers with AVX512-VNNI, on a CPU: y = dequantize(quantize_rows(x) . W^T).
+//
+// gpu/packed_linear.py's Int8Linear quantizes each activation row with its own scale and
+// multiplies by int8 weights with one scale per output row. oneDNN's u8 x s8 kernel does the
+// integer part well for many rows, but a decode step at batch 1 is a matrix-vector product bound
+// by reading the weights, and oneDNN's path there ran at about a third of the memory bandwidth.
+// This kernel reads the weights once, as one sequential stream: they are repacked so that each
+// block of 64 output rows is contiguous, four input features at a time ([N/64][K/4][64][4]), so
+// one 64-byte load feeds one VNNI instruction (`vpdpbusd`: 16 lanes of four u8 x s8 products)
+// and each lane accumulates one output row; no horizontal sums. Up to four activation rows share
+// each weight load.
+//
+// The arithmetic is Int8Linear's exactly: activations quantized as quantize_rows does (q + 128 as
+// u8), the zero point taken out with the weights' row sums (the integer dot product is exact),
+// then float(dot) * weight_scale, * row_scale, + bias, each rounded as the oneDNN path rounds.
+// Built into the int8 extension (gpu/packed_linear.py's int8_kernels); on a CPU without
+// AVX512-VNNI `int8_matmul_available()` is false and Int8Linear keeps oneDNN's path.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+#include "parallel.h"
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ACTORSERVE_INT8_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using actorserve::load_f32;
+using actorserve::store_f32;
+
+constexpr int kZeroPoint = 128;
+constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane accumulators
+
+bool int8_matmul_available() {
+#ifdef ACTORSERVE_INT8_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// W [N, K] int8 -> [ceil(N/64)][ceil(K/4)][64][4], zero-padded; and each output row's sum of
+// weights times the zero point, which the u8 activations add to every dot product.
+std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kChar && weight.device().is_cpu(),
+              "weight must be an int8 [out_features, in_features] CPU tensor");
+  const auto w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, k4 = (k + 3) / 4;
+  auto packed = at::zeros({blocks, k4, kBlock, 4}, w.options());
+  auto offsets = at::empty({blocks * kBlock}, w.options().dtype(at::kInt));
+  const int8_t* src = w.data_ptr<int8_t>();
+  int8_t* dst = packed.data_ptr<int8_t>();
+  int32_t* off = offsets.data_ptr<int32_t>();
+  for (int64_t row = 0; row < blocks * kBlock; ++row) {
+    int32_t sum = 0;
+    if (row < n) {
+      const int64_t b = row / kBlock, lane = row % kBlock;
+      for (int64_t col = 0; col < k; ++col) {
+        const int8_t v = src[row * k + col];
+        dst[((b * k4 + col / 4) * kBlock + lane) * 4 + col % 4] = v;
+        sum += v;
+      }
+    }
+    off[row] = kZeroPoint * sum;
+  }
+  return {packed, offsets};
+}
+
+// quantize_rows (gpu/csrc/quantize.cpp) into rows padded to `stride` bytes with the zero point, so
+// the padding adds nothing once the offsets are taken out.
+template <typename T>
+void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_t* q, float* scale) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = x + r * dim;
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load_f32(src + d)));
+    const float s = std::max(amax, FLT_MIN) / 127.f;
+    scale[r] = s;
+    uint8_t* dst = q + r * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) {
+      dst[d] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(load_f32(src + d) / s)) + kZeroPoint);
+    }
+    for (int64_t d = dim; d < stride; ++d) dst[d] = kZeroPoint;
+  }
+}
+
+#ifdef ACTORSERVE_INT8_VNNI
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+constexpr int kMaxRows = 6;  // activation rows per pass: 6 x 4 accumulators + 4 weights in 32 registers
+
+// What Int8Linear's dequantize does with oneDNN's float output, 16 outputs at a time:
+// (dot * w_scale) * row_scale + bias. The explicit-rounding forms are never fused into an FMA.
+// Lanes past `count` read nothing (the scales and bias end with the layer's outputs).
+inline __m512 dequantize16(__m512i dot, const int32_t* offset, const float* w_scale, __m512 row_scale, const float* bias,
+                           int64_t count) {
+  const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+  const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_loadu_si512(offset)));
+  __m512 y = _mm512_mul_round_ps(_mm512_mul_round_ps(exact, _mm512_maskz_loadu_ps(lanes, w_scale), kRound), row_scale, kRound);
+  return bias == nullptr ? y : _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias), kRound);
+}
+
+template <typename T>
+inline void store16(T* out, __m512 y, int64_t count) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, y);
+  for (int64_t j = 0; j < count; ++j) store_f32(out + j, lanes[j]);
+}
+
+template <>
+inline void store16<float>(float* out, __m512 y, int64_t count) {
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1), y);
+}
+
+// Round to nearest even as store_f32<BFloat16> does, NaN as 0x7FC0.
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* out, __m512 y, int64_t count) {
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << count) - 1), _mm512_cvtepi32_epi16(rounded));
+}
+
+struct Epilogue {
+  const int32_t* offset;  // the block's first output
+  const float* w_scale;
+  const float* bias;  // or nullptr
+  int64_t count;      // outputs of the block that exist (the last block may be short)
+};
+
+// R activation rows against one 64-row weight block, written out dequantized.
+template <int R, typename T>
+inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                       const Epilogue& e, T* out, int64_t out_stride) {
+  __m512i acc[R][4];
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_si512();
+  }
+  for (int64_t i = 0; i < k4; ++i) {
+    const int8_t* wi = w + i * kBlock * 4;
+    const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + 64);
+    const __m512i w2 = _mm512_loadu_si512(wi + 128), w3 = _mm512_loadu_si512(wi + 192);
+    for (int r = 0; r < R; ++r) {
+      int32_t four;
+      std::memcpy(&four, q + r * stride + i * 4, sizeof four);
+      const __m512i a = _mm512_set1_epi32(four);
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, w2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 scale = _mm512_set1_ps(row_scale[r]);
+    for (int g = 0; g < 4; ++g) {
+      const int64_t first = 16 * g, count = std::min<int64_t>(16, e.count - first);
+      if (count <= 0) break;
+      const __m512 y = dequantize16(acc[r][g], e.offset + first, e.w_scale + first, scale, e.bias == nullptr ? nullptr : e.bias + first, count);
+      store16(out + r * out_stride + first, y, count);
+    }
+  }
+}
+
+template <typename T>
+void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
+                 const float* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1);
+  const int64_t blocks = packed.size(0), k4 = packed.size(1), stride = k4 * 4;
+  auto q = at::empty({rows, stride}, x.options().dtype(at::kByte));
+  auto row_scale = at::empty({rows}, x.options().dtype(at::kFloat));
+  uint8_t* qd = q.data_ptr<uint8_t>();
+  float* sd = row_scale.data_ptr<float>();
+  const T* xd = x.data_ptr<T>();
+  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
+    quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
+  });
+  const int8_t* wd = packed.data_ptr<int8_t>();
+  const int32_t* od = offsets.data_ptr<int32_t>();
+  const float* scale = w_scale.data_ptr<float>();
+  T* out_d = out.data_ptr<T>();
+  actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int8_t* w = wd + b * k4 * kBlock * 4;
+      const int64_t col = b * kBlock;
+      const Epilogue e{od + col, scale + col, bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        const uint8_t* qr = qd + r * stride;
+        T* o = out_d + r * n + col;
+        switch (std::min<int64_t>(kMaxRows, rows - r)) {
+          case 6: block_rows<6>(qr, stride, sd + r, w, k4, e, o, n); break;
+          case 5: block_rows<5>(qr, stride, sd + r, w, k4, e, o, n); break;
+          case 4: block_rows<4>(qr, stride, sd + r, w, k4, e, o, n); break;
+          case 3: block_rows<3>(qr, stride, sd + r, w, k4, e, o, n); break;
+          case 2: block_rows<2>(qr, stride, sd + r, w, k4, e, o, n); break;
+          default: block_rows<1>(qr, stride, sd + r, w, k4, e, o, n); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(int8_matmul_available(), "int8_matmul needs AVX512-VNNI (see int8_matmul_available)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, features] CPU tensor");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kBlock && packed.size(3) == 4,
+              "packed must come from int8_pack_weight");
+  TORCH_CHECK(x.size(1) <= packed.size(1) * 4 && x.size(1) > (packed.size(1) - 1) * 4, "x's features do not match the weight's");
+  TORCH_CHECK(out_features > (packed.size(0) - 1) * kBlock && out_features <= packed.size(0) * kBlock,
+              "out_features does not match the packed weight");
+  TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == out_features,
+              "weight_scale must be float32 with one value per output feature");
+  TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.numel() == packed.size(0) * kBlock, "offsets must come from int8_pack_weight");
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "bias must be float32 with one value per output feature");
+    bias_data = bias->data_ptr<float>();
+  }
+  auto out = at::empty({x.size(0), out_features}, x.options());
+#ifdef ACTORSERVE_INT8_VNNI
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul",
+                                  [&] { matmul_impl<scalar_t>(x, packed, offsets, w_scale, bias_data, out); });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(actorserve, m) {
+  m.def("int8_matmul_available() -> bool", &int8_matmul_available);
+  m.def("int8_pack_weight(Tensor weight) -> (Tensor, Tensor)");
+  m.def("int8_matmul(Tensor x, Tensor packed, Tensor offsets, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
+  m.impl("int8_pack_weight", &int8_pack_weight);
+  m.impl("int8_matmul", &int8_matmul);
+}

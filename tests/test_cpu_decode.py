@@ -1,0 +1,128 @@
+"""Small int8 decode batches on a CPU: the AVX512-VNNI matmul (gpu/csrc/int8_matmul.cpp) against
+oneDNN's int8 path, and every decoder layer in one call (gpu/cpu_decode.py,
+gpu/csrc/decode_layers.cpp) against the modules. Both are meant to give the same bits as the path
+they shortcut, so the tests compare with torch.equal. On a CPU without AVX512-VNNI there is no
+small-batch kernel and the tests that need it skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.cpu_decode import CpuDecodeLayers
+from gpu.cpu_ops import cxx_compiler
+from gpu.forward_batch import ForwardBatch
+from gpu.model_runner import ModelRunner, RunnerConfig
+from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Kernels, Int8Linear, build_int8_ops, int8_kernels
+
+from tests.conftest import built_or_skipped
+
+
+def _kernels_or_raise() -> Int8Kernels:
+    if int8_kernels() is None:  # cached None: build again to raise the reason
+        build_int8_ops()
+    kernels = int8_kernels()
+    assert kernels is not None
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def vnni() -> Int8Kernels:
+    kernels = built_or_skipped("the int8 kernels (gpu/csrc/int8_matmul.cpp)", cxx_compiler(), _kernels_or_raise)
+    if kernels.small_batch is None:
+        pytest.skip("this CPU has no AVX512-VNNI: int8 layers take oneDNN's path at every batch size")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("out_features", "in_features"), [(100, 70), (192, 96), (64, 576)])
+def test_small_batch_kernel_gives_onednns_bits(vnni: Int8Kernels, dtype: torch.dtype, out_features: int, in_features: int) -> None:
+    """Shapes that are not whole 64-row blocks or 4-feature groups included; with and without bias."""
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features) * 0.05
+    bias = torch.randn(out_features)
+    onednn = Int8Kernels(vnni.quantize_rows, vnni.dequantize_rows, small_batch=None)
+    for b in (None, bias):
+        small, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn)
+        assert small.small_batch is not None and reference.small_batch is None
+        for rows in (1, 3, 6, 7, SMALL_BATCH_ROWS):
+            x = (torch.randn(rows, in_features) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)
+            got, want = small(x), reference(x)
+            assert got.dtype == dtype and torch.equal(got, want), (rows, b is None, (got.float() - want.float()).abs().max())
+
+
+def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(vnni: Int8Kernels) -> None:
+    """Alone a row takes the small-batch kernel, in a batch of more than SMALL_BATCH_ROWS oneDNN's:
+    a request's output must not depend on which."""
+    torch.manual_seed(1)
+    layer = Int8Linear([torch.randn(160, 96) * 0.05], [torch.randn(160)], vnni)
+    x = torch.randn(SMALL_BATCH_ROWS + 4, 96).to(torch.bfloat16)
+    batched = layer(x)
+    for i in range(x.shape[0]):
+        assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1]), i
+
+
+def _runner(path, dtype: str) -> ModelRunner:
+    config = RunnerConfig(model_path=str(path), dtype=dtype, quantization="int8", max_total_tokens=1024, max_running_requests=SMALL_BATCH_ROWS + 2)
+    return ModelRunner(config)
+
+
+def _decode_batch(runner: ModelRunner, contexts: list[int], step: int, rows: list[int], slots: list[torch.Tensor]) -> ForwardBatch:
+    tokens = [[(7 * i + 3 * step) % runner.vocab_size] for i in range(len(contexts))]
+    out_loc = torch.stack([s[ctx + step] for s, ctx in zip(slots, contexts)])
+    return ForwardBatch.build(tokens, rows, [ctx + step for ctx in contexts], out_loc, runner.device)
+
+
+def _requests(runner: ModelRunner, contexts: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Table rows and slots for requests with `contexts` tokens cached (random K/V) and room for `steps` more."""
+    rows = [runner.req_to_token.alloc() for _ in contexts]
+    slots = [runner.allocator.alloc(ctx + steps) for ctx in contexts]
+    for row, s in zip(rows, slots):
+        runner.req_to_token.write(row, 0, s)
+    torch.manual_seed(2)
+    for pool in runner.kv.k + runner.kv.v:
+        pool.copy_(torch.randn(pool.shape))
+    return rows, slots
+
+
+@pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "bfloat16"), ("tiny_llama", "float32"), ("tiny_qwen2", "bfloat16")])
+def test_one_call_for_all_layers_gives_the_modules_bits(vnni: Int8Kernels, request: pytest.FixtureRequest, model: str, dtype: str) -> None:
+    """Each decode step twice, on the same pool: in one call, then through the modules. The
+    logits and the K/V written for the new tokens must be the same bits (Qwen2: q/k/v biases)."""
+    runner = _runner(request.getfixturevalue(model), dtype)
+    fast = runner.model.cpu_decode
+    assert isinstance(fast, CpuDecodeLayers)
+    contexts, steps = [5, 40, 17], 4
+    rows, slots = _requests(runner, contexts, steps)
+    for step in range(steps):
+        batch = _decode_batch(runner, contexts, step, rows, slots)
+        runner.model.cpu_decode = fast
+        got = runner.forward(batch).clone()
+        assert runner.attn.plain_paged_decode() is not None  # the step really took the one-call path
+        written = [(k[batch.out_cache_loc].clone(), v[batch.out_cache_loc].clone()) for k, v in zip(runner.kv.k, runner.kv.v)]
+        runner.model.cpu_decode = None
+        want = runner.forward(batch)
+        assert torch.equal(got, want), step
+        for (k, v), layer_k, layer_v in zip(written, runner.kv.k, runner.kv.v):
+            assert torch.equal(k, layer_k[batch.out_cache_loc]) and torch.equal(v, layer_v[batch.out_cache_loc])
+
+
+def test_batches_it_does_not_cover_take_the_modules(vnni: Int8Kernels, tiny_llama, tiny_qwen3) -> None:
+    runner = _runner(tiny_llama, "bfloat16")
+    fast = runner.model.cpu_decode
+    assert fast is not None
+    contexts = [9] * (SMALL_BATCH_ROWS + 1)
+    rows, slots = _requests(runner, contexts, 1)
+    too_many = _decode_batch(runner, contexts, 0, rows, slots)
+    runner.attn.init_forward_metadata(too_many)
+    assert fast.inputs(too_many, runner.attn) is None
+    small = _decode_batch(runner, contexts[:2], 0, rows[:2], slots[:2])
+    runner.attn.init_forward_metadata(small)
+    assert fast.inputs(small, runner.attn) is not None
+    prefill = ForwardBatch.build([[1, 2, 3]], rows[:1], [0], slots[0][:3], runner.device)
+    runner.attn.init_forward_metadata(prefill)
+    assert fast.inputs(prefill, runner.attn) is None
+    # Qwen3's per-head q/k norm and unquantized models have no one-call path.
+    assert _runner(tiny_qwen3, "bfloat16").model.cpu_decode is None
+    plain = ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="bfloat16", max_total_tokens=256, max_running_requests=2))
+    assert plain.model.cpu_decode is None
