@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 	# SGLang's own scheduler code for tests/test_sglang_differential.py (pure Python: a 4 MB
 	# wheel, 40 MB unpacked; its dependencies would pull CUDA, so none of them).
 	$(PIP) install --quiet --no-deps sglang==0.5.7
-	# The compiled CPU kernels (gpu/csrc/); without a C++ compiler the torch path runs instead.
+	# The compiled CPU kernels (gpu/csrc/), the int8 ones too; without a C++ compiler the torch path runs instead.
 	$(PY) -m gpu.cpu_ops
+	$(PY) -m gpu.packed_linear
 	# The router's compiled data plane (api/router/csrc/); without a C compiler the Python one runs instead.
 	$(PY) -m api.router.native
 	touch $(STAMP)

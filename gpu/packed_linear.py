@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 PACKABLE = (torch.float32, torch.bfloat16)
 QUANTIZATIONS = ("int8",)
 ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
-# Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's shapes (2 threads, AVX512):
-# 2-8x at 1-4 rows, 1.2-2.4x at 16 except the widest layer (0.9x); oneDNN's wins from 64 rows.
+# Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's layers (2 threads,
+# BENCHMARKS.md): 2-7x at 1-4 rows; at 16, 1.2-1.9x on three of a layer's four matmuls and 0.8-1.0x
+# on gate/up and the output layer, a net gain; oneDNN's wins from 64 rows.
 SMALL_BATCH_ROWS = 16
 
 
@@ -231,3 +232,9 @@ def _drop_weight(module: nn.Module) -> None:
     layers still add theirs)."""
     module.weight = nn.Parameter(module.weight.detach().new_empty(0), requires_grad=False)
 
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    kernels = int8_kernels()  # what `make setup` runs: the build, ahead of the first int8 model
+    small = "with" if kernels is not None and kernels.small_batch is not None else "without"
+    print(f"int8 kernels: {'built, ' + small + ' the AVX512-VNNI small-batch kernel' if kernels else 'unavailable (torch ops)'}")
