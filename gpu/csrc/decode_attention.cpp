@@ -45,10 +45,13 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 // Rows are scattered over the pool, so the hardware prefetcher cannot see the next one coming.
 constexpr int64_t PREFETCH_AHEAD = 4;
 
+// Into L2, not L1 (locality 2: prefetcht1): a block's rows are a hundred or more lines, more than
+// L1's few outstanding misses take, and L1-bound prefetches past those wait or drop. Out of cache
+// (30 layers' pools, batch 64, 256 keys each) a bfloat16 layer took 0.70 ms instead of 1.0.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t dim) {
   const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
