@@ -198,7 +198,10 @@ class TorchAttention(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
         meta = self._meta
         assert meta is not None, "init_forward_metadata must run before forward"
-        self.kv.write(layer_id, meta.out_cache_loc, k, v)
+        if self.kernels is not None and q.device.type == "cpu":
+            self.kernels.write_kv_(self.kv.k[layer_id], self.kv.v[layer_id], meta.out_cache_loc, k, v)
+        else:
+            self.kv.write(layer_id, meta.out_cache_loc, k, v)
         if meta.plain_causal:
             out = F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], is_causal=True, scale=self.scale, enable_gqa=True

@@ -86,6 +86,28 @@ def test_rope_in_place_on_strided_views(kernels, dtype):
     torch.testing.assert_close(k, want_k, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_is_the_indexed_assignment(kernels, dtype):
+    """k and v as views into a fused qkv (heads back to back) and with the heads apart (a stride
+    between them), into slots in any order: the pools end as `pool[slots] = k` leaves them."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, dim, slots = 6, 3, 16, 40
+    k_pool, v_pool = torch.randn(slots, kv_heads, dim, generator=gen).to(dtype), torch.randn(slots, kv_heads, dim, generator=gen).to(dtype)
+    where = torch.tensor([7, 0, 39, 12, 13, 5])
+    qkv = torch.randn(tokens, 5 * kv_heads * dim, generator=gen).to(dtype)
+    fused_k, fused_v = (t.view(tokens, kv_heads, dim) for t in qkv.split([kv_heads * dim, kv_heads * dim, 3 * kv_heads * dim], dim=-1)[:2])
+    apart = torch.randn(tokens, kv_heads, 2 * dim, generator=gen).to(dtype)[:, :, :dim]  # head stride 2 * dim
+    for k, v in ((fused_k, fused_v), (apart, fused_k)):
+        want_k, want_v = k_pool.clone(), v_pool.clone()
+        want_k[where], want_v[where] = k, v
+        kernels.write_kv_(k_pool, v_pool, where, k, v)
+        assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(RuntimeError, match="is not a slot of the pool"):
+        kernels.write_kv_(k_pool, v_pool, torch.tensor([0, 1, 2, 3, 4, slots]), fused_k, fused_v)
+    with pytest.raises(RuntimeError, match="dtype"):
+        kernels.write_kv_(k_pool, v_pool, where, fused_k.double(), fused_v.double())
+
+
 def test_kernels_refuse_bad_input_by_name(kernels):
     x = torch.zeros(4, 8)
     with pytest.raises(RuntimeError, match="weight must be"):

@@ -12,7 +12,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -41,6 +40,7 @@ using SiluMul = at::Tensor(const at::Tensor&);
 using Rope = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Int8Matmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const c10::optional<at::Tensor>&, int64_t);
+using WriteKV = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using DecodeAttention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, double);
@@ -80,14 +80,13 @@ class DecodeLayers : public torch::CustomClassHolder {
   void run(at::Tensor hidden, at::Tensor positions, at::Tensor out_loc, at::Tensor req_to_token, at::Tensor req_rows,
            at::Tensor key_begin, at::Tensor key_end) {
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be a contiguous [batch, hidden] tensor");
-    TORCH_CHECK(out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == hidden.size(0),
-                "out_loc must be int64 [batch]");
     static const auto rms_norm = find_op<RmsNorm>("actorserve::rms_norm");
     static const auto add_rms_norm = find_op<AddRmsNorm>("actorserve::add_rms_norm_");
     static const auto silu_mul = find_op<SiluMul>("actorserve::silu_mul");
     static const auto rope = find_op<Rope>("actorserve::rope_");
     static const auto matmul = find_op<Int8Matmul>("actorserve::int8_matmul");
     static const auto attention = find_op<DecodeAttention>("actorserve::decode_attention");
+    static const auto write_kv = find_op<WriteKV>("actorserve::write_kv_");
     const int64_t batch = hidden.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     auto linear = [&](const at::Tensor& x, const Int8Weights& w) {
       return matmul.call(x, w.packed, w.offsets, w.scale, w.bias, w.out_features);
@@ -100,7 +99,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({batch, kv_heads_, head_dim_});
       rope.call(q, positions, cos_, sin_);
       rope.call(k, positions, cos_, sin_);
-      write_kv(l, out_loc, k, v);
+      write_kv.call(k_pools_[l], v_pools_[l], out_loc, k, v);
       const at::Tensor attended = std::get<0>(
           attention.call(q.contiguous(), k_pools_[l], v_pools_[l], req_to_token, req_rows, key_begin, key_end, scale_));
       const at::Tensor delta = linear(attended.view({batch, q_size}), w.o);
@@ -110,23 +109,6 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
-  // What KVBuffers.write's index assignment does: each token's rows copied to its slot.
-  void write_kv(size_t layer, const at::Tensor& out_loc, const at::Tensor& k, const at::Tensor& v) {
-    at::Tensor& k_pool = k_pools_[layer];
-    at::Tensor& v_pool = v_pools_[layer];
-    TORCH_CHECK(k_pool.scalar_type() == k.scalar_type() && k_pool.is_contiguous() && v_pool.is_contiguous(),
-                "the KV pools must be contiguous, in the activations' dtype");
-    const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
-    const int64_t* slots = out_loc.data_ptr<int64_t>();
-    auto* kd = static_cast<char*>(k_pool.data_ptr());
-    auto* vd = static_cast<char*>(v_pool.data_ptr());
-    for (int64_t t = 0; t < k.size(0); ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < k_pool.size(0), "out_loc[", t, "] = ", slots[t], " is not a slot of the pool");
-      std::memcpy(kd + slots[t] * row_bytes, static_cast<const char*>(k.data_ptr()) + t * k.stride(0) * k.element_size(), row_bytes);
-      std::memcpy(vd + slots[t] * row_bytes, static_cast<const char*>(v.data_ptr()) + t * v.stride(0) * v.element_size(), row_bytes);
-    }
-  }
-
   std::vector<LayerWeights> layers_;
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> k_pools_, v_pools_;
