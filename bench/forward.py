@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.sampler import greedy_ids
 from gpu.tp_ranks import Rendezvous, TPRanks
 
 CONTEXT = 256
@@ -157,7 +156,7 @@ def _engine_decode(runner: ModelRunner, contexts: list[int], steps: int) -> floa
             out_loc = torch.stack([s[ctx + step] for s, ctx in zip(slots, contexts)])
             prefix_lens = [ctx + step for ctx in contexts]
             batch = ForwardBatch.build([[t] for t in tokens], rows, prefix_lens, out_loc, runner.device)
-            tokens = greedy_ids(runner.forward(batch)).tolist()  # what the engine's sampler does
+            tokens = runner.sampler.greedy(runner.forward(batch)).tolist()  # what the engine's sampler does
         return time.perf_counter() - start
     finally:
         for row, s in zip(rows, slots):

@@ -8,7 +8,8 @@ extend) attend causally the same way, in tiles that skip keys past their last po
 (gpu/csrc/extend_attention.cpp), where PyTorch's CPU flash kernel computes whole blocks. RMSNorm
 (with the residual add before it), SiLU-and-multiply and RoPE are each one pass instead of four
 to eight ops (gpu/csrc/elementwise.cpp), rounding where the torch code rounds; and the new tokens'
-K/V go into their pool slots by a plain copy instead of an indexed assignment.
+K/V go into their pool slots by a plain copy instead of an indexed assignment; greedy sampling's
+argmax reads each row once, vectorised (torch's is not, on bfloat16).
 
 It is built with torch's extension builder (ninja, the system C++ compiler, `-march=native`) into
 `build/cpu_ops/` beside the sources; a machine without a compiler, or a failed build, falls back
@@ -61,6 +62,7 @@ class CpuKernels:
     rope_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]  # (x, positions, cos, sin), in place
     # (k_pool, v_pool, slots, k, v): the new tokens' rows copied into their slots, in place
     write_kv_: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+    argmax_rows: Callable[[torch.Tensor], torch.Tensor]  # [rows, vocab] -> int64 [rows], as max(dim=-1).indices
 
 
 @cache
@@ -79,7 +81,7 @@ def build_cpu_kernels() -> CpuKernels:
     (the test suite fails on it wherever `cxx_compiler()` finds a compiler)."""
     _load()
     ops = torch.ops.actorserve
-    return CpuKernels(ops.decode_attention, ops.extend_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_, ops.write_kv_)
+    return CpuKernels(ops.decode_attention, ops.extend_attention, ops.rms_norm, ops.add_rms_norm_, ops.silu_mul, ops.rope_, ops.write_kv_, ops.argmax_rows)
 
 
 def cxx_compiler() -> str | None:

@@ -100,7 +100,7 @@ class ModelRunner:
         self.attn: AttentionBackend = self._make_attention()
         if config.quantization is not None:
             self.model.cpu_decode = CpuDecodeLayers.build(self.model, self.attn)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.cpu_kernels.argmax_rows if self.cpu_kernels is not None else None)
         self.graph_runner: DecodeGraphRunner | None = None
         if self.uses_cuda_graphs:
             self.init_graph_runner(capture=True)

@@ -30,7 +30,7 @@ host lists or `TokenSpans` of a device token table, which are counted where they
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -322,9 +322,16 @@ def greedy_ids(logits: Tensor) -> Tensor:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, cpu_argmax: Callable[[Tensor], Tensor] | None = None) -> None:
         # One generator per device, reseeded per seeded row: reseeding is cheap, creating is not.
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._cpu_argmax = cpu_argmax  # gpu/cpu_ops.py's argmax_rows: greedy_ids' result, faster
+
+    def greedy(self, logits: Tensor) -> Tensor:
+        """greedy_ids(logits), on a CPU by the compiled kernel where there is one."""
+        if self._cpu_argmax is not None and logits.device.type == "cpu" and logits.is_contiguous() and logits.shape[-1] > 0:
+            return self._cpu_argmax(logits)
+        return greedy_ids(logits)
 
     def sample(
         self,
@@ -346,18 +353,18 @@ class Sampler:
         if info.all_greedy and info.logit_bias is None and not (info.repetition_rows or info.freq_presence_rows):
             # Nothing changes a logit: the argmax of the logits as they are (widening bfloat16 or
             # float16 to float32 is exact, so a float32 copy would pick the same ids).
-            return _with_logprobs(logits, greedy_ids(logits), info)
+            return _with_logprobs(logits, self.greedy(logits), info)
         penalised = apply_penalties(logits, info, output_ids, prompt_ids)
         if info.logit_bias is not None:
             rows, tokens, values = info.logit_bias
             # Out of place: `penalised` may be the caller's logits, which the logprobs read raw.
             penalised = penalised.float().index_put((rows, tokens), values, accumulate=True)
         if info.all_greedy:
-            token_ids = greedy_ids(penalised)
+            token_ids = self.greedy(penalised)
         else:
             token_ids = self._draw(filtered_probs(penalised, info), info, steps)
             if info.any_greedy:
-                token_ids = torch.where(info.greedy, greedy_ids(penalised), token_ids)
+                token_ids = torch.where(info.greedy, self.greedy(penalised), token_ids)
         return _with_logprobs(logits, token_ids, info)
 
     def _draw(self, probs: Tensor, info: SamplingInfo, steps: Sequence[int] | None) -> Tensor:

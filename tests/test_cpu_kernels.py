@@ -19,6 +19,8 @@ from gpu.model_config import RopeConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.models import RMSNorm, RotaryEmbedding
 from gpu.packed_linear import can_pack
+from gpu.sampler import Sampler, SamplingInfo
+from runtime.sampling_params import SamplingParams
 
 
 def _torch_norm(dim: int, weight: torch.Tensor) -> RMSNorm:
@@ -106,6 +108,44 @@ def test_write_kv_is_the_indexed_assignment(kernels, dtype):
         kernels.write_kv_(k_pool, v_pool, torch.tensor([0, 1, 2, 3, 4, slots]), fused_k, fused_v)
     with pytest.raises(RuntimeError, match="dtype"):
         kernels.write_kv_(k_pool, v_pool, where, fused_k.double(), fused_v.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_max_indices(kernels, dtype):
+    """The first of equal maxima, the first NaN in a row that has one, rows of -inf: each row's
+    index as `max(dim=-1).indices` gives it (greedy sampling's choice)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, 1000 + 7, generator=gen).to(dtype)  # not a whole number of 16-lane vectors
+    logits[1, 5] = logits[1, 900] = 50.0  # tie: the first wins, in different lanes
+    logits[2, 17] = logits[2, 33] = 50.0  # tie in the same lane
+    logits[3, 1003] = 50.0  # in the scalar tail
+    logits[4, 40] = logits[4, 600] = float("nan")
+    logits[5] = float("-inf")
+    logits[6, 2] = float("inf")
+    logits[7, ::3] = 50.0
+    got = kernels.argmax_rows(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, logits.max(dim=-1).indices), (got, logits.max(dim=-1).indices)
+    assert got[:5].tolist() == [int(logits[0].float().argmax()), 5, 17, 1003, 40]
+    short = torch.randn(3, 5, generator=gen).to(dtype)  # shorter than a vector
+    assert torch.equal(kernels.argmax_rows(short), short.max(dim=-1).indices)
+
+
+def test_the_runners_sampler_takes_the_kernel_for_greedy_rows(kernels):
+    """Greedy rows (alone, and beside sampled ones) get the kernel's argmax; a sampler without
+    the kernel gives the same tokens."""
+    calls: list[torch.Size] = []
+
+    def counted(logits: torch.Tensor) -> torch.Tensor:
+        calls.append(logits.shape)
+        return kernels.argmax_rows(logits)
+
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    greedy = SamplingInfo.from_params([SamplingParams(temperature=0.0)] * 4, "cpu")
+    assert torch.equal(Sampler(counted).sample(logits, greedy).token_ids, Sampler().sample(logits, greedy).token_ids)
+    assert calls == [logits.shape]
+    mixed = SamplingInfo.from_params([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2, "cpu")
+    tokens = Sampler(counted).sample(logits, mixed).token_ids
+    assert len(calls) == 2 and torch.equal(tokens[::2], logits[::2].max(dim=-1).indices)
 
 
 def test_kernels_refuse_bad_input_by_name(kernels):

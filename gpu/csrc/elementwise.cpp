@@ -13,8 +13,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -195,9 +201,81 @@ void write_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, 
   }
 }
 
+// Greedy sampling: each row's argmax as torch's `max(dim=-1).indices` picks it, the first of
+// equal maxima, and the first NaN where a row has one. torch's reduction over a bfloat16 row of
+// 49,152 logits is not vectorised (2.7 ms for 64 rows here); this reads each row once, 16 lanes
+// at a time, each lane keeping its first maximum.
+template <typename T>
+int64_t argmax_row(const T* row, int64_t n) {
+  int64_t i = 0, best_index = 0;
+  float best = -std::numeric_limits<float>::infinity();
+  bool any_nan = false;
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16>) {
+    __m512 lane_best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __m512i lane_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nan = 0;
+    for (; i + 16 <= n && n <= INT32_MAX; i += 16) {
+      __m512 v;
+      if constexpr (std::is_same_v<T, float>) {
+        v = _mm512_loadu_ps(row + i);
+      } else {
+        v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i))), 16));
+      }
+      const __mmask16 greater = _mm512_cmp_ps_mask(v, lane_best, _CMP_GT_OQ);
+      lane_best = _mm512_mask_mov_ps(lane_best, greater, v);
+      lane_index = _mm512_mask_mov_epi32(lane_index, greater, index);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(16));
+    }
+    any_nan = nan != 0;
+    alignas(64) float values[16];
+    alignas(64) int32_t indices[16];
+    _mm512_store_ps(values, lane_best);
+    _mm512_store_si512(indices, lane_index);
+    for (int lane = 0; lane < 16 && i > 0; ++lane) {
+      if (values[lane] > best || (values[lane] == best && indices[lane] < best_index)) {
+        best = values[lane];
+        best_index = indices[lane];
+      }
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float v = load_f32(row + i);
+    any_nan |= std::isnan(v);
+    if (v > best) {
+      best = v;
+      best_index = i;
+    }
+  }
+  if (any_nan) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (std::isnan(load_f32(row + j))) return j;
+    }
+  }
+  return best_index;
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "logits must be a contiguous, non-empty [rows, vocab] CPU tensor");
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  int64_t* od = out.data_ptr<int64_t>();
+  const int64_t n = logits.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "argmax_rows", [&] {
+    const scalar_t* ld = logits.data_ptr<scalar_t>();
+    actorserve::parallel_for(logits.size(0), 4, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) od[r] = argmax_row(ld + r * n, n);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("write_kv_(Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, Tensor k, Tensor v) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
@@ -211,4 +289,5 @@ TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
   m.impl("write_kv_", &write_kv_);
+  m.impl("argmax_rows", &argmax_rows);
 }
