@@ -227,16 +227,33 @@ class KVBuffers:
     def copy_to(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor, layers: range | None = None) -> None:
         """K and V of `slots` in every layer (or `layers`) into `other_slots` of `other` (another
         device: the host tier's buffers, or back)."""
+        self.copy_planned(self.plan_copy(slots, other, other_slots), other, layers)
+
+    def plan_copy(self, slots: torch.Tensor, other: KVBuffers, other_slots: torch.Tensor) -> SlotCopy:
+        """What `copy_to` works out once for every layer it copies."""
         src, dst = slots.to(self.k[0].device), other_slots.to(other.k[0].device)
         # Only a copy onto the device may be asynchronous: one to the host is read at once.
         to_device = other.k[0].device.type != "cpu"
         # A run of slots (a host-tier block) is read as a view: from pinned memory that copy is
         # asynchronous, where gathering the rows first would make a pageable copy the host waits for.
-        run = _run_start(src) if to_device else None
+        return SlotCopy(src, dst, _run_start(src) if to_device else None, to_device)
+
+    def copy_planned(self, plan: SlotCopy, other: KVBuffers, layers: range | None = None) -> None:
+        src, run = plan.src, plan.run
         for layer in layers if layers is not None else range(len(self.k)):
             for mine, theirs in ((self.k, other.k), (self.v, other.v)):
                 rows = mine[layer][run : run + src.numel()] if run is not None else mine[layer][src]
-                theirs[layer][dst] = rows.to(theirs[layer].device, non_blocking=to_device)
+                theirs[layer][plan.dst] = rows.to(theirs[layer].device, non_blocking=plan.to_device)
+
+
+@dataclass(frozen=True, slots=True)
+class SlotCopy:
+    """A copy between two pools' slots, worked out once (`KVBuffers.plan_copy`)."""
+
+    src: torch.Tensor  # on the source's device
+    dst: torch.Tensor  # on the destination's device
+    run: int | None  # the first source slot when they are consecutive (read as a view)
+    to_device: bool  # onto the device: may be asynchronous
 
 
 def _run_start(slots: torch.Tensor) -> int | None:
@@ -255,6 +272,9 @@ class LayerLoads:
     def __init__(self, moves: list[KVMove], host: KVBuffers, device: KVBuffers, side: torch.cuda.Stream | None = None):
         assert all(not m.to_host for m in moves), "only loads to the device are made layer by layer"
         self.moves, self.host, self.device = moves, host, device
+        # Worked out once: each layer's copy would otherwise move the slots to the device and test
+        # them for a run again (a wait for the host on CUDA).
+        self._plans = [host.plan_copy(m.host_slots, device, m.device_slots) for m in moves]
         self.num_layers = len(device.k)
         self._copied = 0  # layers copied (a CPU)
         self._events: list[torch.cuda.Event] = []
@@ -279,5 +299,5 @@ class LayerLoads:
         self.ready(self.num_layers - 1)
 
     def _copy(self, layers: range) -> None:
-        for m in self.moves:
-            self.host.copy_to(m.host_slots, self.device, m.device_slots, layers)
+        for plan in self._plans:
+            self.host.copy_planned(plan, self.device, layers)
