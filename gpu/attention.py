@@ -132,7 +132,7 @@ class TorchAttention(AttentionBackend):
         self._meta = self._plan(batch)
 
     def _plan(self, batch: ForwardBatch) -> _TorchMetadata:
-        loc = batch.out_cache_loc
+        loc = batch.out_cache_loc.to(torch.int64).contiguous()  # the CPU kernels' slot index (a copy only if not)
         kernels = self.kernels if batch.input_ids.device.type == "cpu" else None
         if kernels is not None and any(n != 1 for n in batch.extend_lens):
             return _TorchMetadata(loc, extend=PagedExtend.plan(kernels.extend_attention, batch))
@@ -218,11 +218,14 @@ class TorchAttention(AttentionBackend):
             out.index_copy_(0, bucket.token_index, self._attend(q.index_select(0, bucket.token_index), bucket, layer_id))
         return out
 
-    def plain_paged_decode(self) -> PagedDecode | None:
-        """The current batch's plan when it is a decode batch the compiled kernel attends in place
-        with nothing to merge (gpu/cpu_decode.py runs such batches' layers in one call)."""
+    def plain_paged_decode(self) -> tuple[PagedDecode, torch.Tensor] | None:
+        """The current batch's plan and its new tokens' slots (int64, contiguous) when it is a
+        decode batch the compiled kernel attends in place with nothing to merge
+        (gpu/cpu_decode.py runs such batches' layers in one call)."""
         meta = self._meta
-        return meta.paged if meta is not None and meta.shared is None else None
+        if meta is None or meta.paged is None or meta.shared is not None:
+            return None
+        return meta.paged, meta.out_cache_loc
 
     def _decode_merged(self, q: torch.Tensor, meta: _TorchMetadata, layer_id: int) -> torch.Tensor:
         if meta.paged:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class DecodeInputs:
     """What one decode step passes besides the hidden states."""
 
-    out_cache_loc: torch.Tensor  # [batch] int64
+    out_cache_loc: torch.Tensor  # [batch] int64, contiguous
     paged: PagedDecode
 
 
@@ -75,7 +75,7 @@ class CpuDecodeLayers:
         if attn is not self._attn or batch.layer_loads is not None or batch.input_ids.shape[0] > SMALL_BATCH_ROWS:
             return None
         plan = self._attn.plain_paged_decode()
-        return None if plan is None else DecodeInputs(batch.out_cache_loc, plan)
+        return None if plan is None else DecodeInputs(plan[1], plan[0])
 
     def run(self, hidden: torch.Tensor, positions: torch.Tensor, step: DecodeInputs) -> None:
         """Apply every layer to `hidden` ([batch, hidden], contiguous) in place."""

@@ -69,14 +69,15 @@ def _runner(path, dtype: str) -> ModelRunner:
 
 def _decode_batch(runner: ModelRunner, contexts: list[int], step: int, rows: list[int], slots: list[torch.Tensor]) -> ForwardBatch:
     tokens = [[(7 * i + 3 * step) % runner.vocab_size] for i in range(len(contexts))]
-    out_loc = torch.stack([s[ctx + step] for s, ctx in zip(slots, contexts)])
+    # A column of a table, as bench/gpu_check.py passes it: a strided view, not a contiguous tensor.
+    out_loc = torch.stack([s[ctx + step : ctx + step + 2] for s, ctx in zip(slots, contexts)])[:, 0]
     return ForwardBatch.build(tokens, rows, [ctx + step for ctx in contexts], out_loc, runner.device)
 
 
 def _requests(runner: ModelRunner, contexts: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """Table rows and slots for requests with `contexts` tokens cached (random K/V) and room for `steps` more."""
     rows = [runner.req_to_token.alloc() for _ in contexts]
-    slots = [runner.allocator.alloc(ctx + steps) for ctx in contexts]
+    slots = [runner.allocator.alloc(ctx + steps + 1) for ctx in contexts]
     for row, s in zip(rows, slots):
         runner.req_to_token.write(row, 0, s)
     torch.manual_seed(2)
