@@ -4,6 +4,8 @@ thread (gpu/torch_threads.py says why: libgomp throttles every team once two thr
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +17,7 @@ import torch
 
 from api.core.engine_core import Core, CoreSetup
 from api.frontend.engine import Engine
-from gpu.torch_threads import TorchThreads
+from gpu.torch_threads import FORWARD_NICE, TorchThreads, yield_cores_to_serving
 
 
 def _on_new_thread(fn: Callable[[], Any]) -> Any:
@@ -86,11 +88,15 @@ def record_threads(core: Core, path: str) -> None:
 
     def observed(batch: Any) -> Any:
         out = run(batch)
-        _append(path, {"forward": torch.get_num_threads(), "new_thread": _on_new_thread(torch.get_num_threads)})
+        _append(path, {"forward": torch.get_num_threads(), "new_thread": _on_new_thread(torch.get_num_threads), "nice": _nice()})
         return out
 
     step_runner.run = observed  # type: ignore[method-assign]
-    _append(path, {"loop": torch.get_num_threads(), "thread": threading.current_thread().name})
+    _append(path, {"loop": torch.get_num_threads(), "thread": threading.current_thread().name, "nice": _nice()})
+
+
+def _nice(tid: int | None = None) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid or threading.get_native_id())
 
 
 def _append(path: str, record: dict[str, Any]) -> None:
@@ -107,6 +113,27 @@ async def test_the_core_process_gives_several_torch_threads_to_its_forward_threa
     assert len(out.output_ids) == 4
     records = [json.loads(line) for line in path.read_text().splitlines()]
     loop, steps = records[0], records[1:]
-    assert loop == {"loop": 1, "thread": "MainThread"}
+    # The forward thread yields the cores to the serving path; the event loop keeps its priority.
+    nice = FORWARD_NICE if sys.platform == "linux" else 0
+    assert loop == {"loop": 1, "thread": "MainThread", "nice": 0}
     assert len(steps) >= 4  # the prefill and the decode steps
-    assert all(s == {"forward": 3, "new_thread": 1} for s in steps), steps
+    assert all(s == {"forward": 3, "new_thread": 1, "nice": nice} for s in steps), steps
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+def test_the_forward_threads_openmp_team_inherits_its_priority(shared_threads) -> None:
+    """The team a thread starts at its first parallel op is created by that thread, after
+    `yield_cores_to_serving`: its workers run at the forward thread's priority."""
+    before = set(os.listdir("/proc/self/task"))
+
+    def forward() -> tuple[int, dict[int, int]]:
+        yield_cores_to_serving()
+        torch.set_num_threads(2)
+        torch.ones(1 << 22).sum()  # big enough to run in parallel: the team starts here
+        me = threading.get_native_id()
+        team = {int(t) for t in set(os.listdir("/proc/self/task")) - before} - {me}
+        return _nice(), {t: _nice(t) for t in team}
+
+    mine, team = _on_new_thread(forward)
+    assert mine == FORWARD_NICE and _nice() == 0
+    assert team and set(team.values()) == {FORWARD_NICE}, team

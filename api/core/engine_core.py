@@ -31,7 +31,7 @@ from gpu.loader import resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tensor_parallel import TPLayout
-from gpu.torch_threads import TorchThreads
+from gpu.torch_threads import TorchThreads, yield_cores_to_serving
 from gpu.tp_ranks import Rendezvous, TPRanks
 from runtime.actor import Actor, Mailbox
 from runtime.config import CoreConfig
@@ -166,6 +166,8 @@ async def load_core(config: CoreConfig, outbox: StepOutbox | None = None, setup:
 
 
 def _load_runner(config: CoreConfig, threads: TorchThreads) -> ModelRunner:
+    if torch.device(config.device).type == "cpu":
+        yield_cores_to_serving()
     threads.claim()
     return ModelRunner(runner_config(config))
 
