@@ -11,9 +11,9 @@ wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU fo
 
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
 per output channel) and activations quantized per row (per token) at every call, multiplied by
-oneDNN's u8 x s8 kernel (VNNI where the CPU has it). A few rows (decode at small batches) take
-gpu/csrc/int8_matmul.cpp's matrix-vector kernel instead, 2-8x faster there and bit for bit the
-same result; on a CPU with AVX512-VNNI each layer then holds its int8 weights twice, once per
+oneDNN's u8 x s8 kernel (VNNI where the CPU has it). Up to SMALL_BATCH_ROWS rows (decode at small
+batches) take gpu/csrc/int8_matmul.cpp's kernel instead, 2-7x faster at 1-4 rows and bit for bit
+the same result; on a CPU with AVX512-VNNI each layer then holds its int8 weights twice, once per
 kernel's layout. Each token's scale is its own, so a request's
 output does not depend on what else is in the batch; SmoothQuant scales folded in first
 (gpu/int8_smoothing.py) keep a few large input channels from setting that scale. The output layer

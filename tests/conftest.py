@@ -31,6 +31,7 @@ import uvloop  # noqa: E402
 # ("AST constructor recursion depth mismatch") on a run of files that never imported it.
 
 from gpu.cpu_ops import CpuKernels, build_cpu_kernels, cpu_kernels, cxx_compiler  # noqa: E402
+from gpu.packed_linear import Int8Kernels  # noqa: E402
 from gpu.tiny_model import make_tiny_model  # noqa: E402
 
 TinyModelFactory = Callable[..., Path]
@@ -92,6 +93,16 @@ def _kernels_or_raise() -> CpuKernels:
     return cpu_kernels() or build_cpu_kernels()
 
 
+def _int8_kernels_or_raise() -> Int8Kernels:
+    from gpu.packed_linear import build_int8_ops, int8_kernels
+
+    if int8_kernels() is None:  # cached None: build again to raise the reason
+        build_int8_ops()
+    built = int8_kernels()
+    assert built is not None
+    return built
+
+
 def _native_library_or_raise() -> ctypes.CDLL:
     from api.router import native
 
@@ -106,6 +117,12 @@ def _native_library_or_raise() -> ctypes.CDLL:
 def kernels() -> CpuKernels:
     """The compiled CPU kernels (gpu/cpu_ops.py)."""
     return built_or_skipped("the CPU kernels (gpu/csrc)", cxx_compiler(), _kernels_or_raise)
+
+
+@pytest.fixture(scope="session")
+def int8_ops() -> Int8Kernels:
+    """The compiled int8 kernels (gpu/packed_linear.py's int8_kernels)."""
+    return built_or_skipped("the int8 kernels (gpu/csrc)", cxx_compiler(), _int8_kernels_or_raise)
 
 
 @pytest.fixture(scope="session")

@@ -10,28 +10,16 @@ import pytest
 import torch
 
 from gpu.cpu_decode import CpuDecodeLayers
-from gpu.cpu_ops import cxx_compiler
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Kernels, Int8Linear, build_int8_ops, int8_kernels
-
-from tests.conftest import built_or_skipped
-
-
-def _kernels_or_raise() -> Int8Kernels:
-    if int8_kernels() is None:  # cached None: build again to raise the reason
-        build_int8_ops()
-    kernels = int8_kernels()
-    assert kernels is not None
-    return kernels
+from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Kernels, Int8Linear
 
 
 @pytest.fixture(scope="module")
-def vnni() -> Int8Kernels:
-    kernels = built_or_skipped("the int8 kernels (gpu/csrc/int8_matmul.cpp)", cxx_compiler(), _kernels_or_raise)
-    if kernels.small_batch is None:
+def vnni(int8_ops: Int8Kernels) -> Int8Kernels:
+    if int8_ops.small_batch is None:
         pytest.skip("this CPU has no AVX512-VNNI: int8 layers take oneDNN's path at every batch size")
-    return kernels
+    return int8_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -15,7 +15,6 @@ from transformers import AutoTokenizer
 from api.cli import _parser
 from api.server.cli import engine_kwargs
 from bench.quant_accuracy import PARITY_PROMPTS, all_logits
-from gpu.cpu_ops import cxx_compiler
 from gpu.int8_smoothing import smooth
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
@@ -23,16 +22,12 @@ from gpu.packed_linear import (
     ZERO_POINT,
     Int8Kernels,
     Int8Linear,
-    build_int8_ops,
     dequantize_rows_torch,
-    int8_kernels,
     quantize_rows_torch,
     quantize_weight,
 )
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
-
-from tests.conftest import built_or_skipped
 
 GREEDY_PROMPTS = [
     *PARITY_PROMPTS,
@@ -52,19 +47,6 @@ MEAN_LOGIT_ERROR = 1.0
 MIN_GREEDY_AGREEMENT = 0.9
 
 
-def _int8_kernels_or_raise() -> Int8Kernels:
-    if int8_kernels() is None:  # cached None: build again to raise the reason
-        build_int8_ops()
-    kernels = int8_kernels()
-    assert kernels is not None
-    return kernels
-
-
-@pytest.fixture(scope="module")
-def quant_kernels() -> Int8Kernels:
-    return built_or_skipped("the int8 quantization kernels (gpu/csrc/quantize.cpp)", cxx_compiler(), _int8_kernels_or_raise)
-
-
 def _rows(dtype: torch.dtype) -> torch.Tensor:
     torch.manual_seed(0)
     x = torch.randn(7, 96) * torch.logspace(-2, 2, 7)[:, None]  # rows of very different magnitude
@@ -74,9 +56,9 @@ def _rows(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_rows_kernel_matches_the_torch_ops(quant_kernels: Int8Kernels, dtype: torch.dtype) -> None:
+def test_quantize_rows_kernel_matches_the_torch_ops(int8_ops: Int8Kernels, dtype: torch.dtype) -> None:
     x = _rows(dtype)
-    q, scale = quant_kernels.quantize_rows(x)
+    q, scale = int8_ops.quantize_rows(x)
     q_ref, scale_ref = quantize_rows_torch(x)
     assert q.dtype == torch.uint8 and scale.shape == (7, 1)
     assert torch.equal(scale, scale_ref) and torch.equal(q, q_ref)
@@ -86,7 +68,7 @@ def test_quantize_rows_kernel_matches_the_torch_ops(quant_kernels: Int8Kernels, 
     product = torch.randn(7, 40)
     bias = torch.randn(40)
     for b in (None, bias):
-        assert torch.equal(quant_kernels.dequantize_rows(product, scale, b, dtype), dequantize_rows_torch(product, scale, b, dtype))
+        assert torch.equal(int8_ops.dequantize_rows(product, scale, b, dtype), dequantize_rows_torch(product, scale, b, dtype))
 
 
 def _layer(kernels: Int8Kernels | None) -> tuple[Int8Linear, torch.Tensor, torch.Tensor]:
@@ -97,8 +79,8 @@ def _layer(kernels: Int8Kernels | None) -> tuple[Int8Linear, torch.Tensor, torch
 
 
 @pytest.mark.parametrize("compiled", [True, False], ids=["kernels", "torch-ops"])
-def test_int8_linear_is_the_integer_product_scaled_back(quant_kernels: Int8Kernels, compiled: bool) -> None:
-    layer, weight, bias = _layer(quant_kernels if compiled else None)
+def test_int8_linear_is_the_integer_product_scaled_back(int8_ops: Int8Kernels, compiled: bool) -> None:
+    layer, weight, bias = _layer(int8_ops if compiled else None)
     x = _rows(torch.float32)
     y = layer(x)
     # Reference in float64 from the same integers: (q_x - 128) . q_w * s_x * s_w + b.
@@ -112,11 +94,11 @@ def test_int8_linear_is_the_integer_product_scaled_back(quant_kernels: Int8Kerne
     assert rel.max() < 0.05, rel
 
 
-def test_each_row_is_quantized_on_its_own(quant_kernels: Int8Kernels) -> None:
+def test_each_row_is_quantized_on_its_own(int8_ops: Int8Kernels) -> None:
     """A request's output must not depend on what else is in the batch: one row alone gives the
     bits it gives in a batch beside rows a thousand times larger (a per-tensor activation scale
     would crush the small row)."""
-    layer, _, _ = _layer(quant_kernels)
+    layer, _, _ = _layer(int8_ops)
     x = _rows(torch.bfloat16)
     batched = layer(x)
     for i in range(x.shape[0]):

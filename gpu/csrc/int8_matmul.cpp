@@ -21,9 +21,9 @@
 
 #include "cpu_math.h"
 #include "parallel.h"
+#include "quantize_row.h"
 
-#include <cfloat>
-#include <cmath>
+#include <algorithm>
 #include <cstring>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -33,10 +33,9 @@
 
 namespace {
 
-using actorserve::load_f32;
 using actorserve::store_f32;
 
-constexpr int kZeroPoint = 128;
+using actorserve::kZeroPoint;
 constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane accumulators
 
 bool int8_matmul_available() {
@@ -75,23 +74,14 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& weight) {
   return {packed, offsets};
 }
 
-// quantize_rows (gpu/csrc/quantize.cpp) into rows padded to `stride` bytes with the zero point, so
-// the padding adds nothing once the offsets are taken out.
+// quantize_row (quantize_row.h) into rows padded to `stride` bytes with the zero point, so the
+// padding adds nothing once the offsets are taken out.
 template <typename T>
 void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_t* q, float* scale) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T* src = x + r * dim;
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load_f32(src + d)));
-    const float s = std::max(amax, FLT_MIN) / 127.f;
-    scale[r] = s;
     uint8_t* dst = q + r * stride;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) {
-      dst[d] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(load_f32(src + d) / s)) + kZeroPoint);
-    }
-    for (int64_t d = dim; d < stride; ++d) dst[d] = kZeroPoint;
+    scale[r] = actorserve::quantize_row(x + r * dim, dim, dst);
+    std::fill(dst + dim, dst + stride, static_cast<uint8_t>(kZeroPoint));
   }
 }
 

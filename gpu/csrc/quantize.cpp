@@ -13,21 +13,15 @@
 
 #include "cpu_math.h"
 #include "parallel.h"
+#include "quantize_row.h"
 
-#include <cfloat>
-#include <cmath>
 #include <tuple>
 
 namespace {
 
-using actorserve::load_f32;
 using actorserve::store_f32;
 
-// oneDNN's fast int8 kernels take unsigned activations: q + 128 with zero point 128.
-constexpr int kZeroPoint = 128;
-
-// scale = max(|x|) / 127 (at least FLT_MIN / 127, so a zero row divides safely);
-// q = round_half_even(x / scale) + 128.
+// quantize_row (quantize_row.h) for every row.
 template <typename T>
 void quantize_rows_impl(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
@@ -35,19 +29,7 @@ void quantize_rows_impl(const at::Tensor& x, at::Tensor& q, at::Tensor& scale) {
   uint8_t* qd = q.data_ptr<uint8_t>();
   float* sd = scale.data_ptr<float>();
   actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
-    for (int64_t r = first; r < last; ++r) {
-      const T* src = xd + r * dim;
-      float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-      for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load_f32(src + d)));
-      const float s = std::max(amax, FLT_MIN) / 127.f;
-      sd[r] = s;
-      uint8_t* dst = qd + r * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) {
-        dst[d] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(load_f32(src + d) / s)) + kZeroPoint);
-      }
-    }
+    for (int64_t r = first; r < last; ++r) sd[r] = actorserve::quantize_row(xd + r * dim, dim, qd + r * dim);
   });
 }
 
