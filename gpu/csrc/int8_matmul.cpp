@@ -7,7 +7,7 @@
 // This kernel reads the weights once, as one sequential stream: they are repacked so that each
 // block of 64 output rows is contiguous, four input features at a time ([N/64][K/4][64][4]), so
 // one 64-byte load feeds one VNNI instruction (`vpdpbusd`: 16 lanes of four u8 x s8 products)
-// and each lane accumulates one output row; no horizontal sums. Up to four activation rows share
+// and each lane accumulates one output row; no horizontal sums. Up to six activation rows share
 // each weight load.
 //
 // The arithmetic is Int8Linear's exactly: activations quantized as quantize_rows does (q + 128 as
