@@ -149,8 +149,8 @@ class ModelStepRunner:
         if not batch.kv_copies:
             return None
         assert self.host_kv is not None, "host tier copies without a host tier"
-        if self.runner.channel is not None:  # tensor parallelism: the other ranks move their heads' KV too
-            self.runner.send_moves([KVMove(c.to_host, c.device_slots, c.host_slots) for c in batch.kv_copies])
+        # Tensor parallelism (no storage tier there): the other ranks move their heads' KV too.
+        self.runner.send_moves([KVMove(c.to_host, c.device_slots, c.host_slots) for c in batch.kv_copies])
         now, later = _split_loads(batch.kv_copies)
         self._copy_now(now)
         if not later:

@@ -57,7 +57,7 @@ class DecodeLayers : public torch::CustomClassHolder {
                std::vector<at::Tensor> v_pools)
       : cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
     TORCH_CHECK(dims.size() == 3 && numbers.size() == 2, "dims: heads, kv heads, head dim; numbers: eps, scale");
-    TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() * kPerLinear == weights.size() - 2 * (weights.size() / kPerLayer),
+    TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == 4 * (weights.size() / kPerLayer),
                 "weights and out_features do not describe whole layers");
     const size_t layers = weights.size() / kPerLayer;
     TORCH_CHECK(k_pools_.size() == layers && v_pools_.size() == layers, "one K and one V pool per layer");
