@@ -15,11 +15,11 @@ for its `output_length` tokens with ignore_eos.
 With `--storage`, the engine's own storage tier (file backend, no capacity bound, in a temporary
 directory) runs under the host tier: the device writes each block the host tier persists, the
 Policy prefetches (`wait_complete`), the Adder adopts what was read into the host tier and loads
-it. A block read from storage is charged at the model's disk rate (one PCIe Gen4 x4 NVMe SSD,
-bench/device_model.py) in the step whose batch brings it to the host, before its load to the
-device at PCIe rate: the costlier bound again (SGLang reads storage while the request waits in
-the queue, beside the GPU; here every running request's step waits for the disk too). Writes to
-storage are not charged (a thread of their own, the disk's other direction).
+it. The tier's reader thread takes each block at the model's disk rate (one PCIe Gen4 x4 NVMe SSD,
+bench/device_model.py; one block after another, every request's prefetch in one queue) while the
+request waits in the Policy's prefetch queue, as SGLang reads storage beside the GPU; the step that
+adopts the blocks pays only their load to the device at PCIe rate. Writes to storage are not
+charged (a thread of their own, the disk's other direction).
 
 Prompts: block id h is 512 token ids of a one-layer micro model's 512-token vocabulary, its first
 three the digits of h (so two blocks are equal only when their ids are), the rest a function of h;
@@ -64,13 +64,15 @@ WEIGHT_BYTES_8B = 16e9
 
 
 class HostLinkDevice(NullDevice):
-    """A NullDevice that also charges each batch's host -> device KV loads at the model's PCIe rate
-    and its blocks read from the storage tier at the model's disk rate, and counts both.
+    """A NullDevice that also charges each batch's host -> device KV loads at the model's PCIe rate,
+    and counts them and the blocks the batch brings from the storage tier.
 
     With a storage tier it writes the tier's blocks as the model's step runner does, each block
     stored to the host with `persist`, so the real tier (its files, checksums, prefetch,
     adoption into the host tier) runs underneath; the files hold zeros of the engine's own (micro)
-    KV layout, as this device computes no KV."""
+    KV layout, as this device computes no KV. The tier's prefetch reads at the model's disk rate
+    (`StorageTier.pace_reads`) while the request waits in the queue, as SGLang's does: a step
+    never waits for the disk, and `storage_s` is the disk time of the blocks the steps adopted."""
 
     def __init__(self, vocab_size: int, model: DeviceModel, storage: StorageTier | None = None):
         super().__init__(0.0, vocab_size, model)
@@ -80,6 +82,8 @@ class HostLinkDevice(NullDevice):
         self.storage_tokens = 0
         self.storage_s = 0.0
         self._zero_block = None if storage is None else torch.zeros(storage.layout.block_shape(storage.block_tokens), dtype=storage.layout.dtype)
+        if storage is not None:
+            storage.pace_reads(model.storage_read_s(storage.block_tokens))
 
     def run(self, batch: Batch) -> StepOut:
         self._write_storage(batch)
@@ -88,12 +92,12 @@ class HostLinkDevice(NullDevice):
     def sleep_s(self, batch: Batch) -> float:
         assert self.model is not None
         tokens, from_storage = loaded_tokens(batch), storage_tokens(batch)
-        load_s, read_s = self.model.host_load_s(tokens), self.model.storage_read_s(from_storage)
+        load_s = self.model.host_load_s(tokens)
         self.loaded_tokens += tokens
         self.load_s += load_s
         self.storage_tokens += from_storage
-        self.storage_s += read_s
-        return self.model.step_s(batch.prefix_lens, batch.extend_lens) + load_s + read_s
+        self.storage_s += self.model.storage_read_s(from_storage)  # paid in the queue, by the prefetch
+        return self.model.step_s(batch.prefix_lens, batch.extend_lens) + load_s
 
     def _write_storage(self, batch: Batch) -> None:
         if self.storage is None:
@@ -179,8 +183,8 @@ class Result:
     load_s: float
     host_hit_tokens: int  # the host tier's hits, by the engine's stats (blocks from storage included)
     seconds: float
-    storage_tokens: int = 0  # storage -> host, as the device charged them
-    storage_s: float = 0.0
+    storage_tokens: int = 0  # storage -> host, as the steps adopted them
+    storage_s: float = 0.0  # their modelled disk time, paid while their requests waited
     storage_hit_tokens: int = 0  # by the engine's stats
     storage_written_blocks: int = 0
     storage_dropped_writes: int = 0
@@ -289,8 +293,8 @@ async def _one(engine: Engine, req: TraceRequest, start: float, arrival_s: float
     return Outcome(len(ids), cached, None if first is None else first - sent, arrival_s)
 
 
-# The storage setting's prefetch holds a request until its read is done: the read itself is the
-# micro model's small files (milliseconds), its modelled cost is the device's charge at the step.
+# The storage setting's prefetch holds a request until its read is done, which the modelled disk
+# paces (HostLinkDevice): the request waits for the disk, the running batch does not.
 STORAGE_CONFIG = {"hicache_storage_backend": "file", "hicache_storage_prefetch_policy": "wait_complete"}
 
 

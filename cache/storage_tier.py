@@ -160,6 +160,8 @@ class StorageTier:
         self._files = _block_files(self.dir) if capacity_bytes is not None else OrderedDict()  # name -> bytes, least recent first
         self._file_bytes = sum(self._files.values())
         self._make_room(0)  # a capacity lowered since the files were written
+        self._block_read_s = 0.0  # a modelled disk's time per block (`pace_reads`); the reader thread's
+        self._disk_free_at = 0.0  # monotonic: when the modelled disk has finished the blocks asked of it
 
     def path(self, key: bytes) -> Path:
         return self.dir / f"{key.hex()}.kv"
@@ -227,6 +229,12 @@ class StorageTier:
             prefetch.future = self._reader.submit(self._read_blocks, prefetch)
         return prefetch
 
+    def pace_reads(self, block_s: float) -> None:
+        """From now on a prefetch's blocks come no faster than one per `block_s` seconds, one block
+        after another as one disk reads them: a benchmark's modelled disk under the micro model's
+        small files (bench/trace_serving.py). Call before the first prefetch."""
+        self._block_read_s = block_s
+
     def _read_blocks(self, prefetch: Prefetch) -> None:
         for key, tokens in zip(prefetch.keys, prefetch.tokens):
             if prefetch.cancelled:
@@ -234,7 +242,15 @@ class StorageTier:
             block = self.read(key, tokens)
             if block is None:
                 return
+            self._wait_for_modelled_disk()
             prefetch.blocks.append(block)
+
+    def _wait_for_modelled_disk(self) -> None:
+        if self._block_read_s <= 0:
+            return
+        now = time.monotonic()
+        self._disk_free_at = max(self._disk_free_at, now) + self._block_read_s
+        time.sleep(self._disk_free_at - now)
 
     def read(self, key: bytes, tokens: bytes) -> torch.Tensor | None:
         """The block's KV if its file is whole and holds these tokens; a file that fails the

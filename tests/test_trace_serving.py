@@ -1,10 +1,13 @@
 """bench/trace_serving.py: Mooncake prompts in a micro model's vocabulary, the cost-model device's
-charge for host-to-device loads and storage reads, a three-request trace through the real actors
-whose third request finds its prefix in the host tier (and pays for loading it), and one whose
-last request finds it only in the storage tier (and pays for reading it)."""
+charge for host-to-device loads, its modelled disk under the storage tier, a three-request trace
+through the real actors whose third request finds its prefix in the host tier (and pays for
+loading it), and one whose last request finds it only in the storage tier (and waits in the queue
+for reading it)."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -14,6 +17,8 @@ from bench.device_model import DEVICE_MODELS
 from bench.overhead import TOKEN_MARGIN
 from bench.trace_replay import BLOCK, TraceRequest
 from bench.trace_serving import STORAGE_CONFIG, VOCAB, HostLinkDevice, block_ids, prompt_ids, serve
+from cache.host_tier import chain_digests
+from cache.keys import encode_tokens
 from cache.storage_tier import KVLayout, StorageTier
 from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, KVCopy, StorageBlock
@@ -64,21 +69,32 @@ async def test_a_prefix_pushed_out_of_the_pool_is_served_from_the_host_tier(tiny
     assert row["prefill_tokens_saved"] == sum(o.cached_tokens for o in host.outcomes) and row["refused"] == 0
 
 
-def test_storage_reads_are_charged_at_the_disk_rate_and_persisted_blocks_written(tmp_path: Any):
+def test_storage_reads_are_paced_at_the_disk_rate_not_charged_in_the_step_and_persisted_blocks_written(tmp_path: Any):
     storage = StorageTier(tmp_path, {"model": "micro"}, KVLayout(1, 1, 16, torch.float32), block_tokens=64)
-    device = HostLinkDevice(VOCAB, H100, storage)
-    tokens = torch.arange(64, dtype=torch.int32).numpy().tobytes()
-    persisted = KVCopy(to_host=True, device_slots=torch.arange(64), host_slots=torch.arange(64), persist=StorageBlock(b"k" * 16, tokens))
-    read = KVCopy(to_host=True, device_slots=torch.arange(0), host_slots=torch.arange(64, 192), staged=torch.zeros(2, 128, 1, 16))
-    load = KVCopy(to_host=False, device_slots=torch.arange(128), host_slots=torch.arange(64, 192))
-    device.run(_batch([persisted]))
-    plain = H100.step_s([0], [1024])
-    charged = device.sleep_s(_batch([read, load]))
-    assert charged - plain == pytest.approx(H100.storage_read_s(128) + H100.host_load_s(128))
+    slow = replace(H100, storage_read_bytes_per_s=64 * H100.kv_bytes_per_token / 0.05)  # 50 ms a block
+    device = HostLinkDevice(VOCAB, slow, storage)
+    ids = list(range(192))
+    keys = chain_digests(ids, None, 64, 3)
+    tokens = [encode_tokens(ids[i * 64 : (i + 1) * 64]) for i in range(3)]
+    persisted = [KVCopy(to_host=True, device_slots=torch.arange(64), host_slots=torch.arange(64), persist=StorageBlock(k, t)) for k, t in zip(keys, tokens)]
+    device.run(_batch(persisted))
+    device.close()  # closes the tier: its queued writes are done
+    assert storage.stats.written_blocks == 3 and storage.read(keys[0], tokens[0]) is not None
+
+    reader = StorageTier(tmp_path, {"model": "micro"}, KVLayout(1, 1, 16, torch.float32), block_tokens=64, prefetch_policy="wait_complete")
+    device = HostLinkDevice(VOCAB, slow, reader)
+    start = time.monotonic()
+    prefetch = reader.prefetch(ids, None, matched=0)
+    assert prefetch is not None
+    prefetch.future.result(timeout=10)
+    assert time.monotonic() - start >= 3 * 0.05 and len(prefetch.take()) == 3  # one block per 50 ms
+    read = KVCopy(to_host=True, device_slots=torch.arange(0), host_slots=torch.arange(64, 256), staged=torch.zeros(2, 192, 1, 16))
+    load = KVCopy(to_host=False, device_slots=torch.arange(192), host_slots=torch.arange(64, 256))
+    plain = slow.step_s([0], [1024])
+    assert device.sleep_s(_batch([read, load])) - plain == pytest.approx(slow.host_load_s(192))  # the disk was paid in the queue
+    assert (device.storage_tokens, device.storage_s, device.loaded_tokens) == (192, pytest.approx(3 * 0.05), 192)
     assert H100.storage_read_s(128) == pytest.approx(128 * 147456 / (7.88e9 * 0.8))  # 9.4 MB a 64-token block: 1.5 ms
-    assert (device.storage_tokens, device.storage_s, device.loaded_tokens) == (128, pytest.approx(H100.storage_read_s(128)), 128)
-    device.close()  # closes the tier: its queued write is done
-    assert storage.stats.written_blocks == 1 and storage.read(b"k" * 16, tokens) is not None
+    device.close()
 
 
 async def test_a_prefix_pushed_out_of_device_and_host_is_served_from_storage(tiny_model_factory: Any):
