@@ -1,15 +1,16 @@
-"""Small int8 decode batches on a CPU: every decoder layer in one call.
+"""Decode batches on a CPU: every decoder layer in one call.
 
 At batch 1 the kernels of a decode step do little work each, and calling ~450 of them from Python
-cost about a third of SmolLM2-135M's step. `CpuDecodeLayers` hands the whole stack of layers to
-gpu/csrc/decode_layers.cpp, which makes the same kernel calls in the same order from C++: the
+cost about a third of SmolLM2-135M's int8 step. `CpuDecodeLayers` hands the whole stack of layers
+to gpu/csrc/decode_layers.cpp, which makes the same kernel calls in the same order from C++: the
 result is the modules' own, bit for bit. `CausalLM.forward` (gpu/models.py) takes it for a batch
 that `inputs` accepts and runs its modules for any other.
 
-It covers what the small-batch int8 path runs: int8 linear layers with the AVX512-VNNI kernel
-(gpu/packed_linear.py), the compiled CPU kernels, one tensor-parallel rank, no per-head q/k norm
-(Qwen3's), and a decode batch of at most `SMALL_BATCH_ROWS` requests whose attention is the plain
-paged decode (no shared prefix to merge, no host-tier loads to wait for layer by layer).
+It covers the compiled CPU kernels with one tensor-parallel rank and no per-head q/k norm
+(Qwen3's), decode batches whose attention is the plain paged decode (no shared prefix to merge, no
+host-tier loads to wait for layer by layer), and linear layers (gpu/packed_linear.py) that are
+either all PackedLinears (oneDNN, float32 or bfloat16: any batch size) or all Int8Linears with the
+AVX512-VNNI kernel (batches of at most `SMALL_BATCH_ROWS`, which that kernel takes).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from gpu.attention import AttentionBackend, TorchAttention
 from gpu.forward_batch import ForwardBatch
-from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Linear
+from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Linear, PackedLinear, int8_kernels
 from gpu.paged_attention import PagedDecode
 
 if TYPE_CHECKING:
@@ -37,9 +38,10 @@ class DecodeInputs:
 
 
 class CpuDecodeLayers:
-    def __init__(self, layers: torch.ScriptObject, attn: TorchAttention):
+    def __init__(self, layers: torch.ScriptObject, attn: TorchAttention, max_batch: int | None):
         self._layers = layers
         self._attn = attn
+        self._max_batch = max_batch  # None: any
 
     @classmethod
     def build(cls, model: CausalLM, attn: AttentionBackend) -> CpuDecodeLayers | None:
@@ -49,30 +51,39 @@ class CpuDecodeLayers:
             return None
         if model.tp.size != 1 or model.config.qk_norm or model.rotary is None or model.rotary.kernels is None:
             return None
+        int8 = isinstance(model.model.layers[0].self_attn.qkv, Int8Linear)
         weights: list[torch.Tensor] = []
         out_features: list[int] = []
         for layer in model.model.layers:
             self_attn, mlp = layer.self_attn, layer.mlp
             linears = [self_attn.qkv, self_attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed]
-            if not all(isinstance(m, Int8Linear) and m.small_batch is not None for m in linears) or layer.kernels is None:
+            if not all(_takes(m, int8) for m in linears) or layer.kernels is None:
                 return None
             weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             eps = layer.input_layernorm.eps
             for m in linears:
                 bias = m.bias if m.bias is not None else torch.empty(0)
-                weights += [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias]
-                out_features.append(m.out_features)
+                if isinstance(m, Int8Linear):
+                    weights += [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias]
+                    out_features.append(m.out_features)
+                else:
+                    weights += [m.weight, torch.empty(0), torch.empty(0), bias]
+                    out_features.append(0)  # oneDNN's output has the weight's rows
+        if int8_kernels() is None:  # the extension that holds DecodeLayers did not build here
+            return None
         attn0 = model.model.layers[0].self_attn
         dims = [attn0.num_heads, attn0.num_kv_heads, attn0.head_dim]
         rotary = model.rotary
         layers = torch.classes.actorserve.DecodeLayers(
-            weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
+            int8, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
         )
-        return cls(layers, attn)
+        return cls(layers, attn, SMALL_BATCH_ROWS if int8 else None)
 
     def inputs(self, batch: ForwardBatch, attn: AttentionBackend) -> DecodeInputs | None:
         """This step's inputs, or None when the batch is not one this path covers."""
-        if attn is not self._attn or batch.layer_loads is not None or batch.input_ids.shape[0] > SMALL_BATCH_ROWS:
+        if attn is not self._attn or batch.layer_loads is not None:
+            return None
+        if self._max_batch is not None and batch.input_ids.shape[0] > self._max_batch:
             return None
         plan = self._attn.plain_paged_decode()
         return None if plan is None else DecodeInputs(plan[1], plan[0])
@@ -81,3 +92,9 @@ class CpuDecodeLayers:
         """Apply every layer to `hidden` ([batch, hidden], contiguous) in place."""
         paged = step.paged
         self._layers.run(hidden, positions, step.out_cache_loc, self._attn.req_to_token, paged.req_rows, paged.key_begin, paged.key_end)
+
+
+def _takes(linear: object, int8: bool) -> bool:
+    if int8:
+        return isinstance(linear, Int8Linear) and linear.small_batch is not None
+    return isinstance(linear, PackedLinear)

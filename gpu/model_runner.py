@@ -98,8 +98,7 @@ class ModelRunner:
         self.channel = BatchChannel(tp, self.req_to_token, self.device) if tp.size > 1 else None
         self.host_kv: KVBuffers | None = None  # the host tier's KV for this rank's heads: `host_buffers`
         self.attn: AttentionBackend = self._make_attention()
-        if config.quantization is not None:
-            self.model.cpu_decode = CpuDecodeLayers.build(self.model, self.attn)
+        self.model.cpu_decode = CpuDecodeLayers.build(self.model, self.attn)
         self.sampler = Sampler(self.cpu_kernels.argmax_rows if self.cpu_kernels is not None else None)
         self.graph_runner: DecodeGraphRunner | None = None
         if self.uses_cuda_graphs:

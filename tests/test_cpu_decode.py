@@ -1,8 +1,8 @@
-"""Small int8 decode batches on a CPU: the AVX512-VNNI matmul (gpu/csrc/int8_matmul.cpp) against
-oneDNN's int8 path, and every decoder layer in one call (gpu/cpu_decode.py,
-gpu/csrc/decode_layers.cpp) against the modules. Both are meant to give the same bits as the path
-they shortcut, so the tests compare with torch.equal. On a CPU without AVX512-VNNI there is no
-small-batch kernel and the tests that need it skip."""
+"""Decode batches on a CPU: the AVX512-VNNI matmul (gpu/csrc/int8_matmul.cpp) against oneDNN's
+int8 path, and every decoder layer in one call (gpu/cpu_decode.py, gpu/csrc/decode_layers.cpp)
+against the modules, with int8 and with oneDNN's packed float32 / bfloat16 linear layers. Both are
+meant to give the same bits as the path they shortcut, so the tests compare with torch.equal. On a
+CPU without AVX512-VNNI there is no small-batch kernel and the int8 tests that need it skip."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(vnni: Int8Kernels) -
         assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1]), i
 
 
-def _runner(path, dtype: str) -> ModelRunner:
-    config = RunnerConfig(model_path=str(path), dtype=dtype, quantization="int8", max_total_tokens=1024, max_running_requests=SMALL_BATCH_ROWS + 2)
+def _runner(path, dtype: str, quantization: str | None = "int8") -> ModelRunner:
+    config = RunnerConfig(model_path=str(path), dtype=dtype, quantization=quantization, max_total_tokens=1024, max_running_requests=SMALL_BATCH_ROWS + 2)
     return ModelRunner(config)
 
 
@@ -74,14 +74,23 @@ def _requests(runner: ModelRunner, contexts: list[int], steps: int) -> tuple[lis
     return rows, slots
 
 
-@pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "bfloat16"), ("tiny_llama", "float32"), ("tiny_qwen2", "bfloat16")])
-def test_one_call_for_all_layers_gives_the_modules_bits(vnni: Int8Kernels, request: pytest.FixtureRequest, model: str, dtype: str) -> None:
+ONE_CALL_CASES = [("tiny_llama", "bfloat16", "int8"), ("tiny_llama", "float32", "int8"), ("tiny_qwen2", "bfloat16", "int8"),
+                  ("tiny_llama", "bfloat16", None), ("tiny_llama", "float32", None), ("tiny_qwen2", "bfloat16", None)]
+
+
+@pytest.mark.parametrize(("model", "dtype", "quantization"), ONE_CALL_CASES)
+def test_one_call_for_all_layers_gives_the_modules_bits(
+    int8_ops: Int8Kernels, request: pytest.FixtureRequest, model: str, dtype: str, quantization: str | None
+) -> None:
     """Each decode step twice, on the same pool: in one call, then through the modules. The
-    logits and the K/V written for the new tokens must be the same bits (Qwen2: q/k/v biases)."""
-    runner = _runner(request.getfixturevalue(model), dtype)
+    logits and the K/V written for the new tokens must be the same bits (Qwen2: q/k/v biases).
+    Unquantized, a batch past SMALL_BATCH_ROWS is covered too."""
+    if quantization == "int8" and int8_ops.small_batch is None:
+        pytest.skip("this CPU has no AVX512-VNNI: int8 layers take oneDNN's path at every batch size")
+    runner = _runner(request.getfixturevalue(model), dtype, quantization)
     fast = runner.model.cpu_decode
     assert isinstance(fast, CpuDecodeLayers)
-    contexts, steps = [5, 40, 17], 4
+    contexts, steps = [5, 40, 17] + ([9] * (SMALL_BATCH_ROWS - 1) if quantization is None else []), 4
     rows, slots = _requests(runner, contexts, steps)
     for step in range(steps):
         batch = _decode_batch(runner, contexts, step, rows, slots)
@@ -111,7 +120,14 @@ def test_batches_it_does_not_cover_take_the_modules(vnni: Int8Kernels, tiny_llam
     prefill = ForwardBatch.build([[1, 2, 3]], rows[:1], [0], slots[0][:3], runner.device)
     runner.attn.init_forward_metadata(prefill)
     assert fast.inputs(prefill, runner.attn) is None
-    # Qwen3's per-head q/k norm and unquantized models have no one-call path.
+    # Unquantized, the same batch of more than SMALL_BATCH_ROWS takes the one call.
+    plain = _runner(tiny_llama, "bfloat16", quantization=None)
+    assert plain.model.cpu_decode is not None
+    large = _decode_batch(plain, contexts, 0, *_requests(plain, contexts, 1))
+    plain.attn.init_forward_metadata(large)
+    assert plain.model.cpu_decode.inputs(large, plain.attn) is not None
+    # Qwen3's per-head q/k norm, and the torch path (no CPU kernels), have none.
     assert _runner(tiny_qwen3, "bfloat16").model.cpu_decode is None
-    plain = ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="bfloat16", max_total_tokens=256, max_running_requests=2))
-    assert plain.model.cpu_decode is None
+    assert _runner(tiny_qwen3, "bfloat16", quantization=None).model.cpu_decode is None
+    torch_path = ModelRunner(RunnerConfig(model_path=str(tiny_llama), dtype="bfloat16", max_total_tokens=256, max_running_requests=2, cpu_kernels=False))
+    assert torch_path.model.cpu_decode is None
