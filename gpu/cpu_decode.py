@@ -9,8 +9,9 @@ that `inputs` accepts and runs its modules for any other.
 It covers the compiled CPU kernels with one tensor-parallel rank and no per-head q/k norm
 (Qwen3's), decode batches whose attention is the plain paged decode (no shared prefix to merge, no
 host-tier loads to wait for layer by layer), and linear layers (gpu/packed_linear.py) that are
-either all PackedLinears (oneDNN, float32 or bfloat16: any batch size) or all Int8Linears with the
-AVX512-VNNI kernel (batches of at most `SMALL_BATCH_ROWS`, which that kernel takes).
+either all PackedLinears (oneDNN, float32 or bfloat16) or all Int8Linears (the AVX512-VNNI kernel
+up to `SMALL_BATCH_ROWS` rows where the CPU has it, oneDNN's int8 kernel past that), at any batch
+size.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ class DecodeInputs:
 
 
 class CpuDecodeLayers:
-    def __init__(self, layers: torch.ScriptObject, attn: TorchAttention, max_batch: int | None):
+    def __init__(self, layers: torch.ScriptObject, attn: TorchAttention):
         self._layers = layers
         self._attn = attn
-        self._max_batch = max_batch  # None: any
 
     @classmethod
     def build(cls, model: CausalLM, attn: AttentionBackend) -> CpuDecodeLayers | None:
@@ -62,28 +62,21 @@ class CpuDecodeLayers:
             weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             eps = layer.input_layernorm.eps
             for m in linears:
-                bias = m.bias if m.bias is not None else torch.empty(0)
-                if isinstance(m, Int8Linear):
-                    weights += [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias]
-                    out_features.append(m.out_features)
-                else:
-                    weights += [m.weight, torch.empty(0), torch.empty(0), bias]
-                    out_features.append(0)  # oneDNN's output has the weight's rows
+                weights += _linear_weights(m)
+                out_features.append(m.out_features if isinstance(m, Int8Linear) else 0)  # 0: the packed weight's rows
         if int8_kernels() is None:  # the extension that holds DecodeLayers did not build here
             return None
         attn0 = model.model.layers[0].self_attn
         dims = [attn0.num_heads, attn0.num_kv_heads, attn0.head_dim]
         rotary = model.rotary
         layers = torch.classes.actorserve.DecodeLayers(
-            int8, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
+            int8, SMALL_BATCH_ROWS, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
         )
-        return cls(layers, attn, SMALL_BATCH_ROWS if int8 else None)
+        return cls(layers, attn)
 
     def inputs(self, batch: ForwardBatch, attn: AttentionBackend) -> DecodeInputs | None:
         """This step's inputs, or None when the batch is not one this path covers."""
         if attn is not self._attn or batch.layer_loads is not None:
-            return None
-        if self._max_batch is not None and batch.input_ids.shape[0] > self._max_batch:
             return None
         plan = self._attn.plain_paged_decode()
         return None if plan is None else DecodeInputs(plan[1], plan[0])
@@ -96,5 +89,16 @@ class CpuDecodeLayers:
 
 def _takes(linear: object, int8: bool) -> bool:
     if int8:
-        return isinstance(linear, Int8Linear) and linear.small_batch is not None
+        return isinstance(linear, Int8Linear) and linear.kernels is not None
     return isinstance(linear, PackedLinear)
+
+
+def _linear_weights(m: Int8Linear | PackedLinear) -> list[torch.Tensor]:
+    """decode_layers.cpp's six tensors of a linear layer (an empty one: none)."""
+    none = torch.empty(0)
+    bias = m.bias if m.bias is not None else none
+    if isinstance(m, PackedLinear):
+        return [none, none, none, bias, m.weight, none]
+    if m.small_batch is None:
+        return [none, none, m.weight_scale, bias, m.weight, m.weight_zero_point]
+    return [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias, m.weight, m.weight_zero_point]

@@ -14,16 +14,23 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "quantize_row.h"
+
 #include <tuple>
 #include <vector>
 
 namespace {
 
-// One linear layer of gpu/packed_linear.py: an Int8Linear's weights in int8_matmul's layout
-// (packed, offsets, scale), or a PackedLinear's weight in oneDNN's (packed; offsets and scale unused).
+using actorserve::kZeroPoint;
+
+// One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
+// `bias`. An Int8Linear: also `small` and `offsets` in int8_matmul's layout (empty where the CPU has
+// no small-batch kernel), `scale` per output row, and oneDNN's prepacked int8 `onednn` weight with
+// its `zero_point`s for larger batches.
 struct LinearWeights {
-  at::Tensor packed, offsets, scale;
+  at::Tensor small, offsets, scale;
   c10::optional<at::Tensor> bias;
+  at::Tensor onednn, zero_point;
   int64_t out_features;
 };
 
@@ -32,12 +39,21 @@ struct LayerWeights {
   LinearWeights qkv, o, gate_up, down;
 };
 
-// The schema of oneDNN's linear has a list of optional scalars, which has no plain C++ signature
-// to look it up by: it is called boxed.
-at::Tensor onednn_linear(const c10::OperatorHandle& op, const at::Tensor& x, const LinearWeights& w) {
-  torch::jit::Stack stack{x, w.packed, w.bias, "none", c10::List<c10::optional<at::Scalar>>(), "" };
+// oneDNN's linear ops take a list of optional scalars, which has no plain C++ signature to look
+// them up by: they are called boxed.
+at::Tensor call_boxed(const c10::OperatorHandle& op, torch::jit::Stack stack) {
   op.callBoxed(&stack);
   return stack.back().toTensor();
+}
+
+// Int8Linear's row buckets (gpu/packed_linear.py's row_bucket): oneDNN builds an int8 primitive
+// per row count, so rows are padded to powers of two up to kRowStep, then to its multiples.
+constexpr int64_t kRowStep = 128;
+int64_t row_bucket(int64_t rows) {
+  if (rows > kRowStep) return (rows + kRowStep - 1) / kRowStep * kRowStep;
+  int64_t bucket = 1;
+  while (bucket < rows) bucket *= 2;
+  return bucket;
 }
 
 template <typename Signature>
@@ -49,6 +65,8 @@ using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddRmsNorm = at::Tensor(at::Tensor&, const at::Tensor&, const at::Tensor&, double);
 using SiluMul = at::Tensor(const at::Tensor&);
 using Rope = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using Quantize = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
+using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType);
 using Int8Matmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const c10::optional<at::Tensor>&, int64_t);
 using WriteKV = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -56,18 +74,18 @@ using DecodeAttention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
                                                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, double);
 
-constexpr int64_t kPerLinear = 4;                  // packed, offsets, scale (empty for oneDNN's), bias (empty: none)
+constexpr int64_t kPerLinear = 6;                  // small, offsets, scale, bias, onednn, zero_point (empty: none)
 constexpr int64_t kPerLayer = 2 + 4 * kPerLinear;  // the two norms' weights, then qkv, o, gate_up, down
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   // weights: kPerLayer tensors per layer; out_features: qkv, o, gate_up, down per layer.
   // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. int8: the linear
-  // layers are Int8Linears (int8_matmul), else PackedLinears (oneDNN).
-  DecodeLayers(bool int8, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
+  // layers are Int8Linears, else PackedLinears; small_batch_rows: the most rows int8_matmul takes.
+  DecodeLayers(bool int8, int64_t small_batch_rows, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
                std::vector<double> numbers, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                std::vector<at::Tensor> v_pools)
-      : int8_(int8), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
+      : int8_(int8), small_batch_rows_(small_batch_rows), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
     TORCH_CHECK(dims.size() == 3 && numbers.size() == 2, "dims: heads, kv heads, head dim; numbers: eps, scale");
     TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == 4 * (weights.size() / kPerLayer),
                 "weights and out_features do not describe whole layers");
@@ -80,7 +98,7 @@ class DecodeLayers : public torch::CustomClassHolder {
       const int64_t* out = out_features.data() + l * 4;
       auto linear = [&](int64_t i) {
         const at::Tensor* t = w + 2 + i * kPerLinear;
-        return LinearWeights{t[0], t[1], t[2], t[3].numel() == 0 ? c10::nullopt : c10::optional<at::Tensor>(t[3]), out[i]};
+        return LinearWeights{t[0], t[1], t[2], t[3].numel() == 0 ? c10::nullopt : c10::optional<at::Tensor>(t[3]), t[4], t[5], out[i]};
       };
       layers_.push_back(LayerWeights{w[0], w[1], linear(0), linear(1), linear(2), linear(3)});
     }
@@ -97,12 +115,25 @@ class DecodeLayers : public torch::CustomClassHolder {
     static const auto silu_mul = find_op<SiluMul>("actorserve::silu_mul");
     static const auto rope = find_op<Rope>("actorserve::rope_");
     static const auto matmul = find_op<Int8Matmul>("actorserve::int8_matmul");
+    static const auto quantize = find_op<Quantize>("actorserve::quantize_rows");
+    static const auto dequantize = find_op<Dequantize>("actorserve::dequantize_rows");
     static const auto onednn = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    static const auto onednn_int8 = c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
     static const auto attention = find_op<DecodeAttention>("actorserve::decode_attention");
     static const auto write_kv = find_op<WriteKV>("actorserve::write_kv_");
     const int64_t batch = hidden.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const c10::List<c10::optional<at::Scalar>> no_args;
     auto linear = [&](const at::Tensor& x, const LinearWeights& w) {
-      return int8_ ? matmul.call(x, w.packed, w.offsets, w.scale, w.bias, w.out_features) : onednn_linear(onednn, x, w);
+      if (!int8_) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
+      if (w.small.numel() > 0 && batch <= small_batch_rows_) return matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
+      // Int8Linear.forward's oneDNN path: the padding rows are the zero point, and integer dot
+      // products are exact, so no row's result depends on them.
+      auto [q, row_scale] = quantize.call(x);
+      const int64_t padded = row_bucket(batch);
+      if (padded != batch) q = at::cat({q, at::full({padded - batch, q.size(1)}, kZeroPoint, q.options())});
+      const at::Tensor product = call_boxed(onednn_int8, {q, 1.0, kZeroPoint, w.onednn, w.scale, w.zero_point, c10::nullopt, 1.0, 0,
+                                                          at::kFloat, "none", no_args, ""});
+      return dequantize.call(product.narrow(0, 0, batch), row_scale, w.bias, x.scalar_type());
     };
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& w = layers_[l];
@@ -123,6 +154,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
  private:
   bool int8_;
+  int64_t small_batch_rows_;
   std::vector<LayerWeights> layers_;
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> k_pools_, v_pools_;
@@ -134,7 +166,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<bool, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
+      .def(torch::init<bool, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
                        at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &DecodeLayers::run);
 }
