@@ -73,10 +73,13 @@ def running(server: Server) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
         proc.stderr.close()
 
 
-async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess.Popen[bytes] | None = None,
+                     timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until the server at `base` answers /health with 200; fails at once if `proc` (the server's
+    process, when this code started it) exits first."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             assert proc.stderr is not None
             raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
         try:
@@ -86,7 +89,7 @@ async def wait_ready(session: aiohttp.ClientSession, base: str, proc: subprocess
         except aiohttp.ClientError:
             pass
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"server at {base} not ready within {STARTUP_TIMEOUT_S:.0f} s")
+    raise RuntimeError(f"server at {base} not ready within {timeout_s:.0f} s")
 
 
 async def streamed_choices(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int) -> AsyncIterator[dict]:

@@ -35,6 +35,8 @@ from pathlib import Path
 import aiohttp
 import uvloop
 
+from bench import cpu_servers
+
 PROMPT = "Request {i}: summarise the plot of a short story about a lighthouse keeper."
 
 
@@ -160,17 +162,8 @@ async def _http_load(url: str, args: argparse.Namespace, pid: int) -> None:
 
 
 async def wait_ready(url: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(url + "/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"the server at {url} did not become ready in {timeout} s")
+        await cpu_servers.wait_ready(session, url, timeout_s=timeout)
 
 
 def free_port() -> int:
