@@ -29,6 +29,11 @@ the last block is cut to `input_length`. The device pool is the model's KV in an
 `--sim-speed k` runs the whole simulation k times faster than the modelled time: arrivals and
 every modelled step and load are k times shorter, and TTFTs and load times are reported multiplied
 back by k. The actors' own CPU time is not shortened, so k > 1 weighs it k times.
+
+`--real-model S` runs the real engine instead, the micro model's forward on this CPU (its KV
+really copied to the host tier, written to storage and loaded back), with every length scaled by
+S: a hash id is 512 x S tokens, prompts and outputs S times their trace lengths, the pool S times
+the device's, pages and host blocks 64 x S tokens. TTFTs and times are then this machine's.
 """
 
 from __future__ import annotations
@@ -147,11 +152,17 @@ def block_ids(h: int) -> list[int]:
     return head + [TOKEN_MARGIN + (h * 7919 + i * 104729) % base for i in range(DIGITS, BLOCK)]
 
 
-def prompt_ids(req: TraceRequest) -> list[int]:
+def prompt_ids(req: TraceRequest, block: int = BLOCK) -> list[int]:
+    """`req`'s prompt, each hash id `block` tokens (the first `block` of its 512)."""
     ids: list[int] = []
     for h in req.hash_ids:
-        ids.extend(block_ids(h))
+        ids.extend(block_ids(h)[:block])
     return ids[: req.input_length]
+
+
+def scaled_request(req: TraceRequest, scale: float) -> TraceRequest:
+    """`req` with its prompt and output lengths `scale` times as long (at least one token)."""
+    return TraceRequest(req.timestamp, max(1, round(req.input_length * scale)), max(1, round(req.output_length * scale)), req.hash_ids)
 
 
 def trace_model_dir() -> Path:
@@ -236,13 +247,17 @@ def percentile(ordered: list[float], q: float) -> float:
 
 async def serve(
     trace: list[TraceRequest], name: str, device: DeviceModel, config: dict[str, Any],
-    time_scale: float = 1.0, sim_speed: float = 1.0, model_dir: Path | None = None,
+    time_scale: float = 1.0, sim_speed: float = 1.0, model_dir: Path | None = None, real_scale: float | None = None,
 ) -> Result:
-    """The trace through an Engine over the cost-model device; `config`: EngineConfig fields over
-    the defaults here (the device's pool, pages of 64); a storage tier's files go to a temporary
-    directory of this run's, removed after it."""
+    """The trace through an Engine over the cost-model device, or with `real_scale` through the
+    real model at lengths that many times the trace's; `config`: EngineConfig fields over the
+    defaults here (the device's pool, pages of 64, both scaled in a real run); a storage tier's
+    files go to a temporary directory of this run's, removed after it."""
     with tempfile.TemporaryDirectory(prefix="actorserve-trace-storage-") as storage_dir:
-        return await _serve(trace, name, device, {"hicache_storage_dir": storage_dir, **config}, time_scale, sim_speed, model_dir)
+        config = {"hicache_storage_dir": storage_dir, **config}
+        if real_scale is None:
+            return await _serve(trace, name, device, config, time_scale, sim_speed, model_dir)
+        return await _serve_real(trace, name, device, config, time_scale, real_scale, model_dir)
 
 
 async def _serve(
@@ -254,19 +269,14 @@ async def _serve(
     engine = Engine(model_path=str(model_dir or trace_model_dir()), random_seed=0, inline_core=True, core_setup=setup, **config)
     await engine.start()
     try:
-        start, cpu0 = time.perf_counter(), time.thread_time()
-        t0 = trace[0].timestamp
-        outcomes = await asyncio.gather(*(_one(engine, r, start, (r.timestamp - t0) / 1000, time_scale * sim_speed) for r in trace))
-        end = time.perf_counter()
-        seconds, cpu_s = end - start, time.thread_time() - cpu0
+        outcomes, start, end, cpu_s = await _send_all(engine, trace, time_scale * sim_speed, BLOCK)
+        seconds = end - start
         failures = [o.error for o in outcomes if o.code == FAILED]
-        if failures:
-            print(f"{name}: {len(failures)} requests failed; the first: {failures[0]}", flush=True)
         stats = {} if failures else await engine.current_stats()
         # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
         runner: Any = engine.core.executor.step_runner
         return Result(
-            name, list(outcomes), runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds,
+            name, outcomes, runner.loaded_tokens, runner.load_s, int(stats.get("hicache_host_hit_tokens", 0)), seconds,
             runner.storage_tokens, runner.storage_s, int(stats.get("hicache_storage_hit_tokens", 0)),
             int(stats.get("hicache_storage_written_blocks", 0)), int(stats.get("hicache_storage_dropped_writes", 0)),
             runner.busy_between(start, end) / seconds, cpu_s, dict(stats.get("actor_cpu_s", {})),
@@ -275,9 +285,45 @@ async def _serve(
         await engine.close()
 
 
-async def _one(engine: Engine, req: TraceRequest, start: float, arrival_s: float, speed: float) -> Outcome:
-    """`req` sent at `arrival_s` trace seconds after `start`, `speed` times faster."""
-    ids = prompt_ids(req)
+async def _serve_real(
+    trace: list[TraceRequest], name: str, device: DeviceModel, config: dict[str, Any], time_scale: float, scale: float, model_dir: Path | None,
+) -> Result:
+    """The real model runner (the engine's own forward, KV copies and storage writes); loads are
+    counted by the engine's stats, their time is inside the steps."""
+    page = max(1, round(64 * scale))
+    config = {"max_total_tokens": int(pool_tokens(device) * scale), "page_size": page, "hicache_block_tokens": page, **config}
+    engine = Engine(model_path=str(model_dir or trace_model_dir()), random_seed=0, inline_core=True, **config)
+    await engine.start()
+    try:
+        requests = [scaled_request(r, scale) for r in trace]
+        outcomes, start, end, cpu_s = await _send_all(engine, requests, time_scale, max(1, round(BLOCK * scale)))
+        failures = [o.error for o in outcomes if o.code == FAILED]
+        stats = {} if failures else await engine.current_stats()
+        host_hits, storage_hits = int(stats.get("hicache_host_hit_tokens", 0)), int(stats.get("hicache_storage_hit_tokens", 0))
+        return Result(
+            name, outcomes, host_hits, 0.0, host_hits, end - start, storage_hits, 0.0, storage_hits,
+            int(stats.get("hicache_storage_written_blocks", 0)), int(stats.get("hicache_storage_dropped_writes", 0)),
+            float(stats.get("forward_s", 0.0)) / (end - start), cpu_s, dict(stats.get("actor_cpu_s", {})),
+        )
+    finally:
+        await engine.close()
+
+
+async def _send_all(engine: Engine, trace: list[TraceRequest], speed: float, block: int) -> tuple[list[Outcome], float, float, float]:
+    """Every request at its time, `speed` times faster: (outcomes, start, end, the loop's CPU s)."""
+    start, cpu0 = time.perf_counter(), time.thread_time()
+    t0 = trace[0].timestamp
+    outcomes = await asyncio.gather(*(_one(engine, r, start, (r.timestamp - t0) / 1000, speed, block) for r in trace))
+    end = time.perf_counter()
+    failures = [o.error for o in outcomes if o.code == FAILED]
+    if failures:
+        print(f"{len(failures)} requests failed; the first: {failures[0]}", flush=True)
+    return list(outcomes), start, end, time.thread_time() - cpu0
+
+
+async def _one(engine: Engine, req: TraceRequest, start: float, arrival_s: float, speed: float, block: int) -> Outcome:
+    """`req` sent at `arrival_s` trace seconds after `start`, `speed` times faster; `block` tokens a hash id."""
+    ids = prompt_ids(req, block)
     await asyncio.sleep(max(0.0, start + arrival_s / speed - time.perf_counter()))
     sent, first, cached = time.perf_counter(), None, 0
     params = {"max_new_tokens": max(req.output_length, 1), "temperature": 0, "ignore_eos": True}
@@ -326,13 +372,18 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = DEVICE_MODELS[args.device_model]
     trace = read_trace(args.trace, args.requests)
     span_s = (trace[-1].timestamp - trace[0].timestamp) / 1000
-    print(f"{len(trace)} requests over {span_s:.0f} s of trace ({span_s / args.time_scale:.0f} s modelled, {span_s / args.time_scale / args.sim_speed:.0f} s here), "
-          f"{sum(r.input_length for r in trace):,} prompt tokens; {device.name}, pool {pool_tokens(device):,} tokens, "
-          f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s, storage reads {device.storage_read_bytes_per_s / 1e9:g} GB/s")
+    if args.real_model is None:
+        print(f"{len(trace)} requests over {span_s:.0f} s of trace ({span_s / args.time_scale:.0f} s modelled, {span_s / args.time_scale / args.sim_speed:.0f} s here), "
+              f"{sum(r.input_length for r in trace):,} prompt tokens; {device.name}, pool {pool_tokens(device):,} tokens, "
+              f"host link {device.host_link_bytes_per_s / 1e9:g} GB/s, storage reads {device.storage_read_bytes_per_s / 1e9:g} GB/s")
+    else:
+        s = args.real_model
+        print(f"{len(trace)} requests over {span_s / args.time_scale:.0f} s, the real micro model with lengths x {s:g}: "
+              f"{sum(scaled_request(r, s).input_length for r in trace):,} prompt tokens, pool {int(pool_tokens(device) * s):,} tokens")
     rows = []
     series: dict[str, OverTime] = {}
     for name, config in settings(args.host_ratio, not args.no_radix, args.storage):
-        result = await serve(trace, name, device, config, args.time_scale, args.sim_speed)
+        result = await serve(trace, name, device, config, args.time_scale, args.sim_speed, real_scale=args.real_model)
         rows.append(result.row(args.sim_speed))
         series[name] = result.over_time(args.plot_window_s, args.sim_speed)
         print(json.dumps(rows[-1]), flush=True)
@@ -353,18 +404,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trace", default="../shared/traces/mooncake_conversation_trace.jsonl")
     p.add_argument("--requests", type=int, default=300, help="the first N requests of the trace")
     p.add_argument("--time-scale", type=float, default=0.3, help="arrivals this many times faster than the trace's (below 1: slower)")
-    p.add_argument("--sim-speed", type=float, default=3.0, help="run the modelled time this many times faster (arrivals, steps, loads)")
+    p.add_argument("--sim-speed", type=float, default=None, help="run the modelled time this many times faster (arrivals, steps, loads); default 3, and 1 (the only one) with --real-model")
     p.add_argument("--device-model", default="h100-qwen3-8b", choices=sorted(DEVICE_MODELS))
     p.add_argument("--host-ratio", type=float, nargs="*", default=[2.0, 4.0], help="host tier sizes, times the device pool")
     p.add_argument("--storage", type=float, nargs="*", default=[], metavar="HOST_RATIO",
                    help="also these host tier sizes with a storage tier (L3, file backend, no bound) under them")
     p.add_argument("--no-radix", action="store_true", help="leave out the radix-only run (the table's changes are then against the first host tier)")
+    p.add_argument("--real-model", type=float, default=None, metavar="SCALE",
+                   help="the real engine and micro model on this CPU, every length (and the pool) times SCALE, instead of the cost-model device")
     p.add_argument("--output", default=None, help="append one JSON line per setting")
     p.add_argument("--plot", type=Path, default=None, help="hit rate and TTFT p50/p99 over the trace's time, a line per setting, to this .png, .svg or .pdf")
     p.add_argument("--plot-window-s", type=float, default=60.0, help="the plot's windows, in trace seconds")
     args = p.parse_args(argv)
     if args.plot is not None and (problem := plot_problem(args.plot)):
         p.error(problem)
+    if args.real_model is not None:
+        if not 0 < args.real_model <= 1:
+            p.error("--real-model takes a scale in (0, 1]")
+        if args.sim_speed not in (None, 1):
+            p.error("--sim-speed applies to the cost-model device; a --real-model run takes the wall clock")
+    args.sim_speed = args.sim_speed or (1.0 if args.real_model is not None else 3.0)
     if args.time_scale <= 0 or args.sim_speed <= 0 or args.requests < 1:
         p.error("--time-scale, --sim-speed and --requests must be positive")
     asyncio.run(main_async(args))

@@ -115,3 +115,20 @@ async def test_a_prefix_pushed_out_of_device_and_host_is_served_from_storage(tin
     row = tiered.row(sim_speed=20)
     assert row["storage_hit_rate"] == round(tiered.storage_hit_tokens / row["prompt_tokens"], 4) > 0
     assert 0 < row["device_busy"] < 1 and tiered.loop_cpu_s > 0 and tiered.actor_cpu_s["adder"] > 0
+
+
+async def test_the_real_engine_serves_a_scaled_trace_and_reads_a_prefix_back_from_storage(tiny_model_factory: Any):
+    """`--real-model`: the micro model's own forward at an eighth of the lengths (hash ids of 64
+    tokens, pages and host blocks of 8); the last request's prefix was pushed out of the pool and
+    the host tier, and comes back from the storage tier's files."""
+    model = tiny_model_factory("llama", vocab_size=VOCAB, max_position_embeddings=4096)
+    trace = [TraceRequest(2000 * i, 2 * BLOCK, 16, ids) for i, ids in enumerate([[1, 2], [3, 4], [5, 6], [7, 8], [1, 2]])]
+    host = {"max_total_tokens": 3 * BLOCK // 8, "enable_hierarchical_cache": True, "hicache_ratio": 1}
+    without = await serve(trace, "host", H100, host, time_scale=20, model_dir=model, real_scale=1 / 8)
+    tiered = await serve(trace, "storage", H100, {**host, **STORAGE_CONFIG}, time_scale=20, model_dir=model, real_scale=1 / 8)
+    assert [o.ttft_s is not None for o in without.outcomes + tiered.outcomes] == [True] * 10
+    assert [o.prompt_tokens for o in tiered.outcomes] == [2 * BLOCK // 8] * 5
+    assert without.outcomes[4].cached_tokens < BLOCK // 8 and without.storage_hit_tokens == 0
+    assert tiered.outcomes[4].cached_tokens == 2 * BLOCK // 8 - 8  # all but the last page (always computed)
+    assert tiered.storage_hit_tokens >= tiered.outcomes[4].cached_tokens - without.outcomes[4].cached_tokens
+    assert tiered.storage_written_blocks >= 2 * BLOCK // 8 // 8 and 0 < tiered.device_busy < 1
