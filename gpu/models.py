@@ -224,7 +224,7 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, layout.vocab_shard, bias=False)
         self.rotary: RotaryEmbedding | None = None
         self.packed_head: CpuLinear | None = None  # the output layer packed (gpu/packed_linear.py)
-        # Every layer of a small int8 decode batch in one call (gpu/cpu_decode.py), set by the runner.
+        # Every layer of a CPU decode batch in one call (gpu/cpu_decode.py), set by the runner.
         self.cpu_decode: CpuDecodeLayers | None = None
 
     def init_rotary(self, device: torch.device | str) -> None:
