@@ -271,8 +271,7 @@ async def _serve(
     try:
         outcomes, start, end, cpu_s = await _send_all(engine, trace, time_scale * sim_speed, BLOCK)
         seconds = end - start
-        failures = [o.error for o in outcomes if o.code == FAILED]
-        stats = {} if failures else await engine.current_stats()
+        stats = {} if any(o.code == FAILED for o in outcomes) else await engine.current_stats()
         # A HostLinkDevice of the module CoreSetup imports (this one may be __main__, another copy).
         runner: Any = engine.core.executor.step_runner
         return Result(
@@ -297,8 +296,7 @@ async def _serve_real(
     try:
         requests = [scaled_request(r, scale) for r in trace]
         outcomes, start, end, cpu_s = await _send_all(engine, requests, time_scale, max(1, round(BLOCK * scale)))
-        failures = [o.error for o in outcomes if o.code == FAILED]
-        stats = {} if failures else await engine.current_stats()
+        stats = {} if any(o.code == FAILED for o in outcomes) else await engine.current_stats()
         host_hits, storage_hits = int(stats.get("hicache_host_hit_tokens", 0)), int(stats.get("hicache_storage_hit_tokens", 0))
         return Result(
             name, outcomes, host_hits, 0.0, host_hits, end - start, storage_hits, 0.0, storage_hits,
@@ -423,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--real-model takes a scale in (0, 1]")
         if args.sim_speed not in (None, 1):
             p.error("--sim-speed applies to the cost-model device; a --real-model run takes the wall clock")
-    args.sim_speed = args.sim_speed or (1.0 if args.real_model is not None else 3.0)
+    if args.sim_speed is None:
+        args.sim_speed = 1.0 if args.real_model is not None else 3.0
     if args.time_scale <= 0 or args.sim_speed <= 0 or args.requests < 1:
         p.error("--time-scale, --sim-speed and --requests must be positive")
     asyncio.run(main_async(args))
