@@ -2,6 +2,7 @@
 
     python -m bench.gpu_check [--out bench/results_gpu.md] [--quick] [--skip-tests] [--skip-engine]
         [--models tiny-llama,tiny-qwen3,tiny-qwen3-gqa8,smollm2] [--batches 1,8,32,64,128,256]
+        [--engine-variants flashinfer+graphs,flashinfer,torch] [--concurrency 1,16,64,256]
 
 1. Runs tests/test_cuda.py and tests/test_graph_runner.py with pytest and records the outcome.
 2. Decode step table, straight on a `ModelRunner`: for each model, each batch size, and each of
@@ -13,7 +14,7 @@
    runner took the decode kernel its GQA group calls for (tensor cores from group 4: the tiny
    models are groups 4, 4 and 8, SmolLM2 3), and its greedy token equals torch eager's in every
    row where torch's top two logits are at least CLEAR_GAP apart (random KV makes many rows
-   near-ties, where bf16 kernels may pick either token: on an H200, 75-88% of all rows agreed).
+   near-ties, where bf16 kernels may pick either token); every batch starts from KV drawn afresh.
 3. Engine table: REQUESTS requests (PROMPT_LEN prompt tokens, NEW_TOKENS generated, greedy) all
    submitted at t=0 through `actorserve.Engine`, with graphs on / off and overlap on / off, flashinfer
    and torch: output tokens per second from the first submit to the last answer.
@@ -98,23 +99,28 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA device here: the GPU path (FlashInfer, CUDA graphs, streams) cannot be checked on this machine.")
         return 2
     sections = [_environment()]
+    out = Path(args.out)
+
+    def add(*texts: str) -> None:  # written after each section, so a run cut short keeps what it measured
+        sections.extend(texts)
+        out.write_text("\n".join(sections))
+
     tests_ok = True
     if not args.skip_tests:
         tests_ok, text = _run_tests()
-        sections.append(text)
+        add(text)
     models = {name: _model_dir(name) for name in args.models}
-    measured = _measure_decode({k: v for k, v in models.items() if v}, args.batches, _variants())
+    measured = _measure_decode({k: v for k, v in models.items() if v}, args.batches, _variants([v.name for v in RUNNER_VARIANTS]))
     failures = _decode_failures(measured)
-    sections += [_render_decode(measured, args.batches), _checks_section(failures)]
+    add(_render_decode(measured, args.batches), _checks_section(failures))
     if not args.skip_engine:
-        sections.append(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(), args.requests))
+        add(_engine_table({k: v for k, v in models.items() if v}, args.concurrency, _variants(args.engine_variants), args.requests))
     if args.tp_size > 1:
-        sections.append(_tp_table({k: v for k, v in models.items() if v}, args.tp_size, args.requests))
+        add(_tp_table({k: v for k, v in models.items() if v}, args.tp_size, args.requests))
     missing = [k for k, v in models.items() if v is None]
     if missing:
-        sections.append(f"Not measured (model not available here): {', '.join(missing)}.\n")
+        add(f"Not measured (model not available here): {', '.join(missing)}.\n")
     report = "\n".join(sections)
-    Path(args.out).write_text(report)
     print(report)
     print(f"written to {args.out}")
     return 0 if tests_ok and not failures else 1
@@ -128,10 +134,15 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer batch sizes and requests (a smoke run)")
     p.add_argument("--models", type=_csv, default=[*TINY_MODELS, "smollm2"])
     p.add_argument("--batches", type=lambda s: [int(x) for x in _csv(s)], default=[1, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--engine-variants", type=_csv, default=[v.name for v in RUNNER_VARIANTS], help="the engine table's, of " + ", ".join(v.name for v in RUNNER_VARIANTS))
+    p.add_argument("--concurrency", type=lambda s: tuple(int(x) for x in _csv(s)), help="the engine table's max running requests (default 1,16,64,256; --quick 1,16)")
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     p.add_argument("--tp-size", type=int, default=2 if two_gpus else 1, help="tensor-parallel ranks for section 4 (1: skip it)")
     args = p.parse_args(argv)
-    args.concurrency = (1, 16) if args.quick else CONCURRENCY
+    args.concurrency = args.concurrency or ((1, 16) if args.quick else CONCURRENCY)
+    unknown = set(args.engine_variants) - {v.name for v in RUNNER_VARIANTS}
+    if unknown:
+        p.error(f"unknown --engine-variants {', '.join(sorted(unknown))}")
     args.requests = 32 if args.quick else REQUESTS
     if args.quick:
         args.batches = [b for b in args.batches if b <= 32]
@@ -142,10 +153,9 @@ def _csv(s: str) -> list[str]:
     return [x for x in s.split(",") if x]
 
 
-def _variants() -> tuple[Variant, ...]:
-    if importlib.util.find_spec("flashinfer") is None:
-        return tuple(v for v in RUNNER_VARIANTS if v.backend == "torch")
-    return RUNNER_VARIANTS
+def _variants(names: list[str]) -> tuple[Variant, ...]:
+    have_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    return tuple(v for v in RUNNER_VARIANTS if v.name in names and (have_flashinfer or v.backend == "torch"))
 
 
 # --- report sections ------------------------------------------------------------------------------
@@ -278,7 +288,6 @@ def _decode_runs(path: str, variant: Variant, batches: list[int]) -> DecodeRuns:
             max_running_requests=max_bs, attention_backend=variant.backend, disable_cuda_graph=not variant.graphs, cuda_graph_max_bs=max_bs,
         )
     )
-    _random_kv(runner)
     mc = runner.model_config
     out = DecodeRuns(
         {bs: _decode_one(runner, bs) for bs in batches}, mc.num_heads // mc.num_kv_heads, runner.attn.use_tensor_cores if isinstance(runner.attn, FlashInferAttention) else None
@@ -297,6 +306,9 @@ def _random_kv(runner: ModelRunner) -> None:
 
 def _decode_one(runner: ModelRunner, bs: int) -> StepResult:
     """Decode `bs` requests at CONTEXT tokens: the first step's tokens, then the timed steps."""
+    # Fresh for each batch: the timed steps of the batch before wrote their own greedy tokens'
+    # KV, which differ between variants at near-ties, into slots this batch may get.
+    _random_kv(runner)
     total = CONTEXT + STEPS * (REPEATS + 2)
     rows = [runner.req_to_token.alloc() for _ in range(bs)]
     slots = [runner.allocator.alloc(total) for _ in range(bs)]

@@ -25,6 +25,8 @@ from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
 from gpu.sampler import Sampler, SamplingInfo, TokenSpans
 from runtime.sampling_params import SamplingParams
+from api.frontend.engine import Engine
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 from tests.test_graph_runner import Seq, _advance, _decode_batch
 
 NO_CUDA = "needs a CUDA GPU (run `python -m bench.gpu_check` on one)"
@@ -282,6 +284,61 @@ async def test_engine_greedy_parity_with_transformers(tiny_model_factory, group)
     assert compared >= MIN_COMPARED, f"only {compared} steps clear of a near-tie"
 
 
+
+HOST_TIER_SETTINGS = {  # name: (dtype, engine settings past the host tier's)
+    "torch-fp32": ("float32", dict(attention_backend="torch", disable_cuda_graph=True)),
+    "flashinfer-bf16-graphs": (DTYPE, dict(attention_backend="flashinfer", cuda_graph_max_bs=8)),
+}
+
+
+@needs_cuda
+@pytest.mark.parametrize("variant", sorted(HOST_TIER_SETTINGS))
+async def test_engine_host_tier_on_cuda_serves_the_tokens_of_no_cache(gpu_model, variant):
+    """The host tier's CUDA path (pinned host blocks, loads on the side stream layer by layer):
+    prompt A, then B, which pushes A out of a 96-token pool to the host, then A again, loaded back.
+    In float32 the tokens equal an engine's with no cache; in bf16 with FlashInfer and graphs
+    each clear step equals fp32 transformers' (the parity check above)."""
+    if variant.startswith("flashinfer") and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed")
+    dtype, settings = HOST_TIER_SETTINGS[variant]
+    outputs, host_hits, cached = await _host_tier_outputs(gpu_model, "cuda", dtype, settings)
+    assert host_hits >= 48 and cached >= 48
+    if dtype == "float32":
+        async with Engine(model_path=str(gpu_model), device="cuda", dtype=dtype, max_total_tokens=96, disable_radix_cache=True, inline_core=True, **settings) as plain:
+            expected = [(await plain.generate(input_ids=p, sampling_params=_HOST_TIER_PARAMS)).output_ids for p in _host_tier_prompts()]
+        assert outputs == expected
+    else:
+        compared, mismatches = _teacher_forced_parity(gpu_model, _host_tier_prompts(), outputs, device="cuda")
+        assert not mismatches and compared >= len(outputs) * PARITY_NEW_TOKENS // 2, (compared, mismatches[:5])
+
+
+async def test_host_tier_check_runs_on_cpu(gpu_model):
+    """The CUDA test's sequence on the CPU: the second A must come from the host tier."""
+    outputs, host_hits, cached = await _host_tier_outputs(gpu_model, "cpu", "float32", {})
+    assert host_hits >= 48 and cached >= 48 and len(outputs) == 3
+
+
+_HOST_TIER_PARAMS = {"max_new_tokens": PARITY_NEW_TOKENS, "min_new_tokens": PARITY_NEW_TOKENS, "temperature": 0}
+
+
+def _host_tier_prompts() -> list[list[int]]:
+    a, b = ([5 + (i * 7 + j) % 300 for j in range(60)] for i in range(2))
+    return [a, b, a]
+
+
+async def _host_tier_outputs(model, device: str, dtype: str, settings: dict) -> tuple[list[list[int]], int, int]:
+    """(each prompt's tokens, host-tier hit tokens, the last request's cached tokens), one at a time."""
+    engine = Engine(
+        model_path=str(model), device=device, dtype=dtype, max_total_tokens=96, inline_core=True,
+        enable_hierarchical_cache=True, hicache_block_tokens=8, **settings,
+    )
+    async with engine:
+        outs = [await engine.generate(input_ids=p, sampling_params=_HOST_TIER_PARAMS) for p in _host_tier_prompts()]
+        stats = await engine.current_stats()
+        await assert_idle_invariants(engine)
+    await close_and_check_tasks(engine)
+    return [o.output_ids for o in outs], stats["hicache_host_hit_tokens"], outs[-1].cached_tokens
+
 async def test_parity_reference_compares_enough_tokens_on_cpu(gpu_model):
     """The GPU parity test's comparison, run here with the bf16 engine on the CPU (torch attention):
     the reference must find enough clear steps for that test to mean something, and the CPU
@@ -300,7 +357,6 @@ def _parity_prompts() -> list[list[int]]:
 
 
 async def _engine_greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
-    from api.frontend.engine import Engine
 
     params = {"max_new_tokens": PARITY_NEW_TOKENS, "min_new_tokens": PARITY_NEW_TOKENS, "temperature": 0}
     settings = dict(cuda_graph_max_bs=32) if device == "cuda" else {}
