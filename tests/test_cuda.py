@@ -28,6 +28,8 @@ from runtime.sampling_params import SamplingParams
 from api.frontend.engine import Engine
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 from tests.test_graph_runner import Seq, _advance, _decode_batch
+from tests.test_hicache_pressure import run_pressure
+from tests.test_storage_tier import run_restart
 
 NO_CUDA = "needs a CUDA GPU (run `python -m bench.gpu_check` on one)"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -310,6 +312,21 @@ async def test_engine_host_tier_on_cuda_serves_the_tokens_of_no_cache(gpu_model,
     else:
         compared, mismatches = _teacher_forced_parity(gpu_model, _host_tier_prompts(), outputs, device="cuda")
         assert not mismatches and compared >= len(outputs) * PARITY_NEW_TOKENS // 2, (compared, mismatches[:5])
+
+
+@needs_cuda
+async def test_engine_storage_tier_on_cuda_serves_a_restarted_prefix(tiny_model_factory, tmp_path):
+    """Blocks written from CUDA KV, read back after a restart through the host tier into device
+    pages: tokens equal to no cache (fp32, torch attention)."""
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    await run_restart(path, tmp_path, "wait_complete", device="cuda", attention_backend="torch")
+
+
+@needs_cuda
+async def test_engine_host_tier_under_pressure_on_cuda_keeps_the_books(tiny_model_factory):
+    """The burst beyond capacity of tests/test_hicache_pressure.py on a GPU (pages of 4, chunked
+    prefill, loads and evictions in the same batches)."""
+    await run_pressure(str(tiny_model_factory("llama", max_position_embeddings=512)), device="cuda", attention_backend="torch")
 
 
 async def test_host_tier_check_runs_on_cpu(gpu_model):

@@ -61,11 +61,16 @@ async def _one(engine: Engine, prompt: list[int]) -> GenerateOutput | BaseExcept
 
 
 async def test_a_trace_faster_than_capacity_keeps_the_books_and_refuses_only_with_503s(tiny_model_factory: Any):
-    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    await run_pressure(str(tiny_model_factory("llama", max_position_embeddings=512)))
+
+
+async def run_pressure(path: str, **settings: Any) -> None:
+    """The test above with engine `settings` added (tests/test_cuda.py runs it on a GPU)."""
     engine = Engine(
         model_path=path, inline_core=True, max_total_tokens=160, page_size=4, max_running_requests=3,
         max_queued_requests=6, chunked_prefill_size=32,
         enable_hierarchical_cache=True, hicache_ratio=1.5, hicache_block_tokens=8,  # 240 host tokens: 30 blocks
+        **settings,
     )
     async with engine:
         assert engine.core.adder is not None

@@ -143,15 +143,15 @@ def _scrape(engine: Engine) -> dict[str, float]:
     return {name: float(value) for name, value in (line.split(" ") for line in lines if line.startswith("actorserve:hicache"))}
 
 
-async def _expected(path: str, prompts: list[list[int]], params: dict) -> list[list[int]]:
-    async with Engine(model_path=path, dtype="float32", max_total_tokens=96, disable_radix_cache=True, inline_core=True) as plain:
+async def _expected(path: str, prompts: list[list[int]], params: dict, **extra) -> list[list[int]]:
+    async with Engine(model_path=path, dtype="float32", max_total_tokens=96, disable_radix_cache=True, inline_core=True, **extra) as plain:
         return [(await plain.generate(input_ids=p, sampling_params=params)).output_ids for p in prompts]
 
 
-async def _fill_storage(path: str, storage_dir: Path, prompts: list[list[int]], params: dict) -> None:
+async def _fill_storage(path: str, storage_dir: Path, prompts: list[list[int]], params: dict, **extra) -> None:
     """Serve every prompt once; the copies of the last one's blocks go with the next batch, so a
     short last request carries them."""
-    engine = _engine(path, storage_dir, "best_effort")
+    engine = _engine(path, storage_dir, "best_effort", **extra)
     async with engine:
         for p in prompts + [[3, 4, 5]]:
             await engine.generate(input_ids=p, sampling_params=params)
@@ -161,12 +161,16 @@ async def _fill_storage(path: str, storage_dir: Path, prompts: list[list[int]], 
 
 @pytest.mark.parametrize("policy", ["wait_complete", "timeout"])
 async def test_an_engine_restarted_on_the_directory_serves_the_prefix_from_storage(policy, tiny_model_factory, tmp_path: Path):
-    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    await run_restart(str(tiny_model_factory("llama", max_position_embeddings=512)), tmp_path, policy)
+
+
+async def run_restart(path: str, tmp_path: Path, policy: str, **extra) -> None:
+    """The test above with engine settings `extra` added (tests/test_cuda.py runs it on a GPU)."""
     prompt = [5 + (j * 7) % 300 for j in range(60)]
     params = {**GREEDY, "max_new_tokens": 8}
-    expected = await _expected(path, [prompt], params)
-    await _fill_storage(path, tmp_path, [prompt], params)
-    engine = _engine(path, tmp_path, policy, hicache_storage_prefetch_timeout_s=30.0)
+    expected = await _expected(path, [prompt], params, **extra)
+    await _fill_storage(path, tmp_path, [prompt], params, **extra)
+    engine = _engine(path, tmp_path, policy, hicache_storage_prefetch_timeout_s=30.0, **extra)
     async with engine:
         out = await engine.generate(input_ids=prompt, sampling_params=params)
         assert out.output_ids == expected[0]
