@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,20 @@ def test_gpu_check_tables_on_a_cpu(monkeypatch, tiny_llama: Path):
     tok_s, wall, answers = asyncio.run(gpu_check._engine_run(str(tiny_llama), torch_only[0], True, 2, 3))
     assert [len(a) for a in answers] == [4, 4, 4]  # min_new_tokens = max_new_tokens: all of them
     assert tok_s == pytest.approx(12 / wall)
+
+
+# --- bench.host_tier_overlap ----------------------------------------------------------------------
+def test_host_tier_overlap_times_each_way_and_loads_the_prefix(tmp_path: Path, monkeypatch):
+    """On a CPU (nothing overlaps there): four timings, and the layer-by-layer forward reads the
+    prefix the loads brought in, giving the logits of a forward whose prefix was already there."""
+    from bench import host_tier_overlap
+
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    args = host_tier_overlap._args(["--device", "cpu", "--backend", "torch", "--dtype", "float32", "--prefix", "48", "--new", "8", "--layers", "2", "--hidden", "128", "--repeats", "1"])
+    runner = host_tier_overlap._runner(args)
+    t = host_tier_overlap.measure(runner, 48, 8, 1)
+    assert min(t.forward_ms, t.loads_ms, t.serial_ms, t.layered_ms) > 0 and t.same_logits
+    assert runner.allocator.available_size() == runner.allocator.total_slots - 1  # slot 0 is the padding slot
 
 
 # --- bench.http_overhead --------------------------------------------------------------------------
