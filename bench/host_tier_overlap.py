@@ -1,6 +1,6 @@
 """Does a host-tier load overlap the forward? One prefill whose prefix comes back from the host tier.
 
-    python -m bench.host_tier_overlap [--prefix 16384] [--new 4096] [--layers 16] [--hidden 1536]
+    python -m bench.host_tier_overlap [--prefix 32768] [--new 1024] [--layers 16] [--hidden 1536]
         [--repeats 7] [--backend flashinfer|torch] [--device cuda]
 
 A random model (llama, head_dim 64) on a ModelRunner; one request whose first PREFIX tokens'
@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prefix", type=int, default=16384, help="tokens loaded from the host tier")
-    p.add_argument("--new", type=int, default=4096, help="tokens prefilled after them")
+    p.add_argument("--prefix", type=int, default=32768, help="tokens loaded from the host tier")
+    p.add_argument("--new", type=int, default=1024, help="tokens prefilled after them")
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--repeats", type=int, default=7)
@@ -105,7 +105,7 @@ def measure(runner: ModelRunner, prefix: int, new: int, repeats: int) -> Timings
     move = KVMove(False, slots[:prefix], torch.arange(prefix))
 
     def batch(loads: LayerLoads | None) -> ForwardBatch:  # a fresh one: a forward may keep state on it
-        fb = ForwardBatch.build([list(range(3, 3 + new))], [row], [prefix], slots[prefix:], device)
+        fb = ForwardBatch.build([[3 + i % 4000 for i in range(new)]], [row], [prefix], slots[prefix:], device)  # ids < vocab 4096
         fb.layer_loads = loads
         return fb
 
