@@ -172,10 +172,11 @@ class HostTier:
     def _alloc(self) -> torch.Tensor | None:
         slots = self.allocator.alloc(self.block_tokens)
         if slots is None and self._blocks:
+            # The oldest block's slots go to the new one as they are: freeing and allocating them
+            # again would hand back the same page. Copies already queued for them run first.
             _, oldest = self._blocks.popitem(last=False)
-            self.allocator.free(oldest.host_slots)
             self.stats.evicted_tokens += self.block_tokens
-            slots = self.allocator.alloc(self.block_tokens)
+            slots = oldest.host_slots
         return slots
 
     def check(self) -> None:

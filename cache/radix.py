@@ -18,7 +18,7 @@ import torch
 
 from cache.base import MatchResult, PrefixCache, RadixNode, new_root
 from cache.host_tier import HostTier
-from cache.keys import TOKEN_BYTES, as_token_list, decode_tokens, first_diff, pack_tokens
+from cache.keys import TOKEN_BYTES, as_token_list, first_diff, pack_tokens
 from gpu.kv_pool import ReqToTokenPool, TokenSlotAllocator
 
 FIRST_CHUNK = 256  # tokens encoded at least, on a query's first need
@@ -398,7 +398,8 @@ class RadixCache(PrefixCache):
             if walk.parent is self.root:
                 extra_key = walk.edge[0]  # type: ignore[index]
             walk = walk.parent  # type: ignore[assignment]
-        tokens = decode_tokens(b"".join(reversed(keys)))
+        tokens = array("i")  # the keys' own encoding: the host tier hashes and compares it as is
+        tokens.frombytes(b"".join(reversed(keys)))
         first = node.depth - node.num_tokens if start is None else start
         self.host_tier.store(tokens, torch.cat(values[::-1]), extra_key, start=first)  # type: ignore[arg-type]
 
