@@ -1,10 +1,11 @@
 """The GPU path on a real GPU: FlashInfer against torch attention, CUDA-graph replay against eager,
-end-to-end greedy parity through the Engine with graphs and overlap on, replay memory, streams.
+end-to-end greedy parity through the Engine with graphs and overlap on, replay memory, streams,
+and the KV cache's host and storage tiers (pinned blocks, layer-wise loads on a side stream).
 
 Models of GQA group 2 (FlashInfer's CUDA-core decode kernel), 4 and 8 (its tensor-core decode),
 all head_dim 64, so one set of kernels serves them. Every test here skips without CUDA (and the
-FlashInfer ones without flashinfer), saying why, except the CPU check that the parity test's
-reference yields enough compared tokens. `python -m bench.gpu_check` runs this file on a GPU.
+FlashInfer ones without flashinfer), saying why, except the CPU checks that the parity test's
+reference yields enough compared tokens and that the host-tier test's prompts do reach the host. `python -m bench.gpu_check` runs this file on a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import random
 import pytest
 import torch
 
+from api.frontend.engine import Engine
 from gpu.attention import TorchAttention
 from gpu.cuda_streams import StepStreams
 from gpu.forward_batch import ForwardBatch
@@ -25,7 +27,6 @@ from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
 from gpu.sampler import Sampler, SamplingInfo, TokenSpans
 from runtime.sampling_params import SamplingParams
-from api.frontend.engine import Engine
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks
 from tests.test_graph_runner import Seq, _advance, _decode_batch
 from tests.test_hicache_pressure import run_pressure
@@ -286,7 +287,6 @@ async def test_engine_greedy_parity_with_transformers(tiny_model_factory, group)
     assert compared >= MIN_COMPARED, f"only {compared} steps clear of a near-tie"
 
 
-
 HOST_TIER_SETTINGS = {  # name: (dtype, engine settings past the host tier's)
     "torch-fp32": ("float32", dict(attention_backend="torch", disable_cuda_graph=True)),
     "flashinfer-bf16-graphs": (DTYPE, dict(attention_backend="flashinfer", cuda_graph_max_bs=8)),
@@ -356,6 +356,7 @@ async def _host_tier_outputs(model, device: str, dtype: str, settings: dict) -> 
     await close_and_check_tasks(engine)
     return [o.output_ids for o in outs], stats["hicache_host_hit_tokens"], outs[-1].cached_tokens
 
+
 async def test_parity_reference_compares_enough_tokens_on_cpu(gpu_model):
     """The GPU parity test's comparison, run here with the bf16 engine on the CPU (torch attention):
     the reference must find enough clear steps for that test to mean something, and the CPU
@@ -374,7 +375,6 @@ def _parity_prompts() -> list[list[int]]:
 
 
 async def _engine_greedy(model, prompts: list[list[int]], device: str) -> list[list[int]]:
-
     params = {"max_new_tokens": PARITY_NEW_TOKENS, "min_new_tokens": PARITY_NEW_TOKENS, "temperature": 0}
     settings = dict(cuda_graph_max_bs=32) if device == "cuda" else {}
     # inline_core: the runner is in this process, where the test can see that graphs are on.
