@@ -206,6 +206,11 @@ class Adder(Actor[AdderMsg]):
             await self._requeue(leftover, front=True)
         if batch is None:
             batch = self._form_decode()
+        if batch is None and self._idle() and self.kv.has_kv_copies():
+            # The host tier's copies travel with the next step, and an idle engine has none: a
+            # step of copies alone, so the last request's blocks reach the host and storage now
+            # (an engine stopped or restarted after it finds them there).
+            batch = self._batch(ForwardMode.IDLE, [], [], [], [], [], [torch.empty(0, dtype=torch.int64)], [], [])
         if batch is None:
             self._stalled = True
             if self._idle():

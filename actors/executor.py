@@ -31,6 +31,7 @@ from gpu.model_runner import ModelRunner
 from gpu.sampler import SamplingInfo, TokenSpans
 from gpu.torch_threads import TorchThreads
 from runtime.actor import Actor, ExitCallback, Mailbox
+from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, InputLogprobs, KVCopy, StepOut
 from runtime.req import Req
 from runtime.sampling_params import SamplingParams
@@ -86,8 +87,9 @@ class Executor(Actor[Batch]):
             out = await (await self._launched.get())
             if not isinstance(out, StepOut):
                 out = await out.result()
-            self.steps += 1
-            self.forward_s += out.forward_s
+            if out.batch.mode is not ForwardMode.IDLE:
+                self.steps += 1
+                self.forward_s += out.forward_s
             await self.output.send(out)
 
 
@@ -127,6 +129,11 @@ class ModelStepRunner:
         start = time.perf_counter()
         if self.threads is not None:
             self.threads.claim()
+        if batch.mode is ForwardMode.IDLE:
+            loads = self._copy_kv(batch)
+            if loads is not None:
+                loads.finish()
+            return StepOut(batch=batch, token_ids=[], logprobs=None, top_logprobs=None, forward_s=0.0)
         if self.streams is None:
             _, _, tensors = self._step(batch, self._copy_kv(batch))
             return _step_out(batch, HostResult.ready(*tensors).tensors, time.perf_counter() - start)

@@ -93,6 +93,9 @@ class KVLedger:
         self.cache.insert(token_ids[:reach], torch.cat([prefix, slots]) if prefix.numel() else slots, extra_key)
         return self.cache.match_prefix(token_ids, extra_key)
 
+    def has_kv_copies(self) -> bool:
+        return self.host_tier is not None and bool(self.host_tier.pending)
+
     def take_kv_copies(self) -> list[KVCopy]:
         return self.host_tier.take_pending() if self.host_tier is not None else []
 

@@ -58,6 +58,7 @@ from bench.serving_plot import OverTime, plot_problem, save, trace_figure
 from bench.trace_replay import BLOCK, TraceRequest, read_trace
 from cache.storage_tier import StorageTier
 from gpu.model_runner import ModelRunner
+from runtime.forward_mode import ForwardMode
 from runtime.messages import Batch, StepOut
 
 VOCAB = 512
@@ -92,6 +93,8 @@ class HostLinkDevice(NullDevice):
 
     def run(self, batch: Batch) -> StepOut:
         self._write_storage(batch)
+        if batch.mode is ForwardMode.IDLE:  # copies alone: to the host, not charged
+            return StepOut(batch=batch, token_ids=[], logprobs=None, top_logprobs=None, forward_s=0.0)
         return super().run(batch)
 
     def sleep_s(self, batch: Batch) -> float:
