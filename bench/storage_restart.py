@@ -43,7 +43,6 @@ async def run(model_path: str | None, prompt_tokens: int, repeats: int) -> dict[
     with tempfile.TemporaryDirectory(prefix="actorserve-storage-") as filled:
         async with _engine(model_path, filled, pool) as engine:
             await _first_token(engine, prompt)
-            await _first_token(engine, [7, 8, 9])  # carries the copies of the prompt's last blocks
         cold, warm, cached = [], [], []
         for _ in range(repeats):
             with tempfile.TemporaryDirectory(prefix="actorserve-storage-") as empty:

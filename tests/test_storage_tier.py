@@ -164,6 +164,19 @@ async def test_an_engine_restarted_on_the_directory_serves_the_prefix_from_stora
     await run_restart(str(tiny_model_factory("llama", max_position_embeddings=512)), tmp_path, policy)
 
 
+async def test_an_engine_closed_right_after_its_request_leaves_the_blocks_in_storage(tiny_model_factory, tmp_path: Path):
+    """No wait for idle before the close: the close itself lets the core make the copies its
+    last request left (Engine.close, ForwardMode.IDLE) before it stops."""
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 7) % 300 for j in range(60)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    async with _engine(path, tmp_path, "best_effort") as engine:
+        await engine.generate(input_ids=prompt, sampling_params=params)
+    async with _engine(path, tmp_path, "wait_complete", hicache_storage_prefetch_timeout_s=30.0) as engine:
+        out = await engine.generate(input_ids=prompt, sampling_params=params)
+        assert out.cached_tokens >= 48 and (await engine.current_stats())["hicache_storage_hit_tokens"] >= 48
+
+
 async def run_restart(path: str, tmp_path: Path, policy: str, **extra) -> None:
     """The test above with engine settings `extra` added (tests/test_cuda.py runs it on a GPU)."""
     prompt = [5 + (j * 7) % 300 for j in range(60)]

@@ -60,6 +60,7 @@ class Rejected(RuntimeError):
 
 
 SHUTTING_DOWN = "shutting_down"  # Rejected.code while and after the engine closes
+SETTLE_TIMEOUT_S = 5.0  # the most a close waits for the core's last copies (see Engine.close)
 
 
 class EngineError(RuntimeError):
@@ -173,13 +174,31 @@ class Engine:
         return replicas, ModelLimits(cfg.context_length, ready.vocab_size, cfg.max_total_tokens, cfg.page_size)
 
     async def close(self) -> None:
-        """Abort what is in flight, stop every actor and its tasks."""
+        """Abort what is in flight, stop every actor and its tasks. With the host tier and no
+        request in flight, the core first ends its last step, the copies its last request left
+        (ForwardMode.IDLE): that request's blocks then reach storage, where an engine started
+        next on the same directory finds them."""
         if self._failing is not None:  # a failure is already stopping everything: wait for it
             await asyncio.shield(self._failing)
         if not self._started:
             return
         self._closed = True
+        if self.config.enable_hierarchical_cache and self._failure is None and not self.receiver.live:
+            await self._settle()
         await self._stop_actors("the engine is shutting down", status=503, code=SHUTTING_DOWN)
+
+    async def _settle(self) -> None:
+        """Wait, SETTLE_TIMEOUT_S at most (a core that stops answering), until the core's Adder
+        is idle: every step it launched has reported."""
+        until_idle = asyncio.ensure_future(self._until_idle())
+        done, _ = await asyncio.wait({until_idle}, timeout=SETTLE_TIMEOUT_S)
+        if not done:
+            until_idle.cancel()
+            await asyncio.gather(until_idle, return_exceptions=True)
+
+    async def _until_idle(self) -> None:
+        while not (await self.current_stats()).get("adder_idle", True):
+            await asyncio.sleep(0.002)
 
     async def stream(
         self,
