@@ -164,6 +164,7 @@ class HostTier:
         for block in self._blocks.values():
             self.allocator.free(block.host_slots)
         self._blocks.clear()
+        self.pending.clear()  # copies into freed host slots (or from pages the cache dropped)
 
     def take_pending(self) -> list[KVCopy]:
         pending, self.pending = self.pending, []
