@@ -117,7 +117,7 @@ class Adder(Actor[AdderMsg]):
             self._collect_aborts()
             self._stalled = False
         elif isinstance(msg, FlushCache):
-            msg.done.set_result(self._flush_cache())
+            msg.done.set_result(self._flush_cache() if msg.what == "cache" else self._clear_storage())
         await self._schedule()
         await self._requeue_released()
         self.scheduler_s += time.perf_counter() - start
@@ -590,6 +590,12 @@ class Adder(Actor[AdderMsg]):
         if self.running or self.chunked or self.ending or self.in_flight:
             return False
         self.kv.flush_cache()
+        return True
+
+    def _clear_storage(self) -> bool:
+        if self.storage is None:
+            return False
+        self.storage.clear()
         return True
 
     def stats(self) -> dict[str, Any]:

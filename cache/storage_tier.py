@@ -336,6 +336,18 @@ class StorageTier:
         with self._lock:
             self._file_bytes -= self._files.pop(name, 0)
 
+    def clear(self) -> int:
+        """Remove every block file of this model identity (SGLang's
+        /clear_hicache_storage_backend); returns how many. A write queued before the call may
+        still land after it."""
+        with self._lock:
+            names = list(_block_files(self.dir))
+            for name in names:
+                (self.dir / name).unlink(missing_ok=True)
+            self._files.clear()
+            self._file_bytes = 0
+        return len(names)
+
     def close(self) -> None:
         """Finish the queued writes (an engine started next on this directory finds them) and
         stop the prefetches."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgspec
 
 from runtime.config import CoreConfig
+from runtime.messages import FlushTarget
 from runtime.req import CallerRequest
 from runtime.stats import CoreStats
 from runtime.stream import Delta
@@ -46,9 +47,11 @@ class CoreAbort(msgspec.Struct, frozen=True, tag=True, array_like=True):
 
 
 class CoreFlush(msgspec.Struct, frozen=True, tag=True, array_like=True):
-    """Drop the prefix cache; answered by `CoreFlushed` with the same ticket."""
+    """Drop the prefix cache (or the storage tier's files: `what`); answered by `CoreFlushed`
+    with the same ticket."""
 
     ticket: int
+    what: FlushTarget = "cache"
 
 
 class CoreStatsQuery(msgspec.Struct, frozen=True, tag=True, array_like=True):

@@ -15,7 +15,7 @@ instead: plain data, encoded with msgspec (a `CoreRequest` is a `Req`'s caller r
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -113,8 +113,14 @@ class StepDone(msgspec.Struct, frozen=True, tag=True):
     forward_s: float = 0.0  # the device's time for the step
 
 
+FlushTarget = Literal["cache", "storage"]
+
+
 class FlushCache(msgspec.Struct, frozen=True, tag=True):
     done: asyncio.Future
+    # "cache": drop the prefix cache (refused while requests run); "storage": remove the storage
+    # tier's block files (SGLang's /clear_hicache_storage_backend; refused without a storage tier).
+    what: FlushTarget = "cache"
 
 
 class StorageBlock(msgspec.Struct, frozen=True):

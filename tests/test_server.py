@@ -362,6 +362,9 @@ async def test_info_endpoints(server: ServerThread) -> None:
     status, body = await _post(f"{server.url}/flush_cache", {})
     assert status == 200 and body["success"] is True
     assert (await _get(f"{server.url}/get_model_info"))[0] == 200
+    # No storage tier here: nothing to clear, and the answer says so (tests/test_storage_tier.py clears one).
+    status, body = await _post(f"{server.url}/clear_hicache_storage_backend", {})
+    assert _assert_error(status, body, 400)["code"] == "no_storage_tier"
 
 
 # --- errors -----------------------------------------------------------------------------------

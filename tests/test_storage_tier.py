@@ -177,6 +177,26 @@ async def test_an_engine_closed_right_after_its_request_leaves_the_blocks_in_sto
         assert out.cached_tokens >= 48 and (await engine.current_stats())["hicache_storage_hit_tokens"] >= 48
 
 
+@pytest.mark.parametrize("inline_core", [True, False], ids=["inline", "core-process"])
+async def test_clearing_the_storage_tier_removes_its_files_and_a_restart_finds_none(tiny_model_factory, tmp_path: Path, inline_core: bool):
+    """SGLang's /clear_hicache_storage_backend (Engine.clear_hicache_storage): every block file
+    goes, also while the engine runs; an engine without a storage tier answers False."""
+    path = str(tiny_model_factory("llama", max_position_embeddings=512))
+    prompt = [5 + (j * 7) % 300 for j in range(60)]
+    params = {**GREEDY, "max_new_tokens": 8}
+    await _fill_storage(path, tmp_path, [prompt], params)
+    assert list(tmp_path.rglob("*.kv"))
+    settings = dict(model_path=path, dtype="float32", max_total_tokens=96, inline_core=inline_core, enable_hierarchical_cache=True, hicache_block_tokens=8)
+    async with Engine(**settings, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path)) as engine:
+        assert await engine.clear_hicache_storage() is True
+        assert not list(tmp_path.rglob("*.kv")) and list(tmp_path.rglob("manifest.json"))
+    async with _engine(path, tmp_path, "wait_complete") as engine:
+        await engine.generate(input_ids=prompt, sampling_params=params)
+        assert (await engine.current_stats())["hicache_storage_hit_tokens"] == 0
+    async with Engine(**settings) as engine:
+        assert await engine.clear_hicache_storage() is False
+
+
 async def run_restart(path: str, tmp_path: Path, policy: str, **extra) -> None:
     """The test above with engine settings `extra` added (tests/test_cuda.py runs it on a GPU)."""
     prompt = [5 + (j * 7) % 300 for j in range(60)]

@@ -46,7 +46,7 @@ from runtime.ipc import (
     FromCore,
     ToCore,
 )
-from runtime.messages import Enqueue, FlushCache, Wake
+from runtime.messages import Enqueue, FlushCache, FlushTarget, Wake
 from runtime.req import Req, SchedState, mark_aborted
 from runtime.stats import CoreStats
 from runtime.stream import RemoteStream, StepOutbox
@@ -187,7 +187,7 @@ class CoreServer:
             elif isinstance(msg, CoreAbort):
                 await self._abort(msg.rid)
             elif isinstance(msg, CoreFlush):
-                asyncio.create_task(self._flush(msg.ticket))
+                asyncio.create_task(self._flush(msg.ticket, msg.what))
             elif isinstance(msg, CoreStatsQuery):
                 self._send(CoreStatsReport(self.core.stats(), msg.ticket))
             elif isinstance(msg, CoreShutdown):
@@ -208,9 +208,9 @@ class CoreServer:
         await self.core.policy.send(Wake())
         await self.core.adder.send(Wake())
 
-    async def _flush(self, ticket: int) -> None:
+    async def _flush(self, ticket: int, what: FlushTarget) -> None:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        await self.core.adder.send(FlushCache(done))
+        await self.core.adder.send(FlushCache(done, what))
         self._send(CoreFlushed(ticket, await done))
 
     # --- core -> frontend -------------------------------------------------------------------

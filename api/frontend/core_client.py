@@ -160,12 +160,16 @@ class CoreClient:
         """Drop the core's prefix cache; False if it was busy (or is gone)."""
         return bool(await self._ask(CoreFlush, False))
 
+    async def clear_storage(self) -> bool:
+        """Remove the core's storage-tier files; False without a storage tier (or if it is gone)."""
+        return bool(await self._ask(lambda ticket: CoreFlush(ticket, "storage"), False))
+
     async def current_stats(self) -> CoreStats | None:
         """The core's counters as they are now (after everything sent before this call); the
         latest known when the core is gone."""
         return await self._ask(CoreStatsQuery, self.stats)
 
-    async def _ask(self, query: type[CoreFlush] | type[CoreStatsQuery], if_gone: Any) -> Any:
+    async def _ask(self, query: Callable[[int], CoreFlush | CoreStatsQuery], if_gone: Any) -> Any:
         if self._closing:
             return if_gone
         ticket = next(self._tickets)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from api.core.engine_core import Core
 from runtime.actor import Actor, Mailbox
-from runtime.messages import Enqueue, FlushCache, Wake
+from runtime.messages import Enqueue, FlushCache, FlushTarget, Wake
 
 
 class EngineCores(Protocol):
@@ -38,6 +38,9 @@ class EngineCores(Protocol):
 
     async def flush_cache(self) -> bool:
         """Drop every cached prefix; False while requests are running."""
+
+    async def clear_storage(self) -> bool:
+        """Remove the storage tier's block files; False without a storage tier."""
 
     async def close(self) -> None:
         """Release what the core holds once its actors are stopped (threads, processes)."""
@@ -68,8 +71,14 @@ class InlineCore:
         return self.core.stats().as_dict()
 
     async def flush_cache(self) -> bool:
+        return await self._flush("cache")
+
+    async def clear_storage(self) -> bool:
+        return await self._flush("storage")
+
+    async def _flush(self, what: FlushTarget) -> bool:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        if not await self.core.adder.send(FlushCache(done)):
+        if not await self.core.adder.send(FlushCache(done, what)):
             return False
         return await done
 

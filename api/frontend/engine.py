@@ -274,6 +274,13 @@ class Engine:
             return False
         return await self.cores.flush_cache()
 
+    async def clear_hicache_storage(self) -> bool:
+        """Remove the storage tier's block files (SGLang's /clear_hicache_storage_backend), also
+        while requests run; False without a storage tier or when the engine is not running."""
+        if not self._started or self.cores is None:
+            return False
+        return await self.cores.clear_storage()
+
     def stats(self) -> dict[str, Any]:
         """The engine's counters; with a core process, as of its latest report: at most
         `STATS_PERIOD_S` behind, but an idle core reports nothing, so its clocks (`time`,

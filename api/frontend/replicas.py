@@ -86,6 +86,10 @@ config.router(), config.dp_size
         if replica is not None:
             self.clients[replica].abort(rid)
 
+    async def clear_storage(self) -> bool:
+        """Every live replica removes its storage-tier files (replicas may share a directory)."""
+        return all(await asyncio.gather(*(c.clear_storage() for c in self._up())))
+
     async def flush_cache(self) -> bool:
         """Every live replica drops its prefix cache; False if any was busy."""
         done = await asyncio.gather(*(c.flush_cache() for c in self._up()))

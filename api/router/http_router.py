@@ -5,7 +5,7 @@
 The generation endpoints (`/generate`, `/v1/completions`, `/v1/chat/completions`) are passed
 through to the worker the router picks (api/router/routing.py's policies; the prompt key is the JSON
 text of the body's token ids, prompt or chat messages), streaming
-included: the body's bytes pass unchanged as they arrive (api/router/relay.py). `/flush_cache` and `/abort_request` go to every healthy worker;
+included: the body's bytes pass unchanged as they arrive (api/router/relay.py). `/flush_cache`, `/abort_request` and `/clear_hicache_storage_backend` (POST) go to every healthy worker;
 `/health` is 200 while one worker is healthy; `/get_server_info` lists the workers.
 
 Keys: with `api_key` every path but `/health` (open for load balancers) needs it, sent as
@@ -108,6 +108,7 @@ class HttpRouter:
             (b"GET", b"/v1/models"): self.models,
             (b"POST", b"/flush_cache"): self.broadcast,
             (b"POST", b"/abort_request"): self.broadcast,
+            (b"POST", b"/clear_hicache_storage_backend"): self.broadcast,
         }
 
     async def start(self) -> int:

@@ -5,6 +5,7 @@
     SGLang-native       POST /generate, GET /health, GET /health_generate, GET /server_info,
                         GET /model_info (and their older names /get_server_info, /get_model_info),
                         GET /get_load, POST /flush_cache, POST /abort_request,
+                        GET or POST /clear_hicache_storage_backend,
                         POST /tokenize, POST /detokenize (also under /v1/)
     Prometheus          GET /metrics
 
@@ -146,6 +147,8 @@ class Server:
             get("/get_load", self.load),
             get("/flush_cache", self.flush_cache),
             post("/flush_cache", self.flush_cache),
+            get("/clear_hicache_storage_backend", self.clear_hicache_storage),
+            post("/clear_hicache_storage_backend", self.clear_hicache_storage),
             post("/abort_request", self.abort_request),
             post("/tokenize", self.tokenize),
             post("/v1/tokenize", self.tokenize),
@@ -386,6 +389,11 @@ class Server:
         if not await self.engine.flush_cache():
             raise ApiError(400, "the cache was not flushed: requests are running; retry when idle", code="requests_running")
         return _json({"success": True, "message": "Cache flushed."})
+
+    async def clear_hicache_storage(self, request: web.Request) -> web.Response:
+        if not await self.engine.clear_hicache_storage():
+            raise ApiError(400, "no storage tier to clear: start with --hicache-storage-backend file", code="no_storage_tier")
+        return _json({"success": True, "message": "Hierarchical cache storage backend cleared."})
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = decode(await request.read() or b"{}", AbortRequestBody)
