@@ -88,9 +88,7 @@ class KVLedger:
         if slots is None:
             return match
         host.load(token_ids, extra_key, match.length, slots)
-        # An empty match's slots are a CPU tensor: joined to device slots only when there are some.
-        prefix = match.slots
-        self.cache.insert(token_ids[:reach], torch.cat([prefix, slots]) if prefix.numel() else slots, extra_key)
+        self.cache.insert(token_ids[:reach], torch.cat([match.slots, slots]), extra_key)
         return self.cache.match_prefix(token_ids, extra_key)
 
     def has_kv_copies(self) -> bool:

@@ -33,7 +33,7 @@ import torch
 
 from gpu.cuda_streams import StepStreams
 from gpu.forward_batch import ForwardBatch
-from gpu.kv_pool import KVBuffers, KVMove, LayerLoads
+from gpu.kv_pool import KVMove, LayerLoads
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tiny_model import make_tiny_model
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     runner = _runner(args)
     t = measure(runner, args.prefix, args.new, args.repeats)
-    kv_bytes = _kv_bytes(runner.kv, args.prefix)
+    kv_bytes = runner.kv_bytes_per_token() * args.prefix
     print(_report(args, runner, t, kv_bytes))
     return 0 if t.same_logits else 1
 
@@ -157,11 +157,6 @@ def _median_ms(fn: Callable[[], object], device: torch.device, repeats: int) -> 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _kv_bytes(kv: KVBuffers, tokens: int) -> int:
-    per_token = sum(t[0].numel() * t.element_size() for t in kv.k + kv.v)
-    return per_token * tokens
 
 
 def _report(args: argparse.Namespace, runner: ModelRunner, t: Timings, kv_bytes: int) -> str:

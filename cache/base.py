@@ -58,12 +58,13 @@ class MatchResult:
     """The cached prefix of a query: its length, the node it ends at and its KV slots
     (concatenated on first use: the Policy only needs the length and the node)."""
 
-    __slots__ = ("length", "last_node", "_parts", "_slots")
+    __slots__ = ("length", "last_node", "_parts", "_device", "_slots")
 
-    def __init__(self, length: int, last_node: RadixNode, parts: list[torch.Tensor]) -> None:
+    def __init__(self, length: int, last_node: RadixNode, parts: list[torch.Tensor], device: torch.device | str) -> None:
         self.length = length
         self.last_node = last_node
         self._parts = parts
+        self._device = device  # the pool's, where an empty match's slots live too
         self._slots: torch.Tensor | None = None
 
     @property
@@ -71,7 +72,7 @@ class MatchResult:
         """int64 KV slot of every matched token (a fresh tensor, safe to modify)."""
         if self._slots is None:
             parts = self._parts
-            self._slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+            self._slots = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=self._device)
         return self._slots
 
     def __repr__(self) -> str:

@@ -21,7 +21,7 @@ class ChunkCache(PrefixCache):
         self.root = new_root()
 
     def match_prefix(self, token_ids: Sequence[int], extra_key: str | None = None) -> MatchResult:
-        return MatchResult(0, self.root, [])
+        return MatchResult(0, self.root, [], self.allocator.device)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, extra_key: str | None = None) -> int:
         """Takes nothing: reports every token as present, so the caller keeps (and frees) all its slots."""
@@ -56,7 +56,7 @@ class ChunkCache(PrefixCache):
         extra_key: str | None = None,
     ) -> MatchResult:
         """Nothing is cached: the request keeps owning its whole row."""
-        return MatchResult(0, self.root, [])
+        return MatchResult(0, self.root, [], self.allocator.device)
 
     def release_req(self, slots: torch.Tensor, last_node: RadixNode) -> None:
         self.allocator.free(slots)

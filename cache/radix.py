@@ -128,7 +128,7 @@ class RadixCache(PrefixCache):
         the access time of the path."""
         parts: list[torch.Tensor] = []
         node, length = self._walk(self._query(token_ids), extra_key, parts)
-        return MatchResult(length, node, parts)
+        return MatchResult(length, node, parts, self.allocator.device)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, extra_key: str | None = None) -> int:
         """Cache the whole pages of `token_ids`; `slots[i]` holds the KV of token i.
@@ -232,7 +232,7 @@ class RadixCache(PrefixCache):
         prefix = last_node.depth
         own = req_to_token.slots(row, q.n).to(torch.int64)  # read before the row is rewritten
         node, present = self._insert(q, own, extra_key, min_present=prefix)
-        result = MatchResult(q.n, node, self._path_values(node))
+        result = MatchResult(q.n, node, self._path_values(node), self.allocator.device)
         if present > prefix:
             self._free([own[prefix:present]])
             req_to_token.write(row, prefix, result.slots[prefix:present])

@@ -172,3 +172,11 @@ def test_check_names_the_numbers_when_a_slot_leaks() -> None:
     alloc.alloc(3)  # taken behind the ledger's back
     with pytest.raises(AssertionError, match=f"free {POOL - 3} \\+ cached 0 \\+ owned 0 != pool {POOL}"):
         ledger.check()
+
+
+@pytest.mark.parametrize("cache_type", [RadixCache, ChunkCache])
+def test_an_empty_match_has_its_slots_on_the_pool_device(cache_type: type) -> None:
+    """A match of nothing yields slots on the pool's device, as every other match does, so a caller
+    may join them to freshly allocated slots (on CUDA a CPU empty tensor made that join fail)."""
+    cache = cache_type(TokenSlotAllocator(POOL, 1, device="meta"))
+    assert cache.match_prefix([1, 2, 3]).slots.device.type == "meta"
