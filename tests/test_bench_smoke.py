@@ -204,3 +204,24 @@ def test_router_http_added_latency_is_the_difference_of_the_printed_medians(monk
         assert 0 <= kernel <= cpu + 1 and median_ms <= p99_ms, row
         if row is not rows[0]:
             assert abs(_number(row[4]) - (median_ms - direct_ms) * 1e3) <= 10 + 1, row  # medians printed to 0.01 ms
+
+
+# --- bench.decode_attention ---------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [[], ["--scatter"]])
+def test_decode_attention_bandwidth_follows_from_the_bytes_and_times(monkeypatch, capsys, kernels, layout):
+    from bench import decode_attention
+
+    args = ["--batch", "4", "--context", "40", "--layers", "3", "--repeats", "2", "--rounds", "1", *layout]
+    out = _run_main(monkeypatch, capsys, decode_attention, *args)
+    rows = {r[0]: r for r in _rows(out) if len(r) == 3}
+    assert set(rows) == {"kernel", "plain read", "kernel, in cache"}
+    # What a layer reads: 4 requests x 40 keys, K and V, 3 K/V heads x 64 bfloat16 values.
+    mb = 2 * 4 * 40 * 3 * 64 * 2 / 1e6
+    for name in ("kernel", "plain read"):
+        ms, gbs = (_number(c) for c in rows[name][1:])
+        assert _ratio_fits(gbs, mb, ms, (0, 0.001, 0.1)), rows[name]
+    share = re.search(r"kernel at (\d+)% of the plain read's bandwidth", out)
+    assert share, out
+    kernel_ms, read_ms = _number(rows["kernel"][1]), _number(rows["plain read"][1])
+    assert _ratio_fits(int(share.group(1)) / 100, read_ms, kernel_ms, (0.001, 0.001, 0.01)), out
+    assert "scattered" in out if layout else "contiguous" in out

@@ -43,7 +43,7 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 }
 
 // Rows are scattered over the pool, so the hardware prefetcher cannot see the next one coming.
-constexpr int64_t PREFETCH_AHEAD = 4;
+constexpr int64_t PREFETCH_AHEAD = 16;
 
 // Into L2, not L1 (locality 2: prefetcht1): a block's rows are a hundred or more lines, more than
 // L1's few outstanding misses take, and L1-bound prefetches past those wait or drop. Out of cache
