@@ -327,22 +327,24 @@ def _decode_reference(q, k_pool, v_pool, table, rows, begin, end, scale) -> tupl
     return torch.stack(outs), torch.stack(lses)
 
 
-# Group sizes 1..9, several not a multiple of 4 (where a CPU with bfloat16 dot products scores four
-# query heads per vector); contexts on both sides of the kernel's 32-key blocks, odd ones included.
+# Group sizes 1..9, several not a multiple of 4 (where a CPU with AVX-512 scores four query heads
+# per vector, in bfloat16 and in float32); contexts on both sides of the kernel's 32-key blocks,
+# odd ones included.
 @pytest.mark.parametrize("heads,kv_heads", [(3, 3), (8, 4), (9, 3), (12, 3), (5, 1), (8, 1), (9, 1)])
 @pytest.mark.parametrize("dim", [32, 64, 128])
-def test_decode_kernel_in_bfloat16_per_group_and_dim(kernels, heads, kv_heads, dim):
+# bfloat16: its output, and probabilities that may be rounded to bfloat16 before P.V.
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-5)])
+def test_decode_kernel_per_group_and_dim(kernels, heads, kv_heads, dim, dtype, atol):
     gen = torch.Generator().manual_seed(heads * 1000 + kv_heads * 10 + dim)
     seq_lens = [1, 2, 3, 31, 32, 33, 63, 64, 65, 100, 257]
-    q, k_pool, v_pool, table, rows = _scattered_decode_inputs(gen, seq_lens, heads, kv_heads, dim, torch.bfloat16)
+    q, k_pool, v_pool, table, rows = _scattered_decode_inputs(gen, seq_lens, heads, kv_heads, dim, dtype)
     begin = torch.tensor([0, 1, 0, 5, 0, 32, 0, 2, 31, 40, 0])
     end = torch.tensor(seq_lens)
     scale = dim**-0.5
     out, lse = kernels.decode_attention(q, k_pool, v_pool, table, rows, begin, end, scale)
     ref_out, ref_lse = _decode_reference(q, k_pool, v_pool, table, rows, begin, end, scale)
-    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
-    # bfloat16 output, and probabilities that may be rounded to bfloat16 before P.V.
-    torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=0)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
 
 

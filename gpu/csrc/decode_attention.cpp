@@ -26,8 +26,14 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ACTORSERVE_BF16_DOT)
 #define ACTORSERVE_BF16_DOT 1
 #endif
-#ifdef ACTORSERVE_BF16_DOT
+// The score layout both vector paths share (namespace quad) needs AVX-512F; so does the float32
+// path, which is compiled wherever the compiler targets it.
+#if defined(__AVX512F__) || defined(ACTORSERVE_BF16_DOT)
+#define ACTORSERVE_QUAD_SCORES 1
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && !defined(ACTORSERVE_F32_QUADS)
+#define ACTORSERVE_F32_QUADS 1
 #endif
 
 namespace {
@@ -119,22 +125,14 @@ void attend(const float* q, const T* k_pool, const T* v_pool, int64_t slot_strid
   }
 }
 
-#ifdef ACTORSERVE_BF16_DOT
-// bfloat16 pools on CPUs with AVX512-BF16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in
-// float32). Q.K and P.V both read the pool's rows as they are, with no conversion to float.
-//
-// Q.K: one vector holds four query heads, a 128-bit quarter each; a key's 8-element pieces are
-// broadcast to all quarters, so each dot instruction advances four heads by 8 elements and a key
-// leaves 4 partial sums per head. Two rounds of in-quarter pair folds turn four keys' partials into
-// one vector of scores (quarter h: head h against those four keys), a shuffle and an add per
-// score where a per-head horizontal sum takes about four. The softmax runs in that layout: every
-// lane of a quarter carries its head's running maximum and sum.
-//
-// P.V: the probabilities are rounded to bfloat16 (as PyTorch's CPU flash kernel does before its
-// P.V) and taken in key pairs; two value rows interleaved element by element make the other
-// operand, so each head's accumulators advance two keys per instruction. The interleave permutes
-// elements within 128-bit lanes, undone once at the end.
-namespace bf16 {
+#ifdef ACTORSERVE_QUAD_SCORES
+// Score vectors of four query heads, a 128-bit quarter each, as the bfloat16 and float32 paths
+// below compute them: a key's pieces are broadcast to all quarters, so each instruction advances
+// four heads at once and a key leaves 4 partial sums per head. Two rounds of in-quarter pair folds
+// turn four keys' partials into one vector of scores (quarter h: head h against those four keys),
+// a shuffle and an add per score where a per-head horizontal sum takes about four. The softmax
+// runs in that layout: every lane of a quarter carries its head's running maximum and sum.
+namespace quad {
 
 constexpr int64_t HEADS = 4;  // query heads per score vector
 constexpr int64_t QUAD_KEYS = 4;  // keys per score vector
@@ -157,13 +155,6 @@ inline __m512 exp_nonpositive16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
 }
 
-// Integer lanes as dot operands: a bit cast, no instruction.
-inline __m512bh as_bh(__m512i x) {
-  __m512bh r;
-  std::memcpy(&r, &x, sizeof r);
-  return r;
-}
-
 // Within each quarter: [a0+a1, a2+a3, b0+b1, b2+b3].
 inline __m512 fold_pairs(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
@@ -177,6 +168,68 @@ inline __m512 quarter_max(__m512 x) {
 inline __m512 quarter_sum(__m512 x) {
   x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
   return _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+}
+
+// Scores of one head quad against a block's keys (partials(t): the quad's partial sums against key
+// t < BLOCK, lane 4h + i; keys past n masked), then the online softmax update: each score vector's
+// probabilities go to store(j, p), each head's rescale into the state ([3][16]: running max,
+// running sum, this block's rescale).
+template <typename Partials, typename Store>
+inline void score_block(Partials partials, int64_t n, float scale, Store store, float* state) {
+  __m512 s[VECS];
+  for (int64_t j = 0; j < VECS; ++j) {
+    const int64_t t = QUAD_KEYS * j;
+    const __m512 ab = fold_pairs(partials(t), partials(t + 1));
+    const __m512 cd = fold_pairs(partials(t + 2), partials(t + 3));
+    const int64_t valid = std::clamp<int64_t>(n - t, 0, QUAD_KEYS);
+    const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
+    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, fold_pairs(ab, cd), _mm512_set1_ps(scale));
+  }
+  __m512 block_max = s[0];
+  for (int64_t j = 1; j < VECS; ++j) block_max = _mm512_max_ps(block_max, s[j]);
+  const __m512 old_max = _mm512_loadu_ps(state);
+  const __m512 new_max = _mm512_max_ps(old_max, quarter_max(block_max));  // finite: key `start` is live
+  const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(old_max, new_max));  // 0 on the first block
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < VECS; ++j) {
+    const __m512 p = exp_nonpositive16(_mm512_sub_ps(s[j], new_max));
+    sum = _mm512_add_ps(sum, p);
+    store(j, p);
+  }
+  _mm512_storeu_ps(state, new_max);
+  _mm512_storeu_ps(state + 16, _mm512_fmadd_ps(_mm512_loadu_ps(state + 16), rescale, quarter_sum(sum)));
+  _mm512_storeu_ps(state + 32, rescale);
+}
+
+// Resets a quad's state for a new task: no maximum yet, sums of 0.
+inline void reset_state(float* state) {
+  std::fill(state, state + 16, -std::numeric_limits<float>::infinity());
+  std::fill(state + 16, state + 32, 0.f);
+}
+
+}  // namespace quad
+#endif
+
+#ifdef ACTORSERVE_BF16_DOT
+// bfloat16 pools on CPUs with AVX512-BF16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in
+// float32). Q.K and P.V both read the pool's rows as they are, with no conversion to float.
+//
+// Q.K: quad score vectors (above); a key's 8-element pieces are broadcast, so each dot
+// instruction advances four heads by 8 elements.
+//
+// P.V: the probabilities are rounded to bfloat16 (as PyTorch's CPU flash kernel does before its
+// P.V) and taken in key pairs; two value rows interleaved element by element make the other
+// operand, so each head's accumulators advance two keys per instruction. The interleave permutes
+// elements within 128-bit lanes, undone once at the end.
+namespace bf16 {
+
+using namespace quad;
+
+// Integer lanes as dot operands: a bit cast, no instruction.
+inline __m512bh as_bh(__m512i x) {
+  __m512bh r;
+  std::memcpy(&r, &x, sizeof r);
+  return r;
 }
 
 // Four heads' partial sums against one key row: lane 4h + i sums the products of elements
@@ -216,36 +269,6 @@ struct Scratch {
         acc(group * dim) {}
   static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
 };
-
-// Scores of one head quad against the block's keys (rows[t], t < BLOCK; past n masked), then the
-// online softmax update: writes bf16 probabilities and each head's rescale into the state.
-template <int64_t CHUNKS>
-inline void score_block(const uint32_t* q4, const uint16_t* const* rows, int64_t n, float scale, uint16_t* probs, float* state) {
-  __m512 s[VECS];
-  for (int64_t j = 0; j < VECS; ++j) {
-    const uint16_t* const* r = rows + QUAD_KEYS * j;
-    const __m512 ab = fold_pairs(quad_partials<CHUNKS>(q4, r[0]), quad_partials<CHUNKS>(q4, r[1]));
-    const __m512 cd = fold_pairs(quad_partials<CHUNKS>(q4, r[2]), quad_partials<CHUNKS>(q4, r[3]));
-    const int64_t valid = std::clamp<int64_t>(n - QUAD_KEYS * j, 0, QUAD_KEYS);
-    const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
-    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, fold_pairs(ab, cd), _mm512_set1_ps(scale));
-  }
-  __m512 block_max = s[0];
-  for (int64_t j = 1; j < VECS; ++j) block_max = _mm512_max_ps(block_max, s[j]);
-  const __m512 old_max = _mm512_loadu_ps(state);
-  const __m512 new_max = _mm512_max_ps(old_max, quarter_max(block_max));  // finite: key `start` is live
-  const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(old_max, new_max));  // 0 on the first block
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < VECS; ++j) {
-    const __m512 p = exp_nonpositive16(_mm512_sub_ps(s[j], new_max));
-    sum = _mm512_add_ps(sum, p);
-    const __m256bh rounded = _mm512_cvtneps_pbh(p);
-    std::memcpy(probs + 16 * j, &rounded, sizeof rounded);
-  }
-  _mm512_storeu_ps(state, new_max);
-  _mm512_storeu_ps(state + 16, _mm512_fmadd_ps(_mm512_loadu_ps(state + 16), rescale, quarter_sum(sum)));
-  _mm512_storeu_ps(state + 32, rescale);
-}
 
 // Value rows t and t + 1 interleaved element by element, for t = 0, 2, ... < n (a missing row
 // n repeats row n - 1; its probability is 0).
@@ -313,9 +336,7 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
   const int64_t quads = Scratch::quads(group);
   for (int64_t w = 0; w < quads; ++w) {
     pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 8 * 16);
-    float* state = s.state.data() + w * 48;
-    std::fill(state, state + 16, -std::numeric_limits<float>::infinity());
-    std::fill(state + 16, state + 32, 0.f);
+    reset_state(s.state.data() + w * 48);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   const uint16_t* keys[BLOCK];
@@ -332,8 +353,16 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     const int64_t next_end = std::min(end, start + 2 * BLOCK);
     for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, DIM);
     for (int64_t w = 0; w < quads; ++w)
-      score_block<CHUNKS>(s.q4.data() + w * DIM / 8 * 16, keys, n, scale, s.probs.data() + w * VECS * 16,
-                          s.state.data() + w * 48);
+    {
+      const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
+      uint16_t* probs = s.probs.data() + w * VECS * 16;
+      score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
+                  [&](int64_t j, __m512 p) {
+                    const __m256bh rounded = _mm512_cvtneps_pbh(p);
+                    std::memcpy(probs + 16 * j, &rounded, sizeof rounded);
+                  },
+                  s.state.data() + w * 48);
+    }
     for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, DIM);
     interleave_values<CHUNKS>(values, n, s.values.data());
     for (int64_t g = 0; g < group; ++g) {
@@ -352,6 +381,131 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
 
 }  // namespace bf16
 #endif
+
+#ifdef ACTORSERVE_F32_QUADS
+// float32 pools on CPUs with AVX-512F (those without AVX512-BF16 run their models in float32).
+// Q.K: quad score vectors (above); a key's 4-element pieces are broadcast, so each FMA advances four
+// heads by 4 elements. P.V: each head's accumulators take one key per FMA, two keys in flight.
+namespace f32 {
+
+using namespace quad;
+
+// Query heads first .. first + 3 (zeros past `group`) as FMA operands: vector c, lane 4h + i
+// holds q[h][4c + i].
+inline void pack_queries(const float* q, int64_t dim, int64_t first, int64_t group, float* out) {
+  for (int64_t c = 0; c < dim / 4; ++c)
+    for (int64_t h = 0; h < HEADS; ++h)
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t head = first + h;
+        out[c * 16 + 4 * h + i] = head < group ? q[head * dim + 4 * c + i] : 0.f;
+      }
+}
+
+// Four heads' partial sums against one key row: lane 4h + i sums q[h][4c + i] * key[4c + i] over c.
+template <int64_t CHUNKS>
+inline __m512 quad_partials(const float* q4, const float* key) {
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains: half the latency
+  for (int64_t c = 0; c < 8 * CHUNKS; c += 2) {
+    even = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 16 * c), _mm512_broadcast_f32x4(_mm_loadu_ps(key + 4 * c)), even);
+    odd = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 16 * (c + 1)), _mm512_broadcast_f32x4(_mm_loadu_ps(key + 4 * (c + 1))), odd);
+  }
+  return _mm512_add_ps(even, odd);
+}
+
+// acc = acc * rescale + P.V over the block's first n value rows, for one head; p: the head's
+// probabilities, key t at p[16 * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
+template <int64_t CHUNKS>
+inline void accumulate_values(const float* p, float rescale, const float* const* rows, int64_t n, float* acc) {
+  constexpr int64_t V = 2 * CHUNKS;  // vectors per row
+  __m512 a[V], b[V];  // even and odd keys: twice the independent chains
+  const __m512 r = _mm512_set1_ps(rescale);
+  for (int64_t v = 0; v < V; ++v) {
+    a[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), r);
+    b[v] = _mm512_setzero_ps();
+  }
+  auto prob = [&](int64_t t) { return _mm512_set1_ps(p[16 * (t / 4) + t % 4]); };
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) {
+    const __m512 p0 = prob(t), p1 = prob(t + 1);
+    for (int64_t c = 0; c < V; ++c) {
+      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
+      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(rows[t + 1] + 16 * c), b[c]);
+    }
+  }
+  if (t < n)
+    for (int64_t c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(prob(t), _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
+  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a[v], b[v]));
+}
+
+// Scratch of one thread for `attend` (sizes for the largest group and dim).
+struct Scratch {
+  std::vector<float> q4;  // [quads][dim / 4][16]
+  std::vector<float> probs;  // [quads][VECS][16] probabilities in score-vector layout
+  std::vector<float> state;  // [quads][3][16]: running max, running sum, this block's rescale
+  std::vector<float> acc;  // [group][dim]
+  Scratch(int64_t group, int64_t dim)
+      : q4(quads(group) * dim / 4 * 16), probs(quads(group) * VECS * 16), state(quads(group) * 48), acc(group * dim) {}
+  static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
+};
+
+// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
+// of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and lse[group].
+template <int64_t CHUNKS>
+void attend(const float* q, const float* k_pool, const float* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+  constexpr int64_t DIM = 32 * CHUNKS;
+  const int64_t quads = Scratch::quads(group);
+  for (int64_t w = 0; w < quads; ++w) {
+    pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 4 * 16);
+    reset_state(s.state.data() + w * 48);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
+  const float* keys[BLOCK];
+  const float* values[BLOCK];
+  for (int64_t start = begin; start < end; start += BLOCK) {
+    const int64_t n = std::min(BLOCK, end - start);
+    for (int64_t t = 0; t < BLOCK; ++t) {  // past n, the last row again: scored, then masked out
+      const int64_t slot = slots[start + std::min(t, n - 1)];
+      keys[t] = k_pool + slot * slot_stride;
+      values[t] = v_pool + slot * slot_stride;
+    }
+    // As in the bfloat16 path: the next block's keys while this one's are scored, its values
+    // while this one's are summed.
+    const int64_t next_end = std::min(end, start + 2 * BLOCK);
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, DIM);
+    for (int64_t w = 0; w < quads; ++w) {
+      const float* q4 = s.q4.data() + w * DIM / 4 * 16;
+      float* probs = s.probs.data() + w * VECS * 16;
+      score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
+                  [&](int64_t j, __m512 p) { _mm512_storeu_ps(probs + 16 * j, p); }, s.state.data() + w * 48);
+    }
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, DIM);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t w = g / HEADS, h = g % HEADS;
+      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], values, n, s.acc.data() + g * DIM);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
+    const float inv = 1.f / state[16];
+    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
+    lse[g] = state[0] + std::log(state[16]);
+  }
+}
+
+}  // namespace f32
+#endif
+
+// Whether `f32::attend` takes a task: float32 rows whose length is a multiple of 32 it unrolls.
+template <typename T>
+bool takes_f32_path(int64_t dim) {
+#ifdef ACTORSERVE_F32_QUADS
+  return std::is_same_v<T, float> && (dim == 32 || dim == 64 || dim == 128);
+#else
+  (void)dim;
+  return false;
+#endif
+}
 
 // Whether `bf16::attend` takes a task: bfloat16 rows whose length is a multiple of 32 it unrolls.
 template <typename T>
@@ -384,12 +538,16 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const int64_t slot_stride = kv_heads * dim;
   const int64_t num_tasks = batch * kv_heads;
   const bool bf16_path = takes_bf16_path<T>(dim);
+  const bool f32_path = takes_f32_path<T>(dim);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
   {
     std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(group * dim);
 #ifdef ACTORSERVE_BF16_DOT
     bf16::Scratch bf16_scratch(bf16_path ? group : 0, bf16_path ? dim : 0);
+#endif
+#ifdef ACTORSERVE_F32_QUADS
+    f32::Scratch f32_scratch(f32_path ? group : 0, f32_path ? dim : 0);
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
@@ -405,6 +563,17 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
           bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
                                                 reinterpret_cast<const uint16_t*>(v_head), slot_stride, slots, begins[b], ends[b], group,
                                                 static_cast<float>(scale), bf16_scratch, result.data(), lse_out);
+        };
+        if (dim == 32) call(std::integral_constant<int64_t, 1>{});
+        else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
+        else call(std::integral_constant<int64_t, 4>{});
+#endif
+      } else if (f32_path) {
+#ifdef ACTORSERVE_F32_QUADS
+        auto call = [&](auto chunks) {
+          f32::attend<decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
+                                               reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
+                                               static_cast<float>(scale), f32_scratch, result.data(), lse_out);
         };
         if (dim == 32) call(std::integral_constant<int64_t, 1>{});
         else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
