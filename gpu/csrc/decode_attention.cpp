@@ -207,6 +207,30 @@ inline void reset_state(float* state) {
   std::fill(state + 16, state + 32, 0.f);
 }
 
+// Walks one task's keys (`begin` to `end` of its slots) a block at a time: the block's key and value
+// rows (past n, the last row again), then score(keys, n) and accumulate(values, n). Rows are
+// scattered over the pool, so the next block's keys are fetched while this one's are scored, its
+// values while this one's are summed (two smaller bursts: fewer dropped prefetches).
+template <typename Row, typename Score, typename Accumulate>
+inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin, int64_t end,
+                           int64_t dim, Score score, Accumulate accumulate) {
+  const Row* keys[BLOCK];
+  const Row* values[BLOCK];
+  for (int64_t start = begin; start < end; start += BLOCK) {
+    const int64_t n = std::min(BLOCK, end - start);
+    for (int64_t t = 0; t < BLOCK; ++t) {
+      const int64_t slot = slots[start + std::min(t, n - 1)];
+      keys[t] = k_pool + slot * slot_stride;
+      values[t] = v_pool + slot * slot_stride;
+    }
+    const int64_t next_end = std::min(end, start + 2 * BLOCK);
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, dim);
+    score(keys, n);
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, dim);
+    accumulate(values, n);
+  }
+}
+
 }  // namespace quad
 #endif
 
@@ -339,21 +363,8 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     reset_state(s.state.data() + w * 48);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  const uint16_t* keys[BLOCK];
-  const uint16_t* values[BLOCK];
-  for (int64_t start = begin; start < end; start += BLOCK) {
-    const int64_t n = std::min(BLOCK, end - start);
-    for (int64_t t = 0; t < BLOCK; ++t) {  // past n, the last row again: scored, then masked out
-      const int64_t slot = slots[start + std::min(t, n - 1)];
-      keys[t] = k_pool + slot * slot_stride;
-      values[t] = v_pool + slot * slot_stride;
-    }
-    // Rows are scattered over the pool: fetch the next block's keys while this one's are scored,
-    // its values while this one's are summed (two smaller bursts: fewer dropped prefetches).
-    const int64_t next_end = std::min(end, start + 2 * BLOCK);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, DIM);
-    for (int64_t w = 0; w < quads; ++w)
-    {
+  auto score = [&](const uint16_t* const* keys, int64_t n) {
+    for (int64_t w = 0; w < quads; ++w) {
       const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
       uint16_t* probs = s.probs.data() + w * VECS * 16;
       score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
@@ -363,14 +374,16 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
                   },
                   s.state.data() + w * 48);
     }
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, DIM);
+  };
+  auto accumulate = [&](const uint16_t* const* values, int64_t n) {
     interleave_values<CHUNKS>(values, n, s.values.data());
     for (int64_t g = 0; g < group; ++g) {
       const int64_t w = g / HEADS, h = g % HEADS;
       accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], s.values.data(), n,
                                 s.acc.data() + g * DIM);
     }
-  }
+  };
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
   for (int64_t g = 0; g < group; ++g) {
     const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
     const float inv = 1.f / state[16];
@@ -460,31 +473,21 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
     reset_state(s.state.data() + w * 48);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  const float* keys[BLOCK];
-  const float* values[BLOCK];
-  for (int64_t start = begin; start < end; start += BLOCK) {
-    const int64_t n = std::min(BLOCK, end - start);
-    for (int64_t t = 0; t < BLOCK; ++t) {  // past n, the last row again: scored, then masked out
-      const int64_t slot = slots[start + std::min(t, n - 1)];
-      keys[t] = k_pool + slot * slot_stride;
-      values[t] = v_pool + slot * slot_stride;
-    }
-    // As in the bfloat16 path: the next block's keys while this one's are scored, its values
-    // while this one's are summed.
-    const int64_t next_end = std::min(end, start + 2 * BLOCK);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, DIM);
+  auto score = [&](const float* const* keys, int64_t n) {
     for (int64_t w = 0; w < quads; ++w) {
       const float* q4 = s.q4.data() + w * DIM / 4 * 16;
       float* probs = s.probs.data() + w * VECS * 16;
       score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
                   [&](int64_t j, __m512 p) { _mm512_storeu_ps(probs + 16 * j, p); }, s.state.data() + w * 48);
     }
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, DIM);
+  };
+  auto accumulate = [&](const float* const* values, int64_t n) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t w = g / HEADS, h = g % HEADS;
       accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], values, n, s.acc.data() + g * DIM);
     }
-  }
+  };
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
   for (int64_t g = 0; g < group; ++g) {
     const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
     const float inv = 1.f / state[16];
