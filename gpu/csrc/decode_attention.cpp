@@ -32,7 +32,7 @@
 #define ACTORSERVE_QUAD_SCORES 1
 #include <immintrin.h>
 #endif
-#if defined(__AVX512F__) && !defined(ACTORSERVE_F32_QUADS)
+#ifdef __AVX512F__
 #define ACTORSERVE_F32_QUADS 1
 #endif
 
