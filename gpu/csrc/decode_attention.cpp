@@ -499,22 +499,33 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
 }  // namespace f32
 #endif
 
-// Whether `f32::attend` takes a task: float32 rows whose length is a multiple of 32 it unrolls.
+// The head sizes the vector paths unroll: 32 * CHUNKS.
+inline bool unrolled_dim(int64_t dim) { return dim == 32 || dim == 64 || dim == 128; }
+
+// call(std::integral_constant<int64_t, CHUNKS>) for an unrolled `dim`.
+template <typename Call>
+void with_chunks(int64_t dim, Call call) {
+  if (dim == 32) call(std::integral_constant<int64_t, 1>{});
+  else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
+  else call(std::integral_constant<int64_t, 4>{});
+}
+
+// Whether `f32::attend` takes a task: float32 rows of an unrolled length.
 template <typename T>
 bool takes_f32_path(int64_t dim) {
 #ifdef ACTORSERVE_F32_QUADS
-  return std::is_same_v<T, float> && (dim == 32 || dim == 64 || dim == 128);
+  return std::is_same_v<T, float> && unrolled_dim(dim);
 #else
   (void)dim;
   return false;
 #endif
 }
 
-// Whether `bf16::attend` takes a task: bfloat16 rows whose length is a multiple of 32 it unrolls.
+// Whether `bf16::attend` takes a task: bfloat16 rows of an unrolled length.
 template <typename T>
 bool takes_bf16_path(int64_t dim) {
 #ifdef ACTORSERVE_BF16_DOT
-  return std::is_same_v<T, c10::BFloat16> && (dim == 32 || dim == 64 || dim == 128);
+  return std::is_same_v<T, c10::BFloat16> && unrolled_dim(dim);
 #else
   (void)dim;
   return false;
@@ -562,25 +573,19 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       float* lse_out = lse_data + b * heads + h * group;
       if (bf16_path) {
 #ifdef ACTORSERVE_BF16_DOT
-        auto call = [&](auto chunks) {
+        with_chunks(dim, [&](auto chunks) {
           bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
                                                 reinterpret_cast<const uint16_t*>(v_head), slot_stride, slots, begins[b], ends[b], group,
                                                 static_cast<float>(scale), bf16_scratch, result.data(), lse_out);
-        };
-        if (dim == 32) call(std::integral_constant<int64_t, 1>{});
-        else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
-        else call(std::integral_constant<int64_t, 4>{});
+        });
 #endif
       } else if (f32_path) {
 #ifdef ACTORSERVE_F32_QUADS
-        auto call = [&](auto chunks) {
+        with_chunks(dim, [&](auto chunks) {
           f32::attend<decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
                                                reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
                                                static_cast<float>(scale), f32_scratch, result.data(), lse_out);
-        };
-        if (dim == 32) call(std::integral_constant<int64_t, 1>{});
-        else if (dim == 64) call(std::integral_constant<int64_t, 2>{});
-        else call(std::integral_constant<int64_t, 4>{});
+        });
 #endif
       } else {
         for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
