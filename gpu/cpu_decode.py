@@ -9,9 +9,9 @@ that `inputs` accepts and runs its modules for any other.
 It covers the compiled CPU kernels with one tensor-parallel rank and no per-head q/k norm
 (Qwen3's), decode batches whose attention is the plain paged decode (no shared prefix to merge, no
 host-tier loads to wait for layer by layer), and linear layers (gpu/packed_linear.py) that are
-either all PackedLinears (oneDNN, float32 or bfloat16) or all Int8Linears (the AVX512-VNNI kernel
-up to `SMALL_BATCH_ROWS` rows where the CPU has it, oneDNN's int8 kernel past that), at any batch
-size.
+either all PackedLinears (oneDNN, float32 or bfloat16), all Int8Linears (the AVX512-VNNI kernel
+up to `SMALL_BATCH_ROWS` rows where the CPU has it, oneDNN's int8 kernel past that) or all
+GgufLinears on their kernel (gpu/gguf_linear.py), at any batch size.
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ import torch
 
 from gpu.attention import AttentionBackend, TorchAttention
 from gpu.forward_batch import ForwardBatch
-from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Linear, PackedLinear, int8_kernels
+from gpu.gguf_linear import GgufLinear
+from gpu.packed_linear import SMALL_BATCH_ROWS, CpuLinear, Int8Linear, PackedLinear, int8_kernels
 from gpu.paged_attention import PagedDecode
 
 if TYPE_CHECKING:
     from gpu.models import CausalLM
+
+
+# gpu/csrc/decode_layers.cpp's LinearKind: the class every linear layer of the model must be.
+LINEAR_KINDS: dict[type, int] = {PackedLinear: 0, Int8Linear: 1, GgufLinear: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,26 +56,28 @@ class CpuDecodeLayers:
             return None
         if model.tp.size != 1 or model.config.qk_norm or model.rotary is None or model.rotary.kernels is None:
             return None
-        int8 = isinstance(model.model.layers[0].self_attn.qkv, Int8Linear)
+        kind = type(model.model.layers[0].self_attn.qkv)
+        if kind not in LINEAR_KINDS:
+            return None
         weights: list[torch.Tensor] = []
         out_features: list[int] = []
         for layer in model.model.layers:
             self_attn, mlp = layer.self_attn, layer.mlp
             linears = [self_attn.qkv, self_attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed]
-            if not all(_takes(m, int8) for m in linears) or layer.kernels is None:
+            if not all(_takes(m, kind) for m in linears) or layer.kernels is None:
                 return None
             weights += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
             eps = layer.input_layernorm.eps
             for m in linears:
                 weights += _linear_weights(m)
-                out_features.append(m.out_features if isinstance(m, Int8Linear) else 0)  # 0: the packed weight's rows
+                out_features.append(0 if kind is PackedLinear else m.out_features)  # 0: the packed weight's rows
         if int8_kernels() is None:  # the extension that holds DecodeLayers did not build here
             return None
         attn0 = model.model.layers[0].self_attn
         dims = [attn0.num_heads, attn0.num_kv_heads, attn0.head_dim]
         rotary = model.rotary
         layers = torch.classes.actorserve.DecodeLayers(
-            int8, SMALL_BATCH_ROWS, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
+            LINEAR_KINDS[kind], SMALL_BATCH_ROWS, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
         )
         return cls(layers, attn)
 
@@ -87,18 +94,22 @@ class CpuDecodeLayers:
         self._layers.run(hidden, positions, step.out_cache_loc, self._attn.req_to_token, paged.req_rows, paged.key_begin, paged.key_end)
 
 
-def _takes(linear: object, int8: bool) -> bool:
-    if int8:
-        return isinstance(linear, Int8Linear) and linear.kernels is not None
-    return isinstance(linear, PackedLinear)
+def _takes(linear: object, kind: type) -> bool:
+    if type(linear) is not kind:
+        return False
+    if isinstance(linear, Int8Linear):
+        return linear.kernels is not None
+    return not isinstance(linear, GgufLinear) or linear.kernel
 
 
-def _linear_weights(m: Int8Linear | PackedLinear) -> list[torch.Tensor]:
+def _linear_weights(m: CpuLinear) -> list[torch.Tensor]:
     """decode_layers.cpp's six tensors of a linear layer (an empty one: none)."""
     none = torch.empty(0)
     bias = m.bias if m.bias is not None else none
     if isinstance(m, PackedLinear):
         return [none, none, none, bias, m.weight, none]
+    if isinstance(m, GgufLinear):
+        return [m.weight, m.scale, m.minimum, bias, none, none]
     if m.small_batch is None:
         return [none, none, m.weight_scale, bias, m.weight, m.weight_zero_point]
     return [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias, m.weight, m.weight_zero_point]

@@ -32,6 +32,7 @@ from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cud
 from gpu.kv_pool import KVBuffers, KVMove, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
+from gpu.gguf_linear import GgufBlockSource
 from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout
@@ -45,7 +46,9 @@ class RunnerConfig:
     model_path: str | None = None  # None: the default SmolLM2 GGUF model
     dtype: str = "auto"
     device: str = "cpu"
-    quantization: str | None = None  # "int8": Int8Linear layers (gpu/packed_linear.py), CPU only
+    # "int8": Int8Linear layers (gpu/packed_linear.py); "gguf": GgufLinear layers from the model's
+    # GGUF file (gpu/gguf_linear.py); CPU only.
+    quantization: str | None = None
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
     max_running_requests: int = 64
     page_size: int = 1
@@ -74,15 +77,15 @@ class ModelRunner:
             raise ValueError(unsplittable)
         self.layout = TPLayout(self.model_config, tp.rank, tp.size)
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
-        if config.quantization is not None and not can_quantize(self.device):
-            raise ValueError(f"quantization {config.quantization} needs oneDNN's int8 matmul on a CPU (device {self.device})")
+        if config.quantization is not None and not can_quantize(self.device, config.quantization):
+            raise ValueError(f"quantization {config.quantization} needs a CPU (and for int8 oneDNN's int8 matmul); device {self.device}")
         available_at_start = available_memory_bytes(self.device) if config.mem_fraction_static is not None else 0
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
         self.model = load_model(self.model_dir, self.dtype, self.device, tp)
         self.cpu_kernels = cpu_kernels() if config.cpu_kernels and self.device.type == "cpu" else None
         if config.quantization is not None:
-            pack_for_cpu(self.model, config.quantization)
+            pack_for_cpu(self.model, config.quantization, self._gguf_blocks(config.quantization))
         elif config.cpu_kernels and can_pack(self.dtype, self.device):
             pack_for_cpu(self.model)
         if self.cpu_kernels is not None:
@@ -203,6 +206,16 @@ class ModelRunner:
             raise ValueError(f"cuda_graph_max_bs must be >= 1, got {wanted}; use --disable-cuda-graph to turn graphs off")
         # A decode batch never has more rows than there are request rows.
         return min(wanted, self.config.max_running_requests)
+
+    def _gguf_blocks(self, quantization: str) -> GgufBlockSource | None:
+        if quantization != "gguf":
+            return None
+        from gpu.gguf_loader import default_model_path  # lazy: only GGUF users pay for importing gguf
+
+        path = default_model_path() if self.config.model_path is None else Path(self.config.model_path).expanduser()
+        if path.suffix != ".gguf" or self.tp.size != 1:
+            raise ValueError(f"quantization gguf needs a .gguf model file and one rank (model {path}, {self.tp.size} ranks)")
+        return GgufBlockSource(path)
 
     def _context_len(self) -> int:
         model_max = self.model_config.max_position_embeddings

@@ -33,12 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu.cpu_ops import BUILD_DIR, CSRC, build_extension
+from gpu.gguf_linear import GgufBlockSource, GgufLinear
 from gpu.int8_smoothing import smooth
 
 log = logging.getLogger(__name__)
 
 PACKABLE = (torch.float32, torch.bfloat16)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
 # Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's layers (2 threads,
 # BENCHMARKS.md): 2-7x at 1-4 rows; at 16, 1.2-1.9x on three of a layer's four matmuls and 0.8-1.0x
@@ -143,7 +144,7 @@ class Int8Linear(nn.Module):
         return dequantize(product[:rows], row_scale, self.bias, x.dtype)
 
 
-CpuLinear = PackedLinear | Int8Linear
+CpuLinear = PackedLinear | Int8Linear | GgufLinear
 ROW_STEP = 128  # above this many rows, buckets are its multiples; below, powers of two
 
 
@@ -156,11 +157,13 @@ def row_bucket(rows: int) -> int:
 def build_int8_ops() -> None:
     """Build (when needed) and load the int8 extension: its own build folder, which nothing else
     loads or rebuilds; gpu/csrc/decode_layers.cpp calls the CPU kernels' extension (gpu/cpu_ops.py)."""
-    sources = [CSRC / name for name in ("quantize.cpp", "int8_matmul.cpp", "decode_layers.cpp")]
+    sources = [CSRC / name for name in ("quantize.cpp", "int8_matmul.cpp", "gguf_matmul.cpp", "decode_layers.cpp")]
     build_extension("actorserve_int8_ops", sources, BUILD_DIR.with_name("int8_ops"))
 
 
-def can_quantize(device: torch.device) -> bool:
+def can_quantize(device: torch.device, quantization: str = "int8") -> bool:
+    if quantization == "gguf":  # gpu/gguf_linear.py: its kernel, or torch ops where it cannot build
+        return device.type == "cpu"
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
@@ -188,31 +191,41 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pac
     return packed(x) if packed is not None else F.linear(x, weight, bias)
 
 
-def pack_for_cpu(model: nn.Module, quantization: str | None = None) -> None:
+def pack_for_cpu(model: nn.Module, quantization: str | None = None, gguf: GgufBlockSource | None = None) -> None:
     """Fuse and pack every linear layer of a loaded CausalLM (gpu/models.py); with quantization
     "int8", as Int8Linears, after SmoothQuant's scales are folded in (gpu/int8_smoothing.py: one
-    calibration forward of the still unquantized model)."""
+    calibration forward of the still unquantized model); with "gguf", as GgufLinears made from the
+    blocks of the GGUF file the model was loaded from (`gguf`)."""
     kernels = int8_kernels() if quantization == "int8" else None
     if quantization == "int8":
         smooth(model)
+    if quantization == "gguf" and gguf is None:
+        raise ValueError("quantization gguf needs the GGUF file the model was loaded from")
 
-    def fused(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> CpuLinear:
+    def fused_layers(prefix: str, *layers: tuple[str, nn.Module], tp_bias: bool = True) -> CpuLinear:
+        biases = [_bias(layer) if tp_bias else None for _, layer in layers]
+        if quantization == "gguf":
+            return GgufLinear([gguf.blocks(f"{prefix}{name}.weight") for name, _ in layers], biases)
+        weights = [layer.weight.detach() for _, layer in layers]
         return Int8Linear(weights, biases, kernels) if quantization == "int8" else PackedLinear(weights, biases)
 
-    def fused_layers(*layers: nn.Module) -> CpuLinear:
-        return fused([layer.weight.detach() for layer in layers], [_bias(layer) for layer in layers])
-
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv = fused_layers(attn.q_proj, attn.k_proj, attn.v_proj)
-        mlp.gate_up = fused_layers(mlp.gate_proj, mlp.up_proj)
+        prefix = f"model.layers.{i}."
+        attn.qkv = fused_layers(prefix, ("self_attn.q_proj", attn.q_proj), ("self_attn.k_proj", attn.k_proj), ("self_attn.v_proj", attn.v_proj))
+        mlp.gate_up = fused_layers(prefix, ("mlp.gate_proj", mlp.gate_proj), ("mlp.up_proj", mlp.up_proj))
         # Under tensor parallelism a row-parallel layer's bias is added once, after the all-reduce.
-        for row_parallel in (attn.o_proj, mlp.down_proj):
-            row_parallel.packed = fused([row_parallel.weight.detach()], [_bias(row_parallel) if row_parallel.tp.size == 1 else None])
+        for name, row_parallel in (("self_attn.o_proj", attn.o_proj), ("mlp.down_proj", mlp.down_proj)):
+            row_parallel.packed = fused_layers(prefix, (name, row_parallel), tp_bias=row_parallel.tp.size == 1)
         for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
             _drop_weight(module)
     # The output layer gets its own packed copy when tied: the embedding lookup needs the plain rows.
-    model.packed_head = fused([model.output_weight().detach()], [None])
+    if quantization == "gguf":
+        head = "model.embed_tokens" if model.config.tie_word_embeddings else "lm_head"
+        model.packed_head = GgufLinear([gguf.blocks(f"{head}.weight")], [None])
+    else:
+        weight = model.output_weight().detach()
+        model.packed_head = Int8Linear([weight], [None], kernels) if quantization == "int8" else PackedLinear([weight], [None])
     if not model.config.tie_word_embeddings:
         _drop_weight(model.lm_head)
 

@@ -37,7 +37,7 @@ CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 DTYPES: tuple[str, ...] = get_args(Dtype)
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 SAMPLING_DEFAULTS: tuple[str, ...] = get_args(SamplingDefaults)
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
@@ -56,8 +56,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     dtype: Dtype = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
-    # gpu/packed_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
-    quantization: Literal["int8"] | None = None
+    # gpu/packed_linear.py); gguf: a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept as they are (CPU
+    # only; gpu/gguf_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
+    quantization: Literal["int8", "gguf"] | None = None
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings
     attention_backend: AttentionBackend = "auto"
@@ -182,8 +183,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}"),
-            (self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r} is unknown; choose int8 or leave it unset"),
-            (self.quantization is None or self.device.startswith("cpu"), f"quantization {self.quantization} runs on a CPU only (oneDNN's int8 matmul); drop it with device {self.device}"),
+            (self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r} is unknown; choose int8, gguf or leave it unset"),
+            (self.quantization is None or self.device.startswith("cpu"), f"quantization {self.quantization} runs on a CPU only; drop it with device {self.device}"),
+            (self.quantization != "gguf" or self.model_path is None or str(self.model_path).endswith(".gguf"), f"quantization gguf keeps a GGUF file's blocks; model_path {self.model_path} is not a .gguf file"),
+            (self.quantization != "gguf" or self.tp_size == 1, "quantization gguf runs on one rank; drop tp_size or use --quantization int8"),
             (self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}"),
             (self.max_prefill_tokens >= 1, f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}"),
             (_positive_or_none(self.prefill_max_requests), f"prefill_max_requests must be positive, got {self.prefill_max_requests}"),

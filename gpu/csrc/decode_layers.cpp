@@ -5,7 +5,8 @@
 // what the kernel does with one token: ~3.5 ms of a 13 ms int8 step went to the calls around the
 // kernels. `DecodeLayers` holds every layer's weights and makes the same calls from C++, in the
 // same order, on the same kernels (gpu/csrc/elementwise.cpp, decode_attention.cpp, and for the
-// linear layers int8_matmul.cpp or oneDNN's packed linear, through the dispatcher), so its result
+// linear layers int8_matmul.cpp, gguf_matmul.cpp or oneDNN's packed linear, through the
+// dispatcher), so its result
 // is gpu/models.py's, bit for bit (tests/test_cpu_decode.py). gpu/cpu_decode.py builds it and
 // decides when a batch takes it.
 #include <ATen/ATen.h>
@@ -26,7 +27,8 @@ using actorserve::kZeroPoint;
 // One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
 // `bias`. An Int8Linear: also `small` and `offsets` in int8_matmul's layout (empty where the CPU has
 // no small-batch kernel), `scale` per output row, and oneDNN's prepacked int8 `onednn` weight with
-// its `zero_point`s for larger batches.
+// its `zero_point`s for larger batches. A GgufLinear: `small` its packed blocks, `offsets` and
+// `scale` their float16 scales and minimums.
 struct LinearWeights {
   at::Tensor small, offsets, scale;
   c10::optional<at::Tensor> bias;
@@ -67,6 +69,8 @@ using SiluMul = at::Tensor(const at::Tensor&);
 using Rope = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Quantize = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType);
+using GgufMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const c10::optional<at::Tensor>&, int64_t);
 using Int8Matmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const c10::optional<at::Tensor>&, int64_t);
 using WriteKV = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -77,15 +81,19 @@ using DecodeAttention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
 constexpr int64_t kPerLinear = 6;                  // small, offsets, scale, bias, onednn, zero_point (empty: none)
 constexpr int64_t kPerLayer = 2 + 4 * kPerLinear;  // the two norms' weights, then qkv, o, gate_up, down
 
+// gpu/cpu_decode.py's LINEAR_KINDS: which class of gpu/packed_linear.py every linear layer is.
+enum class LinearKind : int64_t { kPacked = 0, kInt8 = 1, kGguf = 2 };
+
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   // weights: kPerLayer tensors per layer; out_features: qkv, o, gate_up, down per layer.
-  // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. int8: the linear
-  // layers are Int8Linears, else PackedLinears; small_batch_rows: the most rows int8_matmul takes.
-  DecodeLayers(bool int8, int64_t small_batch_rows, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
+  // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. kind: a
+  // LinearKind; small_batch_rows: the most rows int8_matmul takes.
+  DecodeLayers(int64_t kind, int64_t small_batch_rows, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
                std::vector<double> numbers, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                std::vector<at::Tensor> v_pools)
-      : int8_(int8), small_batch_rows_(small_batch_rows), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
+      : kind_(static_cast<LinearKind>(kind)), small_batch_rows_(small_batch_rows), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
+    TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (packed), 1 (int8) or 2 (gguf)");
     TORCH_CHECK(dims.size() == 3 && numbers.size() == 2, "dims: heads, kv heads, head dim; numbers: eps, scale");
     TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == 4 * (weights.size() / kPerLayer),
                 "weights and out_features do not describe whole layers");
@@ -115,6 +123,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     static const auto silu_mul = find_op<SiluMul>("actorserve::silu_mul");
     static const auto rope = find_op<Rope>("actorserve::rope_");
     static const auto matmul = find_op<Int8Matmul>("actorserve::int8_matmul");
+    static const auto gguf_matmul = find_op<GgufMatmul>("actorserve::gguf_matmul");
     static const auto quantize = find_op<Quantize>("actorserve::quantize_rows");
     static const auto dequantize = find_op<Dequantize>("actorserve::dequantize_rows");
     static const auto onednn = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -124,7 +133,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     const int64_t batch = hidden.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     const c10::List<c10::optional<at::Scalar>> no_args;
     auto linear = [&](const at::Tensor& x, const LinearWeights& w) {
-      if (!int8_) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
+      if (kind_ == LinearKind::kPacked) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
+      if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
       if (w.small.numel() > 0 && batch <= small_batch_rows_) return matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
       // Int8Linear.forward's oneDNN path: the padding rows are the zero point, and integer dot
       // products are exact, so no row's result depends on them.
@@ -153,7 +163,7 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
-  bool int8_;
+  LinearKind kind_;
   int64_t small_batch_rows_;
   std::vector<LayerWeights> layers_;
   at::Tensor cos_, sin_;
@@ -166,7 +176,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<bool, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
+      .def(torch::init<int64_t, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
                        at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &DecodeLayers::run);
 }

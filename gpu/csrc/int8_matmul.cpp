@@ -28,12 +28,10 @@
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ACTORSERVE_INT8_VNNI 1
-#include <immintrin.h>
+#include "store_lanes.h"
 #endif
 
 namespace {
-
-using actorserve::store_f32;
 
 using actorserve::kZeroPoint;
 constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane accumulators
@@ -86,6 +84,7 @@ void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_
 }
 
 #ifdef ACTORSERVE_INT8_VNNI
+using actorserve::store16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 constexpr int kMaxRows = 6;  // activation rows per pass: 6 x 4 accumulators + 4 weights in 32 registers
 
@@ -98,28 +97,6 @@ inline __m512 dequantize16(__m512i dot, const int32_t* offset, const float* w_sc
   const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_loadu_si512(offset)));
   __m512 y = _mm512_mul_round_ps(_mm512_mul_round_ps(exact, _mm512_maskz_loadu_ps(lanes, w_scale), kRound), row_scale, kRound);
   return bias == nullptr ? y : _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias), kRound);
-}
-
-template <typename T>
-inline void store16(T* out, __m512 y, int64_t count) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, y);
-  for (int64_t j = 0; j < count; ++j) store_f32(out + j, lanes[j]);
-}
-
-template <>
-inline void store16<float>(float* out, __m512 y, int64_t count) {
-  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << count) - 1), y);
-}
-
-// Round to nearest even as store_f32<BFloat16> does, NaN as 0x7FC0.
-template <>
-inline void store16<c10::BFloat16>(c10::BFloat16* out, __m512 y, int64_t count) {
-  const __m512i bits = _mm512_castps_si512(y);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd), 16);
-  rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << count) - 1), _mm512_cvtepi32_epi16(rounded));
 }
 
 struct Epilogue {

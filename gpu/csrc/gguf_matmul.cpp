@@ -1,0 +1,253 @@
+// Linear layers on GGUF's block-quantized weights as they are stored (Q4_0, Q4_1, Q8_0), on a CPU
+// with AVX512-VNNI: y = x W^T with W never widened past 4 or 8 bits.
+//
+// A GGUF block is 32 consecutive weights of one output row with a scale d and, in effect, a
+// minimum m: w = d * u + m, u unsigned (Q4_1: u in 0..15 as stored; Q4_0: u = q, m = -8d;
+// Q8_0: u = q + 128, m = -128d). gpu/gguf_linear.py repacks them once: 64 output rows per weight
+// block, four inputs per 32-bit lane so that one 64-byte load feeds one `vpdpbusd` (16 rows x 4
+// products); 4-bit weights keep two inputs per byte (the low nibble from one group of four inputs,
+// the high from the next), which halves what a decode step reads. Activations are quantized per
+// row and per 32-input block, as llama.cpp's Q8 activations are: q = round(x / a), a = max|x|/127,
+// and the block's sum s = a * sum(q). Per block and output row the integer dot product of u and q
+// then gives d * a * dot + m * s, accumulated in float32.
+//
+// The result is the dot product of the dequantized weights with the dequantized activations, up to
+// float32 rounding (tests/test_gguf_linear.py against float64). On a CPU without AVX512-VNNI
+// `gguf_matmul_available()` is false and gpu/gguf_linear.py runs the same arithmetic as torch ops.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "cpu_math.h"
+#include "parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define ACTORSERVE_GGUF_VNNI 1
+#include "store_lanes.h"
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 64;      // output rows per weight block: four 16-lane accumulators
+constexpr int64_t kGroup = 32;      // inputs per GGUF block (one scale and minimum per row)
+
+bool gguf_matmul_available() {
+#ifdef ACTORSERVE_GGUF_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef ACTORSERVE_GGUF_VNNI
+using actorserve::store16;
+
+// One row's activations, per 32-input block: q = round_half_even(x / a) with a = max|x| / 127
+// (0 for an all-zero block, whose q are then 0), and s = a * sum(q).
+template <typename T>
+void quantize_blocks(const T* x, int64_t dim, int8_t* q, float* a, float* s) {
+  for (int64_t b = 0; b < dim / kGroup; ++b) {
+    const T* xb = x + b * kGroup;
+    float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(actorserve::load_f32(xb + i)));
+    const float scale = amax / 127.f;
+    int32_t sum = 0;
+    for (int64_t i = 0; i < kGroup; ++i) {
+      const int32_t v = scale > 0.f ? static_cast<int32_t>(std::nearbyint(actorserve::load_f32(xb + i) / scale)) : 0;
+      q[b * kGroup + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    a[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+constexpr int kMaxRows = 2;  // per pass: 2 x 4 integer and 2 x 4 float accumulators, 4-8 weight vectors
+
+struct Activations {
+  const int8_t* q;
+  const float* a;
+  const float* s;
+  int64_t dim;  // of q; a and s hold dim / 32 per row
+};
+
+struct WeightBlock {
+  const uint8_t* u;   // the 64 rows' weights, in the layout of `Bits`
+  const uint16_t* d;  // float16 [dim / 32][64]
+  const uint16_t* m;  // float16 [dim / 32][64]
+  const float* bias;  // the block's first output, or nullptr
+  int64_t count;      // outputs of the block that exist (the last block may be short)
+};
+
+inline __m512 load_half16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512i broadcast4(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, sizeof four);
+  return _mm512_set1_epi32(four);
+}
+
+// One 32-input block's integer dot products, for R rows and 64 outputs.
+template <int Bits, int R>
+inline void dot_block(const uint8_t* u, const int8_t* const* q, __m512i (&acc)[R][4]) {
+  if constexpr (Bits == 8) {
+    for (int i = 0; i < kGroup / 4; ++i) {
+      const uint8_t* ui = u + i * kBlock * 4;
+      __m512i w[4];
+      for (int t = 0; t < 4; ++t) w[t] = _mm512_loadu_si512(ui + 64 * t);
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = broadcast4(q[r] + 4 * i);
+        for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w[t], x);
+      }
+    }
+  } else {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int p = 0; p < kGroup / 8; ++p) {
+      const uint8_t* up = u + p * kBlock * 4;
+      __m512i lo[4], hi[4];
+      for (int t = 0; t < 4; ++t) {
+        const __m512i packed = _mm512_loadu_si512(up + 64 * t);
+        lo[t] = _mm512_and_si512(packed, low);
+        hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i x_lo = broadcast4(q[r] + 8 * p), x_hi = broadcast4(q[r] + 8 * p + 4);
+        for (int t = 0; t < 4; ++t) {
+          acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], x_lo);
+          acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], x_hi);
+        }
+      }
+    }
+  }
+}
+
+// R activation rows against one 64-row weight block, written out.
+template <int Bits, int R, typename T>
+inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, T* out, int64_t out_stride) {
+  const int64_t groups = x.dim / kGroup, bytes_per_group = kBlock * kGroup * Bits / 8;
+  const int8_t* q[R];
+  __m512i acc[R][4];
+  __m512 y[R][4];
+  for (int r = 0; r < R; ++r) {
+    q[r] = x.q + (row + r) * x.dim;
+    for (int t = 0; t < 4; ++t) y[r][t] = _mm512_setzero_ps();
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_si512();
+    }
+    const int8_t* qg[R];
+    for (int r = 0; r < R; ++r) qg[r] = q[r] + g * kGroup;
+    dot_block<Bits, R>(w.u + g * bytes_per_group, qg, acc);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 d = load_half16(w.d + g * kBlock + 16 * t), m = load_half16(w.m + g * kBlock + 16 * t);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row + r) * groups + g;
+        const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(x.a[at]));
+        y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), da, y[r][t]);
+        y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[at]), y[r][t]);
+      }
+    }
+  }
+  for (int t = 0; t < 4; ++t) {
+    const int64_t first = 16 * t, count = std::min<int64_t>(16, w.count - first);
+    if (count <= 0) break;
+    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+    const __m512 bias = w.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, w.bias + first);
+    for (int r = 0; r < R; ++r) store16(out + r * out_stride + first, _mm512_add_ps(y[r][t], bias), count);
+  }
+}
+
+template <int Bits, typename T>
+void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
+                 const float* bias, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1), groups = dim / kGroup;
+  auto q = at::empty({rows, dim}, x.options().dtype(at::kChar));
+  auto a = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  auto s = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+  const T* xd = x.data_ptr<T>();
+  int8_t* qd = q.data_ptr<int8_t>();
+  float* ad = a.data_ptr<float>();
+  float* sd = s.data_ptr<float>();
+  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) quantize_blocks(xd + r * dim, dim, qd + r * dim, ad + r * groups, sd + r * groups);
+  });
+  const Activations act{qd, ad, sd, dim};
+  const uint8_t* ud = weight.data_ptr<uint8_t>();
+  const auto* dd = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
+  const auto* md = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
+  const int64_t block_bytes = kBlock * dim * Bits / 8;
+  T* out_d = out.data_ptr<T>();
+  actorserve::parallel_for(weight.size(0), 1, [&](int64_t first, int64_t last) {
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t col = b * kBlock;
+      const WeightBlock w{ud + b * block_bytes, dd + b * groups * kBlock, md + b * groups * kBlock,
+                          bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
+      for (int64_t r = 0; r < rows; r += kMaxRows) {
+        T* o = out_d + r * n + col;
+        if (rows - r >= 2) {
+          block_rows<Bits, 2>(act, r, w, o, n);
+        } else {
+          block_rows<Bits, 1>(act, r, w, o, n);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// x [rows, K] float32/bfloat16/float16; weight [ceil(N/64), K*Bits/32, 64, 4] uint8 (Bits 4 or 8,
+// told apart by its second size); scale and minimum [ceil(N/64), K/32, 64] float16, as GGUF stores them.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(gguf_matmul_available(), "gguf_matmul needs AVX512-VNNI (see gguf_matmul_available)");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0,
+              "x must be a contiguous [rows, features] CPU tensor with a multiple of 32 features");
+  const int64_t dim = x.size(1);
+  TORCH_CHECK(weight.dim() == 4 && weight.scalar_type() == at::kByte && weight.size(2) == kBlock && weight.size(3) == 4 &&
+                  weight.is_contiguous() && (weight.size(1) * 4 == dim || weight.size(1) * 8 == dim),
+              "weight must come from gpu/gguf_linear.py's packing, for x's features");
+  TORCH_CHECK(out_features > (weight.size(0) - 1) * kBlock && out_features <= weight.size(0) * kBlock,
+              "out_features does not match the packed weight");
+  for (const at::Tensor* t : {&scale, &minimum}) {
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 && t->size(0) == weight.size(0) &&
+                    t->size(1) == dim / kGroup && t->size(2) == kBlock,
+                "scale and minimum must be float16 [blocks, features / 32, 64]");
+  }
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "bias must be float32 with one value per output feature");
+    bias_data = bias->data_ptr<float>();
+  }
+  auto out = at::empty({x.size(0), out_features}, x.options());
+#ifdef ACTORSERVE_GGUF_VNNI
+  const bool nibbles = weight.size(1) * 8 == dim;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_matmul", [&] {
+    if (nibbles) {
+      matmul_impl<4, scalar_t>(x, weight, scale, minimum, bias_data, out);
+    } else {
+      matmul_impl<8, scalar_t>(x, weight, scale, minimum, bias_data, out);
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(actorserve, m) {
+  m.def("gguf_matmul_available() -> bool", &gguf_matmul_available);
+  m.def("gguf_matmul(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
+  m.impl("gguf_matmul", &gguf_matmul);
+}
