@@ -17,7 +17,10 @@ from gpu.cpu_decode import CpuDecodeLayers
 from gpu.forward_batch import ForwardBatch
 from gpu.gguf_linear import GgufLinear, blocks_from_gguf, quantize_blocks_torch
 from gpu.model_runner import ModelRunner, RunnerConfig
+from api.frontend.engine import Engine
+from gpu.offline import generate
 from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
 from tests.test_cpu_decode import _decode_batch, _requests
 from tests.test_gguf import tiny_tensor_shapes, tiny_tokens, write_tiny_metadata
 
@@ -135,6 +138,17 @@ def test_one_call_decode_gives_the_modules_bits(quantized_gguf: Path) -> None:
         assert fast.inputs(batch, runner.attn) is not None
         runner.model.cpu_decode = None
         assert torch.equal(got, runner.forward(batch)), step
+
+
+async def test_engine_serves_on_the_blocks_as_the_runner_decides(quantized_gguf: Path) -> None:
+    """`Engine(quantization="gguf")` reaches the runner: its greedy tokens are the blocks' own, which
+    part from the dequantized model's at the 8th token on this prompt."""
+    prompt, params = [1, 2, 3], SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    blocks, dequantized = (generate(_runner(quantized_gguf, q), [prompt], [params])[0].output_ids for q in ("gguf", None))
+    assert blocks != dequantized
+    async with Engine(model_path=str(quantized_gguf), dtype="float32", quantization="gguf", inline_core=True) as engine:
+        out = await engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+    assert out.output_ids == blocks
 
 
 def test_config_names_what_gguf_needs() -> None:
