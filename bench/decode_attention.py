@@ -2,7 +2,7 @@
 of the same K/V bytes, measured in the same run.
 
     python -m bench.decode_attention [--batch 64] [--context 256] [--layers 30] [--dtype bfloat16]
-        [--heads 9] [--kv-heads 3] [--head-dim 64] [--scatter] [--repeats 15]
+        [--heads 9] [--kv-heads 3] [--head-dim 64] [--scatter] [--repeats 15] [--width 512|256|0]
 
 Every layer has a K and a V pool of its own, as in the engine, and a decode step reads each once,
 so with `--layers` pools together larger than the last-level cache each call reads its rows from
@@ -12,7 +12,9 @@ memory. Per layer, medians over --repeats passes through all layers:
   a 64-byte line per instruction at most), the bandwidth a pass over those bytes gets here;
 - `in cache`: the kernel on one layer's pools again and again, its cost without waiting on memory.
 Slots are contiguous per request (what a fresh allocation gives) unless --scatter spreads each
-request's slots over the whole pool at random.
+request's slots over the whole pool at random. --width picks the kernel's path: the widest vectors
+in bits it may use (512: AVX-512, 256: AVX2, 0: the generic loops; default the widest compiled), so
+one machine can time the path another CPU would take.
 """
 
 from __future__ import annotations
@@ -76,10 +78,14 @@ def main() -> None:
     kernels = cpu_kernels()
     if kernels is None:
         raise SystemExit("the CPU kernels are not built here (python -m gpu.cpu_ops says why)")
+    widths = torch.ops.actorserve.decode_attention_widths()
+    width = widths[0] if args.width is None else args.width
+    if width not in widths:
+        raise SystemExit(f"--width {width} is not compiled here; choose one of {widths}")
     p = make_pools(args)
 
     def attend(layer: int) -> None:
-        kernels.decode_attention(p.q, p.k[layer], p.v[layer], p.req_to_token, p.req_rows, p.key_begin, p.key_end, p.scale)
+        torch.ops.actorserve.decode_attention_at(p.q, p.k[layer], p.v[layer], p.req_to_token, p.req_rows, p.key_begin, p.key_end, p.scale, width)
 
     def read(layer: int) -> None:
         p.k[layer].view(torch.int64).max()
@@ -95,7 +101,7 @@ def main() -> None:
     mb = p.bytes_per_layer / 1e6
     print(f"decode attention, batch {args.batch} x {args.context} keys, {args.heads} heads / {args.kv_heads} K/V heads x "
           f"{args.head_dim}, {args.dtype}, {args.layers} layers' pools ({mb * args.layers:.0f} MB), slots "
-          f"{'scattered' if args.scatter else 'contiguous'}, {torch.get_num_threads()} threads\n")
+          f"{'scattered' if args.scatter else 'contiguous'}, vectors of at most {width} bits, {torch.get_num_threads()} threads\n")
     print("| pass | ms per layer | GB/s |")
     print("| --- | --- | --- |")
     print(f"| kernel | {kernel:.3f} | {mb / kernel:.1f} |")
@@ -115,6 +121,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--scatter", action="store_true", help="each request's slots spread over the pool at random")
     p.add_argument("--repeats", type=int, default=15, help="passes through all layers per round")
+    p.add_argument("--width", type=int, default=None, help="the kernel's widest vectors in bits: 512, 256 or 0 (generic)")
     p.add_argument("--rounds", type=int, default=3, help="kernel and plain read alternate this many times")
     return p.parse_args()
 

@@ -341,11 +341,18 @@ def test_decode_kernel_per_group_and_dim(kernels, heads, kv_heads, dim, dtype, a
     begin = torch.tensor([0, 1, 0, 5, 0, 32, 0, 2, 31, 40, 0])
     end = torch.tensor(seq_lens)
     scale = dim**-0.5
-    out, lse = kernels.decode_attention(q, k_pool, v_pool, table, rows, begin, end, scale)
     ref_out, ref_lse = _decode_reference(q, k_pool, v_pool, table, rows, begin, end, scale)
-    assert out.dtype == dtype and lse.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
-    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+    # Every vector width compiled here (512- and 256-bit lanes, 0: the generic kernel); the default
+    # op takes the widest.
+    widths = torch.ops.actorserve.decode_attention_widths()
+    assert widths[-1] == 0
+    for width in widths:
+        out, lse = torch.ops.actorserve.decode_attention_at(q, k_pool, v_pool, table, rows, begin, end, scale, width)
+        assert out.dtype == dtype and lse.dtype == torch.float32
+        torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0, msg=lambda m: f"width {width}: {m}")
+        torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5, msg=lambda m: f"width {width}: {m}")
+    widest = kernels.decode_attention(q, k_pool, v_pool, table, rows, begin, end, scale)
+    assert torch.equal(widest[0], torch.ops.actorserve.decode_attention_at(q, k_pool, v_pool, table, rows, begin, end, scale, widths[0])[0])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

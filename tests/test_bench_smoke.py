@@ -207,7 +207,7 @@ def test_router_http_added_latency_is_the_difference_of_the_printed_medians(monk
 
 
 # --- bench.decode_attention ---------------------------------------------------------------------
-@pytest.mark.parametrize("layout", [[], ["--scatter"]])
+@pytest.mark.parametrize("layout", [[], ["--scatter", "--width", "0"]])
 def test_decode_attention_bandwidth_follows_from_the_bytes_and_times(monkeypatch, capsys, kernels, layout):
     from bench import decode_attention
 
@@ -225,3 +225,4 @@ def test_decode_attention_bandwidth_follows_from_the_bytes_and_times(monkeypatch
     kernel_ms, read_ms = _number(rows["kernel"][1]), _number(rows["plain read"][1])
     assert _ratio_fits(int(share.group(1)) / 100, read_ms, kernel_ms, (0.001, 0.001, 0.01)), out
     assert "scattered" in out if layout else "contiguous" in out
+    assert "vectors of at most 0 bits" in out if layout else f"at most {torch.ops.actorserve.decode_attention_widths()[0]} bits" in out

@@ -26,14 +26,21 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && !defined(ACTORSERVE_BF16_DOT)
 #define ACTORSERVE_BF16_DOT 1
 #endif
-// The score layout both vector paths share (namespace quad) needs AVX-512F; so does the float32
-// path, which is compiled wherever the compiler targets it.
+// The score layout the vector paths share (namespace quad) comes in 512-bit lanes (AVX-512F, which
+// the bfloat16 path needs) and 256-bit lanes (AVX2 and FMA); the float32 path is compiled for each
+// width the compiler targets, and `decode_attention_widths` lists them.
 #if defined(__AVX512F__) || defined(ACTORSERVE_BF16_DOT)
+#define ACTORSERVE_LANES16 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define ACTORSERVE_LANES8 1
+#endif
+#if defined(ACTORSERVE_LANES16) || defined(ACTORSERVE_LANES8)
 #define ACTORSERVE_QUAD_SCORES 1
 #include <immintrin.h>
 #endif
-#ifdef __AVX512F__
-#define ACTORSERVE_F32_QUADS 1
+#if defined(ACTORSERVE_LANES16) && defined(__AVX512F__)  // not under the bfloat16 emulation of a test build
+#define ACTORSERVE_F32_LANES16 1
 #endif
 
 namespace {
@@ -126,86 +133,157 @@ void attend(const float* q, const T* k_pool, const T* v_pool, int64_t slot_strid
 }
 
 #ifdef ACTORSERVE_QUAD_SCORES
-// Score vectors of four query heads, a 128-bit quarter each, as the bfloat16 and float32 paths
+// A vector of float32 lanes, as the quad code below uses it: Lanes16 (AVX-512F) and Lanes8 (AVX2).
+#ifdef ACTORSERVE_LANES16
+struct Lanes16 {
+  using Reg = __m512;
+  static constexpr int64_t N = 16;
+  static Reg zero() { return _mm512_setzero_ps(); }
+  static Reg set1(float x) { return _mm512_set1_ps(x); }
+  static Reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, Reg x) { _mm512_storeu_ps(p, x); }
+  static Reg add(Reg a, Reg b) { return _mm512_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm512_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm512_mul_ps(a, b); }
+  static Reg max(Reg a, Reg b) { return _mm512_max_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static Reg fnmadd(Reg a, Reg b, Reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  template <int IMM>
+  static Reg shuffle(Reg a, Reg b) { return _mm512_shuffle_ps(a, b, IMM); }
+  static Reg broadcast4(const float* p) { return _mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+  static Reg round(Reg x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static Reg scale_pow2(Reg p, Reg n) { return _mm512_scalef_ps(p, n); }
+  // y, with 0 where x < limit (NaN lanes keep y).
+  static Reg zero_below(Reg y, Reg x, float limit) {
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, set1(limit), _CMP_LT_OQ)), y);
+  }
+  // x * scale in lanes 4h + i with i < valid, -inf in the others.
+  static Reg scale_live(Reg x, int64_t valid, float scale) {
+    const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
+    return _mm512_mask_mul_ps(set1(-std::numeric_limits<float>::infinity()), live, x, set1(scale));
+  }
+};
+#endif
+
+#ifdef ACTORSERVE_LANES8
+struct Lanes8 {
+  using Reg = __m256;
+  static constexpr int64_t N = 8;
+  static Reg zero() { return _mm256_setzero_ps(); }
+  static Reg set1(float x) { return _mm256_set1_ps(x); }
+  static Reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, Reg x) { _mm256_storeu_ps(p, x); }
+  static Reg add(Reg a, Reg b) { return _mm256_add_ps(a, b); }
+  static Reg sub(Reg a, Reg b) { return _mm256_sub_ps(a, b); }
+  static Reg mul(Reg a, Reg b) { return _mm256_mul_ps(a, b); }
+  static Reg max(Reg a, Reg b) { return _mm256_max_ps(a, b); }
+  static Reg fmadd(Reg a, Reg b, Reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static Reg fnmadd(Reg a, Reg b, Reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  template <int IMM>
+  static Reg shuffle(Reg a, Reg b) { return _mm256_shuffle_ps(a, b, IMM); }
+  static Reg broadcast4(const float* p) { return _mm256_broadcast_ps(reinterpret_cast<const __m128*>(p)); }
+  static Reg round(Reg x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  // p * 2^n through the exponent bits: n is integral in [-126, 0] here (exp of x >= -87).
+  static Reg scale_pow2(Reg p, Reg n) {
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  }
+  static Reg zero_below(Reg y, Reg x, float limit) { return _mm256_and_ps(y, _mm256_cmp_ps(x, set1(limit), _CMP_NLT_UQ)); }
+  static Reg scale_live(Reg x, int64_t valid, float scale) {
+    const Reg live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3), set1(static_cast<float>(valid)), _CMP_LT_OQ);
+    return _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), mul(x, set1(scale)), live);
+  }
+};
+#endif
+
+// Score vectors of N / 4 query heads, a 128-bit quarter each, as the bfloat16 and float32 paths
 // below compute them: a key's pieces are broadcast to all quarters, so each instruction advances
-// four heads at once and a key leaves 4 partial sums per head. Two rounds of in-quarter pair folds
-// turn four keys' partials into one vector of scores (quarter h: head h against those four keys),
-// a shuffle and an add per score where a per-head horizontal sum takes about four. The softmax
-// runs in that layout: every lane of a quarter carries its head's running maximum and sum.
+// every head of the vector at once and a key leaves 4 partial sums per head. Two rounds of
+// in-quarter pair folds turn four keys' partials into one vector of scores (quarter h: head h
+// against those four keys), a shuffle and an add per score where a per-head horizontal sum takes
+// about four. The softmax runs in that layout: every lane of a quarter carries its head's running
+// maximum and sum. W: Lanes16 (four heads a vector) or Lanes8 (two).
 namespace quad {
 
-constexpr int64_t HEADS = 4;  // query heads per score vector
 constexpr int64_t QUAD_KEYS = 4;  // keys per score vector
 constexpr int64_t VECS = BLOCK / QUAD_KEYS;  // score vectors per block and head quad
 
-// exp(x) for x <= 0, 16 lanes: exp_nonpositive's polynomial, scaled by 2^n in one instruction.
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.f), x);  // NaN stays NaN
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.98756912e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.39819994e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33345205e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16657962e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666657e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_scalef_ps(p, n));
+template <typename W>
+constexpr int64_t heads() { return W::N / 4; }  // query heads per score vector
+
+// exp(x) for x <= 0, every lane: exp_nonpositive's polynomial, scaled by 2^n.
+template <typename W>
+inline typename W::Reg exp_nonpositive(typename W::Reg x) {
+  const auto clamped = W::max(W::set1(-87.f), x);  // NaN stays NaN
+  const auto n = W::round(W::mul(clamped, W::set1(1.44269504f)));
+  auto r = W::fnmadd(n, W::set1(0.693145752f), clamped);
+  r = W::fnmadd(n, W::set1(1.42860677e-6f), r);
+  auto p = W::set1(1.98756912e-4f);
+  p = W::fmadd(p, r, W::set1(1.39819994e-3f));
+  p = W::fmadd(p, r, W::set1(8.33345205e-3f));
+  p = W::fmadd(p, r, W::set1(4.16657962e-2f));
+  p = W::fmadd(p, r, W::set1(1.66666657e-1f));
+  p = W::fmadd(p, r, W::set1(0.5f));
+  p = W::fmadd(W::mul(p, r), r, W::add(r, W::set1(1.f)));
+  return W::zero_below(W::scale_pow2(p, n), x, -87.f);
 }
 
 // Within each quarter: [a0+a1, a2+a3, b0+b1, b2+b3].
-inline __m512 fold_pairs(__m512 a, __m512 b) {
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+template <typename W>
+inline typename W::Reg fold_pairs(typename W::Reg a, typename W::Reg b) {
+  return W::add(W::template shuffle<0x88>(a, b), W::template shuffle<0xDD>(a, b));
 }
 
 // Within each quarter, every lane set to the quarter's maximum / sum.
-inline __m512 quarter_max(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
-  return _mm512_max_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+template <typename W>
+inline typename W::Reg quarter_max(typename W::Reg x) {
+  x = W::max(x, W::template shuffle<0xB1>(x, x));
+  return W::max(x, W::template shuffle<0x4E>(x, x));
 }
-inline __m512 quarter_sum(__m512 x) {
-  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
-  return _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+template <typename W>
+inline typename W::Reg quarter_sum(typename W::Reg x) {
+  x = W::add(x, W::template shuffle<0xB1>(x, x));
+  return W::add(x, W::template shuffle<0x4E>(x, x));
 }
 
-// Scores of one head quad against a block's keys (partials(t): the quad's partial sums against key
+// Scores of one vector's heads against a block's keys (partials(t): their partial sums against key
 // t < BLOCK, lane 4h + i; keys past n masked), then the online softmax update: each score vector's
-// probabilities go to store(j, p), each head's rescale into the state ([3][16]: running max,
+// probabilities go to store(j, p), each head's rescale into the state ([3][N]: running max,
 // running sum, this block's rescale).
-template <typename Partials, typename Store>
+template <typename W, typename Partials, typename Store>
 inline void score_block(Partials partials, int64_t n, float scale, Store store, float* state) {
-  __m512 s[VECS];
+  typename W::Reg s[VECS];
   for (int64_t j = 0; j < VECS; ++j) {
     const int64_t t = QUAD_KEYS * j;
-    const __m512 ab = fold_pairs(partials(t), partials(t + 1));
-    const __m512 cd = fold_pairs(partials(t + 2), partials(t + 3));
-    const int64_t valid = std::clamp<int64_t>(n - t, 0, QUAD_KEYS);
-    const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
-    s[j] = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, fold_pairs(ab, cd), _mm512_set1_ps(scale));
+    const auto ab = fold_pairs<W>(partials(t), partials(t + 1));
+    const auto cd = fold_pairs<W>(partials(t + 2), partials(t + 3));
+    s[j] = W::scale_live(fold_pairs<W>(ab, cd), std::clamp<int64_t>(n - t, 0, QUAD_KEYS), scale);
   }
-  __m512 block_max = s[0];
-  for (int64_t j = 1; j < VECS; ++j) block_max = _mm512_max_ps(block_max, s[j]);
-  const __m512 old_max = _mm512_loadu_ps(state);
-  const __m512 new_max = _mm512_max_ps(old_max, quarter_max(block_max));  // finite: key `start` is live
-  const __m512 rescale = exp_nonpositive16(_mm512_sub_ps(old_max, new_max));  // 0 on the first block
-  __m512 sum = _mm512_setzero_ps();
+  auto block_max = s[0];
+  for (int64_t j = 1; j < VECS; ++j) block_max = W::max(block_max, s[j]);
+  const auto old_max = W::load(state);
+  const auto new_max = W::max(old_max, quarter_max<W>(block_max));  // finite: key `start` is live
+  const auto rescale = exp_nonpositive<W>(W::sub(old_max, new_max));  // 0 on the first block
+  auto sum = W::zero();
   for (int64_t j = 0; j < VECS; ++j) {
-    const __m512 p = exp_nonpositive16(_mm512_sub_ps(s[j], new_max));
-    sum = _mm512_add_ps(sum, p);
+    const auto p = exp_nonpositive<W>(W::sub(s[j], new_max));
+    sum = W::add(sum, p);
     store(j, p);
   }
-  _mm512_storeu_ps(state, new_max);
-  _mm512_storeu_ps(state + 16, _mm512_fmadd_ps(_mm512_loadu_ps(state + 16), rescale, quarter_sum(sum)));
-  _mm512_storeu_ps(state + 32, rescale);
+  W::store(state, new_max);
+  W::store(state + W::N, W::fmadd(W::load(state + W::N), rescale, quarter_sum<W>(sum)));
+  W::store(state + 2 * W::N, rescale);
 }
 
-// Resets a quad's state for a new task: no maximum yet, sums of 0.
+// Resets a vector's state for a new task: no maximum yet, sums of 0.
+template <typename W>
 inline void reset_state(float* state) {
-  std::fill(state, state + 16, -std::numeric_limits<float>::infinity());
-  std::fill(state + 16, state + 32, 0.f);
+  std::fill(state, state + W::N, -std::numeric_limits<float>::infinity());
+  std::fill(state + W::N, state + 2 * W::N, 0.f);
 }
+
+}  // namespace quad
+#endif
 
 // Walks one task's keys (`begin` to `end` of its slots) a block at a time: the block's key and value
 // rows (past n, the last row again), then score(keys, n) and accumulate(values, n). Rows are
@@ -231,9 +309,6 @@ inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_st
   }
 }
 
-}  // namespace quad
-#endif
-
 #ifdef ACTORSERVE_BF16_DOT
 // bfloat16 pools on CPUs with AVX512-BF16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in
 // float32). Q.K and P.V both read the pool's rows as they are, with no conversion to float.
@@ -248,6 +323,8 @@ inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_st
 namespace bf16 {
 
 using namespace quad;
+using W = Lanes16;
+constexpr int64_t HEADS = heads<W>();
 
 // Integer lanes as dot operands: a bit cast, no instruction.
 inline __m512bh as_bh(__m512i x) {
@@ -360,14 +437,14 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
   const int64_t quads = Scratch::quads(group);
   for (int64_t w = 0; w < quads; ++w) {
     pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 8 * 16);
-    reset_state(s.state.data() + w * 48);
+    reset_state<W>(s.state.data() + w * 48);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   auto score = [&](const uint16_t* const* keys, int64_t n) {
     for (int64_t w = 0; w < quads; ++w) {
       const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
       uint16_t* probs = s.probs.data() + w * VECS * 16;
-      score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
+      score_block<W>([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
                   [&](int64_t j, __m512 p) {
                     const __m256bh rounded = _mm512_cvtneps_pbh(p);
                     std::memcpy(probs + 16 * j, &rounded, sizeof rounded);
@@ -395,104 +472,110 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
 }  // namespace bf16
 #endif
 
-#ifdef ACTORSERVE_F32_QUADS
-// float32 pools on CPUs with AVX-512F (those without AVX512-BF16 run their models in float32).
-// Q.K: quad score vectors (above); a key's 4-element pieces are broadcast, so each FMA advances four
-// heads by 4 elements. P.V: each head's accumulators take one key per FMA, two keys in flight.
+#ifdef ACTORSERVE_QUAD_SCORES
+// float32 pools (CPUs without AVX512-BF16 run their models in float32), for each vector width W
+// compiled. Q.K: quad score vectors (above); a key's 4-element pieces are broadcast, so each FMA
+// advances every head of the vector by 4 elements. P.V: each head's accumulators take one key per
+// FMA, two keys in flight.
 namespace f32 {
 
 using namespace quad;
 
-// Query heads first .. first + 3 (zeros past `group`) as FMA operands: vector c, lane 4h + i
-// holds q[h][4c + i].
+// Query heads first .. first + heads - 1 (zeros past `group`) as FMA operands: vector c, lane
+// 4h + i holds q[h][4c + i].
+template <typename W>
 inline void pack_queries(const float* q, int64_t dim, int64_t first, int64_t group, float* out) {
   for (int64_t c = 0; c < dim / 4; ++c)
-    for (int64_t h = 0; h < HEADS; ++h)
+    for (int64_t h = 0; h < heads<W>(); ++h)
       for (int64_t i = 0; i < 4; ++i) {
         const int64_t head = first + h;
-        out[c * 16 + 4 * h + i] = head < group ? q[head * dim + 4 * c + i] : 0.f;
+        out[c * W::N + 4 * h + i] = head < group ? q[head * dim + 4 * c + i] : 0.f;
       }
 }
 
-// Four heads' partial sums against one key row: lane 4h + i sums q[h][4c + i] * key[4c + i] over c.
-template <int64_t CHUNKS>
-inline __m512 quad_partials(const float* q4, const float* key) {
-  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains: half the latency
+// The vector's heads' partial sums against one key row: lane 4h + i sums q[h][4c + i] * key[4c + i] over c.
+template <typename W, int64_t CHUNKS>
+inline typename W::Reg quad_partials(const float* q4, const float* key) {
+  auto even = W::zero(), odd = W::zero();  // two chains: half the latency
   for (int64_t c = 0; c < 8 * CHUNKS; c += 2) {
-    even = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 16 * c), _mm512_broadcast_f32x4(_mm_loadu_ps(key + 4 * c)), even);
-    odd = _mm512_fmadd_ps(_mm512_loadu_ps(q4 + 16 * (c + 1)), _mm512_broadcast_f32x4(_mm_loadu_ps(key + 4 * (c + 1))), odd);
+    even = W::fmadd(W::load(q4 + W::N * c), W::broadcast4(key + 4 * c), even);
+    odd = W::fmadd(W::load(q4 + W::N * (c + 1)), W::broadcast4(key + 4 * (c + 1)), odd);
   }
-  return _mm512_add_ps(even, odd);
+  return W::add(even, odd);
 }
 
 // acc = acc * rescale + P.V over the block's first n value rows, for one head; p: the head's
-// probabilities, key t at p[16 * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
-template <int64_t CHUNKS>
+// probabilities, key t at p[N * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
+template <typename W, int64_t CHUNKS>
 inline void accumulate_values(const float* p, float rescale, const float* const* rows, int64_t n, float* acc) {
-  constexpr int64_t V = 2 * CHUNKS;  // vectors per row
-  __m512 a[V], b[V];  // even and odd keys: twice the independent chains
-  const __m512 r = _mm512_set1_ps(rescale);
+  constexpr int64_t V = 32 * CHUNKS / W::N;  // vectors per row
+  typename W::Reg a[V], b[V];  // even and odd keys: twice the independent chains
+  const auto r = W::set1(rescale);
   for (int64_t v = 0; v < V; ++v) {
-    a[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), r);
-    b[v] = _mm512_setzero_ps();
+    a[v] = W::mul(W::load(acc + W::N * v), r);
+    b[v] = W::zero();
   }
-  auto prob = [&](int64_t t) { return _mm512_set1_ps(p[16 * (t / 4) + t % 4]); };
+  auto prob = [&](int64_t t) { return W::set1(p[W::N * (t / 4) + t % 4]); };
   int64_t t = 0;
   for (; t + 1 < n; t += 2) {
-    const __m512 p0 = prob(t), p1 = prob(t + 1);
+    const auto p0 = prob(t), p1 = prob(t + 1);
     for (int64_t c = 0; c < V; ++c) {
-      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
-      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(rows[t + 1] + 16 * c), b[c]);
+      a[c] = W::fmadd(p0, W::load(rows[t] + W::N * c), a[c]);
+      b[c] = W::fmadd(p1, W::load(rows[t + 1] + W::N * c), b[c]);
     }
   }
   if (t < n)
-    for (int64_t c = 0; c < V; ++c) a[c] = _mm512_fmadd_ps(prob(t), _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
-  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a[v], b[v]));
+    for (int64_t c = 0; c < V; ++c) a[c] = W::fmadd(prob(t), W::load(rows[t] + W::N * c), a[c]);
+  for (int64_t v = 0; v < V; ++v) W::store(acc + W::N * v, W::add(a[v], b[v]));
 }
 
 // Scratch of one thread for `attend` (sizes for the largest group and dim).
+template <typename W>
 struct Scratch {
-  std::vector<float> q4;  // [quads][dim / 4][16]
-  std::vector<float> probs;  // [quads][VECS][16] probabilities in score-vector layout
-  std::vector<float> state;  // [quads][3][16]: running max, running sum, this block's rescale
+  using Lanes = W;
+  static constexpr int64_t STATE = 3 * W::N;  // per vector of heads: running max, running sum, this block's rescale
+  std::vector<float> q4;  // [vectors][dim / 4][N]
+  std::vector<float> probs;  // [vectors][VECS][N] probabilities in score-vector layout
+  std::vector<float> state;  // [vectors][STATE]
   std::vector<float> acc;  // [group][dim]
   Scratch(int64_t group, int64_t dim)
-      : q4(quads(group) * dim / 4 * 16), probs(quads(group) * VECS * 16), state(quads(group) * 48), acc(group * dim) {}
-  static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
+      : q4(vectors(group) * dim / 4 * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE), acc(group * dim) {}
+  static int64_t vectors(int64_t group) { return (group + heads<W>() - 1) / heads<W>(); }
 };
 
 // Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
 // of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and lse[group].
-template <int64_t CHUNKS>
+template <typename W, int64_t CHUNKS>
 void attend(const float* q, const float* k_pool, const float* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
-            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
-  constexpr int64_t DIM = 32 * CHUNKS;
-  const int64_t quads = Scratch::quads(group);
-  for (int64_t w = 0; w < quads; ++w) {
-    pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 4 * 16);
-    reset_state(s.state.data() + w * 48);
+            int64_t end, int64_t group, float scale, Scratch<W>& s, float* out, float* lse) {
+  constexpr int64_t DIM = 32 * CHUNKS, HEADS = heads<W>(), STATE = Scratch<W>::STATE;
+  const int64_t vectors = Scratch<W>::vectors(group);
+  for (int64_t w = 0; w < vectors; ++w) {
+    pack_queries<W>(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 4 * W::N);
+    reset_state<W>(s.state.data() + w * STATE);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   auto score = [&](const float* const* keys, int64_t n) {
-    for (int64_t w = 0; w < quads; ++w) {
-      const float* q4 = s.q4.data() + w * DIM / 4 * 16;
-      float* probs = s.probs.data() + w * VECS * 16;
-      score_block([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
-                  [&](int64_t j, __m512 p) { _mm512_storeu_ps(probs + 16 * j, p); }, s.state.data() + w * 48);
+    for (int64_t w = 0; w < vectors; ++w) {
+      const float* q4 = s.q4.data() + w * DIM / 4 * W::N;
+      float* probs = s.probs.data() + w * VECS * W::N;
+      score_block<W>([&](int64_t t) { return quad_partials<W, CHUNKS>(q4, keys[t]); }, n, scale,
+                     [&](int64_t j, typename W::Reg p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
     }
   };
   auto accumulate = [&](const float* const* values, int64_t n) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t w = g / HEADS, h = g % HEADS;
-      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], values, n, s.acc.data() + g * DIM);
+      accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], values, n,
+                                   s.acc.data() + g * DIM);
     }
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
   for (int64_t g = 0; g < group; ++g) {
-    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
-    const float inv = 1.f / state[16];
+    const float* state = s.state.data() + (g / HEADS) * STATE + 4 * (g % HEADS);
+    const float inv = 1.f / state[W::N];
     for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
-    lse[g] = state[0] + std::log(state[16]);
+    lse[g] = state[0] + std::log(state[W::N]);
   }
 }
 
@@ -510,32 +593,44 @@ void with_chunks(int64_t dim, Call call) {
   else call(std::integral_constant<int64_t, 4>{});
 }
 
-// Whether `f32::attend` takes a task: float32 rows of an unrolled length.
-template <typename T>
-bool takes_f32_path(int64_t dim) {
-#ifdef ACTORSERVE_F32_QUADS
-  return std::is_same_v<T, float> && unrolled_dim(dim);
-#else
-  (void)dim;
-  return false;
+// Which kernel attends a task: the generic one, or a vector path for float32 rows (256- or 512-bit
+// lanes) or bfloat16 rows (AVX512-BF16), for head sizes it unrolls.
+enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16 };
+
+// Vector widths in bits of the float32 paths compiled here, widest first, then 0: the generic path.
+std::vector<int64_t> widths() {
+  std::vector<int64_t> out;
+#ifdef ACTORSERVE_F32_LANES16
+  out.push_back(512);
 #endif
+#ifdef ACTORSERVE_LANES8
+  out.push_back(256);
+#endif
+  out.push_back(0);
+  return out;
 }
 
-// Whether `bf16::attend` takes a task: bfloat16 rows of an unrolled length.
+// The path for T rows of `dim` elements with vectors of at most `width` bits.
 template <typename T>
-bool takes_bf16_path(int64_t dim) {
+Path choose_path(int64_t dim, int64_t width) {
+  if (!unrolled_dim(dim)) return Path::kGeneric;
 #ifdef ACTORSERVE_BF16_DOT
-  return std::is_same_v<T, c10::BFloat16> && unrolled_dim(dim);
-#else
-  (void)dim;
-  return false;
+  if (std::is_same_v<T, c10::BFloat16> && width >= 512) return Path::kBf16;
 #endif
+  if (!std::is_same_v<T, float>) return Path::kGeneric;
+#ifdef ACTORSERVE_F32_LANES16
+  if (width >= 512) return Path::kF32Lanes16;
+#endif
+#ifdef ACTORSERVE_LANES8
+  if (width >= 256) return Path::kF32Lanes8;
+#endif
+  return Path::kGeneric;
 }
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
-         const at::Tensor& req_rows, const at::Tensor& key_begin, const at::Tensor& key_end, double scale, at::Tensor& out,
-         at::Tensor& lse) {
+         const at::Tensor& req_rows, const at::Tensor& key_begin, const at::Tensor& key_end, double scale, int64_t width,
+         at::Tensor& out, at::Tensor& lse) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const T* q_data = q.data_ptr<T>();
@@ -551,17 +646,20 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   float* lse_data = lse.data_ptr<float>();
   const int64_t slot_stride = kv_heads * dim;
   const int64_t num_tasks = batch * kv_heads;
-  const bool bf16_path = takes_bf16_path<T>(dim);
-  const bool f32_path = takes_f32_path<T>(dim);
+  const Path path = choose_path<T>(dim, width);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
   {
     std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(group * dim);
+    auto scratch_size = [&](Path p, int64_t n) { return path == p ? n : 0; };
 #ifdef ACTORSERVE_BF16_DOT
-    bf16::Scratch bf16_scratch(bf16_path ? group : 0, bf16_path ? dim : 0);
+    bf16::Scratch bf16_scratch(scratch_size(Path::kBf16, group), scratch_size(Path::kBf16, dim));
 #endif
-#ifdef ACTORSERVE_F32_QUADS
-    f32::Scratch f32_scratch(f32_path ? group : 0, f32_path ? dim : 0);
+#ifdef ACTORSERVE_F32_LANES16
+    f32::Scratch<Lanes16> f32x16_scratch(scratch_size(Path::kF32Lanes16, group), scratch_size(Path::kF32Lanes16, dim));
+#endif
+#ifdef ACTORSERVE_LANES8
+    f32::Scratch<Lanes8> f32x8_scratch(scratch_size(Path::kF32Lanes8, group), scratch_size(Path::kF32Lanes8, dim));
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
@@ -571,7 +669,15 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       const T* v_head = v_data + h * dim;
       const int32_t* slots = table + rows[b] * table_stride;
       float* lse_out = lse_data + b * heads + h * group;
-      if (bf16_path) {
+      auto attend_f32 = [&](auto& scratch) {
+        using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
+        with_chunks(dim, [&](auto chunks) {
+          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
+                                                  reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
+                                                  static_cast<float>(scale), scratch, result.data(), lse_out);
+        });
+      };
+      if (path == Path::kBf16) {
 #ifdef ACTORSERVE_BF16_DOT
         with_chunks(dim, [&](auto chunks) {
           bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
@@ -579,13 +685,13 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
                                                 static_cast<float>(scale), bf16_scratch, result.data(), lse_out);
         });
 #endif
-      } else if (f32_path) {
-#ifdef ACTORSERVE_F32_QUADS
-        with_chunks(dim, [&](auto chunks) {
-          f32::attend<decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
-                                               reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
-                                               static_cast<float>(scale), f32_scratch, result.data(), lse_out);
-        });
+      } else if (path == Path::kF32Lanes16) {
+#ifdef ACTORSERVE_F32_LANES16
+        attend_f32(f32x16_scratch);
+#endif
+      } else if (path == Path::kF32Lanes8) {
+#ifdef ACTORSERVE_LANES8
+        attend_f32(f32x8_scratch);
 #endif
       } else {
         for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
@@ -607,10 +713,15 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 // q: [batch, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim] (same dtype as q);
 // req_to_token: [rows, context] int32; req_rows, key_begin, key_end: [batch] int64 (request b
 // attends to the slots at positions key_begin[b] .. key_end[b] - 1 of its row, at least one).
-// Returns out [batch, heads, dim] in q's dtype and lse [batch, heads] float32.
-std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                                                    const at::Tensor& req_to_token, const at::Tensor& req_rows,
-                                                    const at::Tensor& key_begin, const at::Tensor& key_end, double scale) {
+// Returns out [batch, heads, dim] in q's dtype and lse [batch, heads] float32. width: the widest
+// vectors in bits a path may use (one of `widths()`: the benchmark and the tests compare paths).
+std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                                       const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                                                       const at::Tensor& key_begin, const at::Tensor& key_end, double scale,
+                                                       int64_t width) {
+  const auto compiled = widths();
+  TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "vector width ", width,
+              " is not compiled here (see decode_attention_widths)");
   actorserve::check_paged_inputs("decode_attention", q, k_pool, v_pool, req_to_token);
   for (const auto* t : {&req_rows, &key_begin, &key_end}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == q.size(0), "req_rows, key_begin and key_end must be int64 [batch]");
@@ -626,15 +737,27 @@ std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const a
   auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    run<scalar_t>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, out, lse);
+    run<scalar_t>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, width, out, lse);
   });
   return {out, lse};
+}
+
+// decode_attention_at with the widest vectors compiled.
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                                    const at::Tensor& req_to_token, const at::Tensor& req_rows,
+                                                    const at::Tensor& key_begin, const at::Tensor& key_end, double scale) {
+  return decode_attention_at(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, widths().front());
 }
 
 }  // namespace
 
 TORCH_LIBRARY(actorserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_rows, Tensor key_begin, Tensor key_end, float scale) -> (Tensor, Tensor)");
+  m.def("decode_attention_at(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_rows, Tensor key_begin, Tensor key_end, float scale, int width) -> (Tensor, Tensor)");
+  m.def("decode_attention_widths() -> int[]", &widths);
 }
 
-TORCH_LIBRARY_IMPL(actorserve, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("decode_attention_at", &decode_attention_at);
+}
