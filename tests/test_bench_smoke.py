@@ -226,3 +226,23 @@ def test_decode_attention_bandwidth_follows_from_the_bytes_and_times(monkeypatch
     assert _ratio_fits(int(share.group(1)) / 100, read_ms, kernel_ms, (0.001, 0.001, 0.01)), out
     assert "scattered" in out if layout else "contiguous" in out
     assert "vectors of at most 0 bits" in out if layout else f"at most {torch.ops.actorserve.decode_attention_widths()[0]} bits" in out
+
+
+# --- bench.gguf_matmul --------------------------------------------------------------------------
+def test_gguf_matmul_ratios_follow_from_the_times(monkeypatch, capsys):
+    from bench import gguf_matmul
+    from gpu.gguf_linear import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no gguf_matmul kernel on this CPU (AVX2 or AVX512-VNNI)")
+    out = _run_main(monkeypatch, capsys, gguf_matmul, "--layers", "1", "--rows", "1,3", "--repeats", "1", "--rounds", "1")
+    widths = torch.ops.actorserve.gguf_matmul_widths()
+    rows = _rows(out)
+    assert [r[0] for r in rows] == ["1", "3"], out
+    for row in rows:
+        gguf_ms, int8_ms = [_number(c) for c in row[1 : 1 + len(widths)]], _number(row[1 + len(widths)])
+        for ms, ratio in zip(gguf_ms, row[2 + len(widths) :], strict=True):
+            assert _ratio_fits(_number(ratio), int8_ms, ms, (0.01, 0.01, 0.01)), row
+    # One layer of SmolLM2 (q/k/v, o, gate/up, down) and the Q8_0 output layer: 576 inputs each but down's 1536.
+    int8_mb = (576 * (960 + 576 + 3072) + 1536 * 576 + 576 * 49152) / 1e6
+    assert f"{int8_mb:.0f} MB of int8 weights" in out, out

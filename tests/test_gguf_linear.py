@@ -56,12 +56,24 @@ def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.
     torch.manual_seed(0)
     x = torch.randn(17, 96).to(dtype)
     x[3, :32] = 0  # an all-zero block: scale 0, no division by it
-    got = layer(x)
     want = quantize_blocks_torch(x).double() @ weight.T + bias
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
-    assert got.dtype == dtype and (got.double() - want).abs().max().item() <= tolerance
-    for rows in (1, 2, 3):  # a row's result does not depend on the rows beside it
-        assert torch.equal(layer(x[:rows]), got[:rows])
+    for width in _widths(layer):
+        got = _at_width(layer, x, width)
+        assert got.dtype == dtype and (got.double() - want).abs().max().item() <= tolerance, width
+        for rows in (1, 2, 3):  # a row's result does not depend on the rows beside it
+            assert torch.equal(_at_width(layer, x[:rows], width), got[:rows]), (width, rows)
+
+
+def _widths(layer: GgufLinear) -> list[int | None]:
+    """The kernel's paths compiled here (AVX512-VNNI 512, AVX2 256), or None: the torch fallback."""
+    return torch.ops.actorserve.gguf_matmul_widths() if layer.kernel else [None]
+
+
+def _at_width(layer: GgufLinear, x: torch.Tensor, width: int | None) -> torch.Tensor:
+    if width is None:
+        return layer(x)
+    return torch.ops.actorserve.gguf_matmul_at(x.contiguous(), layer.weight, layer.scale, layer.minimum, layer.bias, layer.out_features, width)
 
 
 def test_torch_fallback_computes_what_the_kernel_does(monkeypatch: pytest.MonkeyPatch) -> None:

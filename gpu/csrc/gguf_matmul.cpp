@@ -12,8 +12,9 @@
 // then gives d * a * dot + m * s, accumulated in float32.
 //
 // The result is the dot product of the dequantized weights with the dequantized activations, up to
-// float32 rounding (tests/test_gguf_linear.py against float64). On a CPU without AVX512-VNNI
-// `gguf_matmul_available()` is false and gpu/gguf_linear.py runs the same arithmetic as torch ops.
+// float32 rounding (tests/test_gguf_linear.py against float64). CPUs with AVX2 but not AVX512-VNNI
+// take a 256-bit path (`vpmaddubsw`); `gguf_matmul_widths()` lists the paths compiled, and where
+// there is none gpu/gguf_linear.py runs the same arithmetic as torch ops.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -24,10 +25,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ACTORSERVE_GGUF_VNNI 1
 #include "store_lanes.h"
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ACTORSERVE_GGUF_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(ACTORSERVE_GGUF_VNNI) || defined(ACTORSERVE_GGUF_AVX2)
+#define ACTORSERVE_GGUF_KERNEL 1
 #endif
 
 namespace {
@@ -35,16 +44,21 @@ namespace {
 constexpr int64_t kBlock = 64;      // output rows per weight block: four 16-lane accumulators
 constexpr int64_t kGroup = 32;      // inputs per GGUF block (one scale and minimum per row)
 
-bool gguf_matmul_available() {
+// Vector widths in bits of the paths compiled here, widest first: 512 (AVX512-VNNI), 256 (AVX2).
+std::vector<int64_t> widths() {
+  std::vector<int64_t> out;
 #ifdef ACTORSERVE_GGUF_VNNI
-  return true;
-#else
-  return false;
+  out.push_back(512);
 #endif
+#ifdef ACTORSERVE_GGUF_AVX2
+  out.push_back(256);
+#endif
+  return out;
 }
 
-#ifdef ACTORSERVE_GGUF_VNNI
-using actorserve::store16;
+bool gguf_matmul_available() { return !widths().empty(); }
+
+#ifdef ACTORSERVE_GGUF_KERNEL
 
 // One row's activations, per 32-input block: q = round_half_even(x / a) with a = max|x| / 127
 // (0 for an all-zero block, whose q are then 0), and s = a * sum(q).
@@ -67,8 +81,6 @@ void quantize_blocks(const T* x, int64_t dim, int8_t* q, float* a, float* s) {
   }
 }
 
-constexpr int kMaxRows = 2;  // per pass: 2 x 4 integer and 2 x 4 float accumulators, 4-8 weight vectors
-
 struct Activations {
   const int8_t* q;
   const float* a;
@@ -84,15 +96,25 @@ struct WeightBlock {
   int64_t count;      // outputs of the block that exist (the last block may be short)
 };
 
+inline int32_t four_bytes(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, sizeof four);
+  return four;
+}
+#endif
+
+#ifdef ACTORSERVE_GGUF_VNNI
+// 16 outputs per vector, four of them per weight block row of 64; up to two activation rows a pass.
+namespace vnni {
+
+using actorserve::store16;
+constexpr int kMaxRows = 2;  // per pass: 2 x 4 integer and 2 x 4 float accumulators, 4-8 weight vectors
+
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-inline __m512i broadcast4(const int8_t* q) {
-  int32_t four;
-  std::memcpy(&four, q, sizeof four);
-  return _mm512_set1_epi32(four);
-}
+inline __m512i broadcast4(const int8_t* q) { return _mm512_set1_epi32(four_bytes(q)); }
 
 // One 32-input block's integer dot products, for R rows and 64 outputs.
 template <int Bits, int R>
@@ -165,9 +187,102 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
   }
 }
 
+// Every row of `act` against one 64-row weight block, written to out (row stride out_stride).
+template <int Bits, typename T>
+inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; r += kMaxRows) {
+    if (rows - r >= 2) {
+      block_rows<Bits, 2>(act, r, w, out + r * out_stride, out_stride);
+    } else {
+      block_rows<Bits, 1>(act, r, w, out + r * out_stride, out_stride);
+    }
+  }
+}
+
+}  // namespace vnni
+#endif
+
+#ifdef ACTORSERVE_GGUF_AVX2
+// 8 outputs per vector, one activation row and half a weight block (32 outputs) a pass: AVX2 has 16
+// vector registers. `vpmaddubsw` multiplies u8 x s8 into pairs summed as int16, `vpmaddwd` with
+// ones sums those into int32. 4-bit weights: a pair is at most 2 * 15 * 127, so a block's 8 pairs
+// per lane add up in int16 before one widening. 8-bit weights: u up to 255 would overflow a pair,
+// so they go in as u - 128 (signed), their magnitude as the unsigned operand and their sign moved
+// onto the activations (the minimum then gains 128 d).
+namespace avx2 {
+
+inline __m256 load_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i broadcast4(const int8_t* q) { return _mm256_set1_epi32(four_bytes(q)); }
+
+// One 32-input block of one row against 32 outputs (4 vectors of 8): int32 dot products.
+template <int Bits>
+inline void dot_block(const uint8_t* u, const int8_t* q, __m256i (&dot)[4]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (Bits == 4) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i pairs[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int p = 0; p < kGroup / 8; ++p) {
+      const __m256i x_lo = broadcast4(q + 8 * p), x_hi = broadcast4(q + 8 * p + 4);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + p * kBlock * 4 + 32 * v));
+        const __m256i lo = _mm256_and_si256(packed, low), hi = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+        pairs[v] = _mm256_add_epi16(pairs[v], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo), _mm256_maddubs_epi16(hi, x_hi)));
+      }
+    }
+    for (int v = 0; v < 4; ++v) dot[v] = _mm256_madd_epi16(pairs[v], ones);
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int v = 0; v < 4; ++v) dot[v] = _mm256_setzero_si256();
+    for (int i = 0; i < kGroup / 4; ++i) {
+      const __m256i x = broadcast4(q + 4 * i);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i * kBlock * 4 + 32 * v)), flip);
+        const __m256i pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+        dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(pairs, ones));
+      }
+    }
+  }
+}
+
+// Row `row` of `act` against outputs first .. first + 31 of one 64-row weight block.
+template <int Bits, typename T>
+inline void half_block_row(const Activations& act, int64_t row, const WeightBlock& w, int64_t first, T* out) {
+  const int64_t groups = act.dim / kGroup, bytes_per_group = kBlock * kGroup * Bits / 8;
+  const int8_t* q = act.q + row * act.dim;
+  __m256 y[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i dot[4];
+    // The half's weights: bytes first * 4 .. of each 256-byte row of four inputs.
+    dot_block<Bits>(w.u + g * bytes_per_group + first * 4, q + g * kGroup, dot);
+    const __m256 a = _mm256_set1_ps(act.a[row * groups + g]), s = _mm256_set1_ps(act.s[row * groups + g]);
+    for (int v = 0; v < 4; ++v) {
+      const __m256 d = load_half8(w.d + g * kBlock + first + 8 * v);
+      __m256 m = load_half8(w.m + g * kBlock + first + 8 * v);
+      if constexpr (Bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+      y[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(d, a), y[v]);
+      y[v] = _mm256_fmadd_ps(m, s, y[v]);
+    }
+  }
+  alignas(32) float lanes[32];
+  for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, y[v]);
+  const int64_t count = std::min<int64_t>(32, w.count - first);
+  for (int64_t j = 0; j < count; ++j) actorserve::store_f32(out + first + j, w.bias == nullptr ? lanes[j] : lanes[j] + w.bias[first + j]);
+}
+
+template <int Bits, typename T>
+inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t first = 0; first < w.count; first += kBlock / 2) half_block_row<Bits>(act, r, w, first, out + r * out_stride);
+  }
+}
+
+}  // namespace avx2
+#endif
+
+#ifdef ACTORSERVE_GGUF_KERNEL
 template <int Bits, typename T>
 void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
-                 const float* bias, at::Tensor& out) {
+                 const float* bias, int64_t width, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1), groups = dim / kGroup;
   auto q = at::empty({rows, dim}, x.options().dtype(at::kChar));
   auto a = at::empty({rows, groups}, x.options().dtype(at::kFloat));
@@ -190,24 +305,28 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       const int64_t col = b * kBlock;
       const WeightBlock w{ud + b * block_bytes, dd + b * groups * kBlock, md + b * groups * kBlock,
                           bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        T* o = out_d + r * n + col;
-        if (rows - r >= 2) {
-          block_rows<Bits, 2>(act, r, w, o, n);
-        } else {
-          block_rows<Bits, 1>(act, r, w, o, n);
-        }
+#ifdef ACTORSERVE_GGUF_VNNI
+      if (width == 512) {
+        vnni::block<Bits>(act, rows, w, out_d + col, n);
+        continue;
       }
+#endif
+#ifdef ACTORSERVE_GGUF_AVX2
+      avx2::block<Bits>(act, rows, w, out_d + col, n);
+#endif
     }
   });
 }
 #endif
 
 // x [rows, K] float32/bfloat16/float16; weight [ceil(N/64), K*Bits/32, 64, 4] uint8 (Bits 4 or 8,
-// told apart by its second size); scale and minimum [ceil(N/64), K/32, 64] float16, as GGUF stores them.
-at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(gguf_matmul_available(), "gguf_matmul needs AVX512-VNNI (see gguf_matmul_available)");
+// told apart by its second size); scale and minimum [ceil(N/64), K/32, 64] float16, as GGUF stores
+// them. width: the path, one of `widths()` (the tests and benchmarks compare them).
+at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t width) {
+  const auto compiled = widths();
+  TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "gguf_matmul has no ", width,
+              "-bit path here (AVX512-VNNI: 512, AVX2: 256; see gguf_matmul_widths)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0,
               "x must be a contiguous [rows, features] CPU tensor with a multiple of 32 features");
   const int64_t dim = x.size(1);
@@ -228,26 +347,36 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
     bias_data = bias->data_ptr<float>();
   }
   auto out = at::empty({x.size(0), out_features}, x.options());
-#ifdef ACTORSERVE_GGUF_VNNI
+#ifdef ACTORSERVE_GGUF_KERNEL
   const bool nibbles = weight.size(1) * 8 == dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_matmul", [&] {
     if (nibbles) {
-      matmul_impl<4, scalar_t>(x, weight, scale, minimum, bias_data, out);
+      matmul_impl<4, scalar_t>(x, weight, scale, minimum, bias_data, width, out);
     } else {
-      matmul_impl<8, scalar_t>(x, weight, scale, minimum, bias_data, out);
+      matmul_impl<8, scalar_t>(x, weight, scale, minimum, bias_data, width, out);
     }
   });
 #endif
   return out;
 }
 
+// gguf_matmul_at on the widest path compiled.
+at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(gguf_matmul_available(), "gguf_matmul needs AVX2 or AVX512-VNNI (see gguf_matmul_available)");
+  return gguf_matmul_at(x, weight, scale, minimum, bias, out_features, widths().front());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.def("gguf_matmul_available() -> bool", &gguf_matmul_available);
+  m.def("gguf_matmul_widths() -> int[]", &widths);
   m.def("gguf_matmul(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features) -> Tensor");
+  m.def("gguf_matmul_at(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
   m.impl("gguf_matmul", &gguf_matmul);
+  m.impl("gguf_matmul_at", &gguf_matmul_at);
 }
