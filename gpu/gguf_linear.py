@@ -4,10 +4,10 @@ The GGUF loader (gpu/gguf_loader.py) dequantizes a file's weights into a checkpo
 by default a Q4_1 model computes with float weights that are 4-7x the bytes it was shipped as.
 With `quantization="gguf"`, `pack_for_cpu` (gpu/packed_linear.py) builds every linear layer from
 the file's own blocks instead, Q4_0, Q4_1 or Q8_0: 32 weights of one output row, w = d * u + m
-(`BlockWeights`), multiplied as they are by gpu/csrc/gguf_matmul.cpp (AVX512-VNNI) with the
-activations quantized per 32 inputs, as llama.cpp does. The 4-bit blocks stay 4-bit in memory; a
-decode step reads them once. On a CPU without AVX512-VNNI the same arithmetic runs as torch ops on
-the dequantized weights (correct, not fast). BENCHMARKS.md gives its speed and error.
+(`BlockWeights`), multiplied as they are by gpu/csrc/gguf_matmul.cpp (AVX512-VNNI or AVX2) with
+the activations quantized per 32 inputs, as llama.cpp does. The 4-bit blocks stay 4-bit in memory;
+a decode step reads them once. On a CPU with neither, the same arithmetic runs as torch ops on the
+dequantized weights (correct, not fast). BENCHMARKS.md gives its speed and error.
 """
 
 from __future__ import annotations
