@@ -28,11 +28,11 @@ from gpu.cpu_decode import CpuDecodeLayers
 from gpu.cpu_ops import cpu_kernels
 from gpu.flashinfer_backend import AttentionShape, FlashInferAttention, resolve_attention_backend
 from gpu.forward_batch import ForwardBatch
+from gpu.gguf_linear import GgufBlockSource
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 from gpu.kv_pool import KVBuffers, KVMove, ReqToTokenPool, TokenSlotAllocator
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
-from gpu.gguf_linear import GgufBlockSource
 from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
 from gpu.sampler import Sampler, SampleResult, SamplingInfo, TokenHistory
 from gpu.tensor_parallel import TPGroup, TPLayout

@@ -19,6 +19,9 @@ output does not depend on what else is in the batch; SmoothQuant scales folded i
 (gpu/int8_smoothing.py) keep a few large input channels from setting that scale. The output layer
 is quantized too: it is the largest matmul of a decode step. See BENCHMARKS.md for its speed and
 its error against the unquantized model.
+
+With `quantization="gguf"` they become GgufLinears (gpu/gguf_linear.py), built from the blocks of
+the GGUF file the model was loaded from instead of from its dequantized weights.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "linear_bias.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -340,12 +341,7 @@ at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const a
                     t->size(1) == dim / kGroup && t->size(2) == kBlock,
                 "scale and minimum must be float16 [blocks, features / 32, 64]");
   }
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
-                "bias must be float32 with one value per output feature");
-    bias_data = bias->data_ptr<float>();
-  }
+  const float* bias_data = actorserve::bias_data(bias, out_features);
   auto out = at::empty({x.size(0), out_features}, x.options());
 #ifdef ACTORSERVE_GGUF_KERNEL
   const bool nibbles = weight.size(1) * 8 == dim;

@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "linear_bias.h"
 #include "parallel.h"
 #include "quantize_row.h"
 
@@ -190,12 +191,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.numel() == out_features,
               "weight_scale must be float32 with one value per output feature");
   TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.numel() == packed.size(0) * kBlock, "offsets must come from int8_pack_weight");
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
-                "bias must be float32 with one value per output feature");
-    bias_data = bias->data_ptr<float>();
-  }
+  const float* bias_data = actorserve::bias_data(bias, out_features);
   auto out = at::empty({x.size(0), out_features}, x.options());
 #ifdef ACTORSERVE_INT8_VNNI
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul",
