@@ -6,9 +6,8 @@
 // kernels. `DecodeLayers` holds every layer's weights and makes the same calls from C++, in the
 // same order, on the same kernels (gpu/csrc/elementwise.cpp, decode_attention.cpp, and for the
 // linear layers int8_matmul.cpp, gguf_matmul.cpp or oneDNN's packed linear, through the
-// dispatcher), so its result
-// is gpu/models.py's, bit for bit (tests/test_cpu_decode.py). gpu/cpu_decode.py builds it and
-// decides when a batch takes it.
+// dispatcher), so its result is gpu/models.py's, bit for bit (tests/test_cpu_decode.py).
+// gpu/cpu_decode.py builds it and decides when a batch takes it.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
