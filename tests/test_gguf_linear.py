@@ -22,7 +22,7 @@ from gpu.offline import generate
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from tests.test_cpu_decode import _decode_batch, _requests
-from tests.test_gguf import tiny_tensor_shapes, tiny_tokens, write_tiny_metadata
+from tests.test_gguf import tiny_tensor_shapes, tiny_tokens, write_tiny_gguf, write_tiny_metadata
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
@@ -161,6 +161,13 @@ async def test_engine_serves_on_the_blocks_as_the_runner_decides(quantized_gguf:
     async with Engine(model_path=str(quantized_gguf), dtype="float32", quantization="gguf", inline_core=True) as engine:
         out = await engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True})
     assert out.output_ids == blocks
+
+
+def test_a_tensor_of_another_type_is_refused_by_name(tmp_path: Path) -> None:
+    """tests/test_gguf.py's tiny file keeps v, o and the MLP as F32: not blocks to keep."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", "llama")
+    with pytest.raises(ValueError, match=r"keeps Q4_0, Q4_1 and Q8_0 blocks; mixed.gguf's blk.0.attn_v.weight is F32"):
+        _runner(path, "gguf")
 
 
 def test_config_names_what_gguf_needs() -> None:
