@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -154,14 +153,19 @@ class GgufBlockSource:
     def __init__(self, path: Path):
         from gguf import GGUFReader
 
-        from gpu.gguf_loader import ARCHITECTURES, hf_tensor_name, read_metadata
+        from gpu.gguf_loader import ARCHITECTURES, hf_tensor_name, read_metadata, uniform
 
         reader = GGUFReader(path)
         meta = read_metadata(reader)
         self.path = path
-        self._arch = meta["general.architecture"]
-        self._spec = ARCHITECTURES[self._arch]
-        self._meta = meta
+        arch = meta["general.architecture"]
+        heads = meta[f"{arch}.attention.head_count"]
+        # llama.cpp's llama converter permutes q/k rows per head; the blocks come back in HF's order.
+        self._permuted_heads = (
+            {"attn_q": heads, "attn_k": uniform(meta.get(f"{arch}.attention.head_count_kv", heads), "attention.head_count_kv")}
+            if ARCHITECTURES[arch].permuted_qk
+            else {}
+        )
         self._tensors = {hf_tensor_name(t.name): t for t in reader.tensors}
 
     def names(self) -> list[str]:
@@ -179,19 +183,5 @@ class GgufBlockSource:
                 "(load it without --quantization, or with --quantization int8)"
             )
         blocks = blocks_from_gguf(tensor.data, type_name, (rows, cols))
-        heads = self._heads(tensor.name)
-        if heads is None:
-            return blocks
-        order = unpermute_rows(np.arange(rows), heads)
-        return blocks.rows(order)
-
-    def _heads(self, gguf_name: str) -> int | None:
-        if not self._spec.permuted_qk:
-            return None
-        key = lambda name: self._meta[f"{self._arch}.{name}"]  # noqa: E731
-        if ".attn_q." in gguf_name:
-            return key("attention.head_count")
-        if ".attn_k." in gguf_name:
-            kv: Any = self._meta.get(f"{self._arch}.attention.head_count_kv", key("attention.head_count"))
-            return kv[0] if isinstance(kv, list) else kv
-        return None
+        heads = next((n for leaf, n in self._permuted_heads.items() if f".{leaf}." in tensor.name), None)
+        return blocks if heads is None else blocks.rows(unpermute_rows(np.arange(rows), heads))

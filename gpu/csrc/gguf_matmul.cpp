@@ -1,5 +1,5 @@
 // Linear layers on GGUF's block-quantized weights as they are stored (Q4_0, Q4_1, Q8_0), on a CPU
-// with AVX512-VNNI: y = x W^T with W never widened past 4 or 8 bits.
+// with AVX512-VNNI or AVX2: y = x W^T with W never widened past 4 or 8 bits.
 //
 // A GGUF block is 32 consecutive weights of one output row with a scale d and, in effect, a
 // minimum m: w = d * u + m, u unsigned (Q4_1: u in 0..15 as stored; Q4_0: u = q, m = -8d;
@@ -42,8 +42,8 @@
 
 namespace {
 
-constexpr int64_t kBlock = 64;      // output rows per weight block: four 16-lane accumulators
-constexpr int64_t kGroup = 32;      // inputs per GGUF block (one scale and minimum per row)
+constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane (VNNI) or eight 8-lane (AVX2) vectors
+constexpr int64_t kGroup = 32;  // inputs per GGUF block (one scale and minimum per row)
 
 // Vector widths in bits of the paths compiled here, widest first: 512 (AVX512-VNNI), 256 (AVX2).
 std::vector<int64_t> widths() {
