@@ -140,6 +140,19 @@ def smollm2_dir() -> Path:
     return gguf_to_hf_dir(default_model_path())
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers() -> Any:
+    """transformers' own load of the default model's GGUF file (float32, eval), the reference of
+    tests/test_gguf.py and tests/test_smollm2.py: ~17 s of dequantization, paid once. Read-only."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gpu.gguf_loader import default_model_path
+
+    gguf = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
 CORE_MODES = {"inline": {"inline_core": True}, "core-process": {"inline_core": False}}
 
 

@@ -73,8 +73,8 @@ def converted(smollm_path: Path, cache_root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ref_model(smollm_path: Path) -> torch.nn.Module:
-    return load_reference_model(smollm_path)
+def ref_model(smollm_path: Path, smollm2_transformers: torch.nn.Module) -> torch.nn.Module:
+    return smollm2_transformers
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from gpu.gguf_loader import default_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
@@ -19,14 +22,23 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(smollm2_transformers):
     gguf = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    # Like our ignore_eos: EOS may be generated and generation goes on (min_new_tokens would
-    # instead forbid EOS and change the greedy choice).
-    model.generation_config.eos_token_id = None
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    return model, tokenizer
+    return smollm2_transformers, tokenizer
+
+
+@contextlib.contextmanager
+def _ignoring_eos(model) -> Iterator[None]:
+    """Like our ignore_eos: EOS may be generated and generation goes on (min_new_tokens would
+    instead forbid EOS and change the greedy choice). generate() fills an unset eos_token_id from
+    the model's own generation config, so that one changes, and back: the model is shared."""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None
+    try:
+        yield
+    finally:
+        model.generation_config.eos_token_id = saved
 
 
 def test_greedy_tokens_match_transformers_on_the_gguf_file(smollm2_dir, reference):
@@ -36,7 +48,7 @@ def test_greedy_tokens_match_transformers_on_the_gguf_file(smollm2_dir, referenc
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     outputs = generate(runner, prompts, [SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)] * 3)
     for prompt, out in zip(prompts, outputs):
-        with torch.no_grad():
+        with torch.no_grad(), _ignoring_eos(hf):
             # An explicit mask: pad_token_id equals <|im_end|> here, and without one transformers
             # would mask the prompt's own <|im_end|> tokens.
             ids = torch.tensor([prompt])
