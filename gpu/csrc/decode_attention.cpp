@@ -669,6 +669,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       const T* v_head = v_data + h * dim;
       const int32_t* slots = table + rows[b] * table_stride;
       float* lse_out = lse_data + b * heads + h * group;
+#ifdef ACTORSERVE_QUAD_SCORES
       auto attend_f32 = [&](auto& scratch) {
         using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
         with_chunks(dim, [&](auto chunks) {
@@ -677,6 +678,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
                                                   static_cast<float>(scale), scratch, result.data(), lse_out);
         });
       };
+#endif
       if (path == Path::kBf16) {
 #ifdef ACTORSERVE_BF16_DOT
         with_chunks(dim, [&](auto chunks) {
