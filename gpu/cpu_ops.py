@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("decode_attention.cpp", "extend_attention.cpp", "elementwise.cpp")]
 BUILD_DIR = Path(__file__).resolve().parent.parent / "build" / "cpu_ops"
-FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction set the kernels are built for: this CPU's, or one named (ACTORSERVE_MARCH=x86-64-v3:
+# AVX2 without AVX-512), into a build folder of its own, so one machine can run and time the paths
+# an older CPU takes.
+MARCH = os.environ.get("ACTORSERVE_MARCH", "native")
 # "1": build the AVX512-BF16 paths on any x86 CPU, their intrinsics emulated (csrc/simde_avx512bf16.h),
 # into a build folder of their own, so the kernel tests can check those paths where the CPU lacks them.
 EMULATE_BF16 = os.environ.get("ACTORSERVE_EMULATE_AVX512BF16") == "1"
@@ -94,13 +97,22 @@ def build_extension(name: str, sources: list[Path], build_dir: Path) -> None:
     _load(name, sources, build_dir)
 
 
+def build_target(build_dir: Path, march: str, emulate_bf16: bool) -> tuple[list[str], Path]:
+    """The compiler flags and the build folder for kernels built for `march`, with the AVX512-BF16
+    paths emulated or not: every target other than this CPU's own gets a folder of its own."""
+    flags = ["-O3", f"-march={march}", "-fopenmp"]
+    if march != "native":
+        build_dir = build_dir.with_name(f"{build_dir.name}_{march}")
+    if emulate_bf16:
+        flags += ["-DACTORSERVE_BF16_DOT", "-include", str(CSRC / "simde_avx512bf16.h")]
+        build_dir = build_dir.with_name(build_dir.name + "_emulated_bf16")
+    return flags, build_dir
+
+
 def _load(name: str = "actorserve_cpu_ops", sources: list[Path] = SOURCES, build_dir: Path = BUILD_DIR) -> None:
     from torch.utils import cpp_extension
 
-    flags = FLAGS
-    if EMULATE_BF16:
-        flags = [*FLAGS, "-DACTORSERVE_BF16_DOT", "-include", str(CSRC / "simde_avx512bf16.h")]
-        build_dir = build_dir.with_name(build_dir.name + "_emulated_bf16")
+    flags, build_dir = build_target(build_dir, MARCH, EMULATE_BF16)
     build_dir.mkdir(parents=True, exist_ok=True)
     # torch's builder runs `ninja` from PATH; the pip-installed one sits beside this interpreter,
     # which is not on PATH when the venv is not activated.

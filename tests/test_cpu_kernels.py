@@ -173,6 +173,17 @@ def test_a_failed_build_leaves_the_torch_path(monkeypatch, caplog):
         cpu_ops.cpu_kernels.cache_clear()  # the next caller loads the real kernels again
 
 
+def test_each_instruction_set_target_builds_into_its_own_folder(tmp_path):
+    """ACTORSERVE_MARCH=x86-64-v3 (AVX2, no AVX-512) next to this CPU's own build, and the
+    emulated AVX512-BF16 build beside either."""
+    base = tmp_path / "cpu_ops"
+    assert cpu_ops.build_target(base, "native", False) == (["-O3", "-march=native", "-fopenmp"], base)
+    flags, folder = cpu_ops.build_target(base, "x86-64-v3", False)
+    assert "-march=x86-64-v3" in flags and "-march=native" not in flags and folder == tmp_path / "cpu_ops_x86-64-v3"
+    flags, folder = cpu_ops.build_target(base, "x86-64-v3", True)
+    assert "-DACTORSERVE_BF16_DOT" in flags and folder == tmp_path / "cpu_ops_x86-64-v3_emulated_bf16"
+
+
 @pytest.fixture(scope="module", params=[("qwen3", "bfloat16"), ("qwen3", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")])
 def runners(request, tiny_model_factory, kernels) -> tuple[ModelRunner, ModelRunner, ModelRunner]:
     """(with kernels, torch path, torch path in float32) on one tiny model."""
