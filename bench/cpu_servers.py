@@ -22,15 +22,16 @@ from pathlib import Path
 
 import aiohttp
 
+from runtime.config import QUANTIZATIONS
+
 STARTUP_TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("bfloat16", "float32", "int8", "gguf")
-QUANTIZED_MODES = ("int8", "gguf")  # bfloat16 activations, --quantization MODE
+MODES = ("bfloat16", "float32", *QUANTIZATIONS)
 
 
 def mode_settings(mode: str) -> tuple[str, str | None]:
     """(dtype, quantization) of an actorserve mode: a dtype, or a quantization with bfloat16 activations."""
-    return ("bfloat16", mode) if mode in QUANTIZED_MODES else (mode, None)
+    return ("bfloat16", mode) if mode in QUANTIZATIONS else (mode, None)
 
 
 @dataclass(frozen=True, slots=True)

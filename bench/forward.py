@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.tp_ranks import Rendezvous, TPRanks
+from runtime.config import QUANTIZATIONS
 
 CONTEXT = 256
 MIXED_CONTEXT = (33, 768)
@@ -140,9 +141,9 @@ def _median(fn: Callable[[], float], repeats: int) -> float:
 
 def _quantizations(text: str) -> list[str]:
     names = [q for q in text.split(",") if q]
-    unknown = set(names) - {"int8", "gguf"}
+    unknown = set(names) - set(QUANTIZATIONS)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown quantization {', '.join(sorted(unknown))}; choose int8, gguf")
+        raise argparse.ArgumentTypeError(f"unknown quantization {', '.join(sorted(unknown))}; choose {', '.join(QUANTIZATIONS)}")
     return names
 
 

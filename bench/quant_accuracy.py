@@ -22,6 +22,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.gguf_loader import default_model_path
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu.offline import generate
+from runtime.config import QUANTIZATIONS
 from runtime.sampling_params import SamplingParams
 
 PARITY_PROMPTS = [
@@ -56,7 +57,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--quantization", default="int8", choices=("int8", "gguf"))
+    p.add_argument("--quantization", default="int8", choices=QUANTIZATIONS)
     args = p.parse_args()
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

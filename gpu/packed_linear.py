@@ -42,7 +42,6 @@ from gpu.int8_smoothing import smooth
 log = logging.getLogger(__name__)
 
 PACKABLE = (torch.float32, torch.bfloat16)
-QUANTIZATIONS = ("int8", "gguf")
 ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
 # Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's layers (2 threads,
 # BENCHMARKS.md): 2-7x at 1-4 rows; at 16, 1.2-1.9x on three of a layer's four matmuls and 0.8-1.0x

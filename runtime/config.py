@@ -32,12 +32,13 @@ RouterPolicy = Literal["cache_aware", "round_robin", "shortest_queue", "routing_
 SamplingDefaults = Literal["model", "openai"]
 LoadFormat = Literal["auto", "safetensors", "gguf"]
 Fairness = Literal["none", "vtc"]
+Quantization = Literal["int8", "gguf"]
 SCHEDULE_POLICIES: tuple[str, ...] = get_args(SchedulePolicy)
 CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
 EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionPolicy)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 DTYPES: tuple[str, ...] = get_args(Dtype)
-QUANTIZATIONS = ("int8", "gguf")
+QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 SAMPLING_DEFAULTS: tuple[str, ...] = get_args(SamplingDefaults)
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
@@ -58,7 +59,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
     # gpu/packed_linear.py); gguf: a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept as they are (CPU
     # only; gpu/gguf_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
-    quantization: Literal["int8", "gguf"] | None = None
+    quantization: Quantization | None = None
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings
     attention_backend: AttentionBackend = "auto"
@@ -183,7 +184,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             (self.radix_eviction_policy in EVICTION_POLICIES, f"radix_eviction_policy {self.radix_eviction_policy!r} is unknown; choose one of {', '.join(EVICTION_POLICIES)}"),
             (self.attention_backend in ATTENTION_BACKENDS, f"attention_backend {self.attention_backend!r} is unknown; choose one of {', '.join(ATTENTION_BACKENDS)}"),
             (self.dtype in DTYPES, f"dtype {self.dtype!r} is unknown; choose one of {', '.join(DTYPES)}"),
-            (self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r} is unknown; choose int8, gguf or leave it unset"),
+            (self.quantization in (None, *QUANTIZATIONS), f"quantization {self.quantization!r} is unknown; choose {', '.join(QUANTIZATIONS)} or leave it unset"),
             (self.quantization is None or self.device.startswith("cpu"), f"quantization {self.quantization} runs on a CPU only; drop it with device {self.device}"),
             (self.quantization != "gguf" or self.model_path is None or str(self.model_path).endswith(".gguf"), f"quantization gguf keeps a GGUF file's blocks; model_path {self.model_path} is not a .gguf file"),
             (self.quantization != "gguf" or self.tp_size == 1, "quantization gguf runs on one rank; drop tp_size or use --quantization int8"),
