@@ -598,17 +598,20 @@ void with_chunks(int64_t dim, Call call) {
 enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16 };
 
 // Vector widths in bits of the float32 paths compiled here, widest first, then 0: the generic path.
-std::vector<int64_t> widths() {
-  std::vector<int64_t> out;
+// Built once: every decode call reads it.
+const std::vector<int64_t>& compiled_widths() {
+  static const std::vector<int64_t> widths = {
 #ifdef ACTORSERVE_F32_LANES16
-  out.push_back(512);
+      512,
 #endif
 #ifdef ACTORSERVE_LANES8
-  out.push_back(256);
+      256,
 #endif
-  out.push_back(0);
-  return out;
+      0};
+  return widths;
 }
+
+std::vector<int64_t> widths() { return compiled_widths(); }
 
 // The path for T rows of `dim` elements with vectors of at most `width` bits.
 template <typename T>
@@ -721,7 +724,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
                                                        const at::Tensor& req_to_token, const at::Tensor& req_rows,
                                                        const at::Tensor& key_begin, const at::Tensor& key_end, double scale,
                                                        int64_t width) {
-  const auto compiled = widths();
+  const auto& compiled = compiled_widths();
   TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "vector width ", width,
               " is not compiled here (see decode_attention_widths)");
   actorserve::check_paged_inputs("decode_attention", q, k_pool, v_pool, req_to_token);
@@ -748,7 +751,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
                                                     const at::Tensor& key_begin, const at::Tensor& key_end, double scale) {
-  return decode_attention_at(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, widths().front());
+  return decode_attention_at(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, compiled_widths().front());
 }
 
 }  // namespace

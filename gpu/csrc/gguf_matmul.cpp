@@ -46,18 +46,22 @@ constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane (V
 constexpr int64_t kGroup = 32;  // inputs per GGUF block (one scale and minimum per row)
 
 // Vector widths in bits of the paths compiled here, widest first: 512 (AVX512-VNNI), 256 (AVX2).
-std::vector<int64_t> widths() {
-  std::vector<int64_t> out;
+// Built once: every linear layer's call reads it.
+const std::vector<int64_t>& compiled_widths() {
+  static const std::vector<int64_t> widths = {
 #ifdef ACTORSERVE_GGUF_VNNI
-  out.push_back(512);
+      512,
 #endif
 #ifdef ACTORSERVE_GGUF_AVX2
-  out.push_back(256);
+      256,
 #endif
-  return out;
+  };
+  return widths;
 }
 
-bool gguf_matmul_available() { return !widths().empty(); }
+std::vector<int64_t> widths() { return compiled_widths(); }
+
+bool gguf_matmul_available() { return !compiled_widths().empty(); }
 
 #ifdef ACTORSERVE_GGUF_KERNEL
 
@@ -325,7 +329,7 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 // them. width: the path, one of `widths()` (the tests and benchmarks compare them).
 at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
                           const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t width) {
-  const auto compiled = widths();
+  const auto& compiled = compiled_widths();
   TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "gguf_matmul has no ", width,
               "-bit path here (AVX512-VNNI: 512, AVX2: 256; see gguf_matmul_widths)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0,
@@ -360,7 +364,7 @@ at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const a
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
                        const c10::optional<at::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(gguf_matmul_available(), "gguf_matmul needs AVX2 or AVX512-VNNI (see gguf_matmul_available)");
-  return gguf_matmul_at(x, weight, scale, minimum, bias, out_features, widths().front());
+  return gguf_matmul_at(x, weight, scale, minimum, bias, out_features, compiled_widths().front());
 }
 
 }  // namespace
