@@ -46,7 +46,8 @@ def test_blocks_are_the_values_gguf_dequantizes(type_name: str) -> None:
 @pytest.mark.parametrize("types", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q4_1", "Q8_0")])
 def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.dtype) -> None:
     """Layers fused along their outputs (mixed widths included), 70-130 outputs (a short last
-    block of 64), 1-17 rows (one and two rows per pass), with a bias on one part."""
+    block of 64), 1-37 rows (whole blocks one and two rows a pass; from 32 rows, half blocks five
+    rows a pass and the last 2 or 4), with a bias on one part."""
     sizes = [(70, 96), (130, 96)][: len(types)]
     parts = [_quantized(n, k, t, seed=i) for i, ((n, k), t) in enumerate(zip(sizes, types))]
     biases = [torch.linspace(-1, 1, sizes[0][0]), None][: len(types)]
@@ -54,14 +55,14 @@ def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.
     weight = torch.from_numpy(np.concatenate([w for _, w in parts])).double()
     bias = torch.cat([b if b is not None else torch.zeros(n) for b, (n, _) in zip(biases, sizes)]).double()
     torch.manual_seed(0)
-    x = torch.randn(17, 96).to(dtype)
+    x = torch.randn(37, 96).to(dtype)
     x[3, :32] = 0  # an all-zero block: scale 0, no division by it
     want = quantize_blocks_torch(x).double() @ weight.T + bias
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
     for width in _widths(layer):
         got = _at_width(layer, x, width)
         assert got.dtype == dtype and (got.double() - want).abs().max().item() <= tolerance, width
-        for rows in (1, 2, 3):  # a row's result does not depend on the rows beside it
+        for rows in (1, 2, 3, 17, 34):  # a row's result depends neither on the rows beside it nor on the path
             assert torch.equal(_at_width(layer, x[:rows], width), got[:rows]), (width, rows)
 
 

@@ -38,6 +38,7 @@
 #endif
 #if defined(ACTORSERVE_GGUF_VNNI) || defined(ACTORSERVE_GGUF_AVX2)
 #define ACTORSERVE_GGUF_KERNEL 1
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -65,24 +66,46 @@ bool gguf_matmul_available() { return !compiled_widths().empty(); }
 
 #ifdef ACTORSERVE_GGUF_KERNEL
 
+// Eight activations as float32.
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const double* x) {
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm256_cvtpd_ps(_mm256_loadu_pd(x))), _mm256_cvtpd_ps(_mm256_loadu_pd(x + 4)), 1);
+}
+inline __m256 load8(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+inline __m256 load8(const c10::BFloat16* x) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))), 16));
+}
+
 // One row's activations, per 32-input block: q = round_half_even(x / a) with a = max|x| / 127
-// (0 for an all-zero block, whose q are then 0), and s = a * sum(q).
+// (0 for an all-zero block, whose q are then 0), and s = a * sum(q). In 256-bit vectors, which
+// every CPU with either path has: a scalar division per input cost a 64-row decode step ~4 ms.
 template <typename T>
 void quantize_blocks(const T* x, int64_t dim, int8_t* q, float* a, float* s) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = 0; b < dim / kGroup; ++b) {
-    const T* xb = x + b * kGroup;
-    float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(actorserve::load_f32(xb + i)));
-    const float scale = amax / 127.f;
-    int32_t sum = 0;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      const int32_t v = scale > 0.f ? static_cast<int32_t>(std::nearbyint(actorserve::load_f32(xb + i) / scale)) : 0;
-      q[b * kGroup + i] = static_cast<int8_t>(v);
-      sum += v;
+    __m256 v[4], amax = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(x + b * kGroup + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
     }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.f;
+    __m256i n[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 ratio = scale > 0.f ? _mm256_div_ps(v[i], _mm256_set1_ps(scale)) : _mm256_setzero_ps();
+      n[i] = _mm256_cvtps_epi32(_mm256_round_ps(ratio, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+    // int32 -> int8 (|n| <= 127, no saturation); the packs interleave 128-bit lanes, the permute undoes it.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kGroup), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+    t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
     a[b] = scale;
-    s[b] = scale * static_cast<float>(sum);
+    s[b] = scale * static_cast<float>(_mm_cvtsi128_si32(t4));
   }
 }
 
@@ -109,11 +132,17 @@ inline int32_t four_bytes(const int8_t* q) {
 #endif
 
 #ifdef ACTORSERVE_GGUF_VNNI
-// 16 outputs per vector, four of them per weight block row of 64; up to two activation rows a pass.
+// 16 outputs per vector. Few rows (a decode step of a few requests reads its weights from memory):
+// whole 64-row weight blocks, up to two activation rows a pass. From kHalfBlockRows rows on the
+// work is compute-bound: half blocks (32 outputs) with five rows a pass, so each unpacked weight
+// vector feeds five rows' `vpdpbusd`s, and twice as many work items share the threads (a layer of
+// 576 outputs is 9 blocks: 5 and 4 on two threads, but 9 and 9 halves).
 namespace vnni {
 
 using actorserve::store16;
-constexpr int kMaxRows = 2;  // per pass: 2 x 4 integer and 2 x 4 float accumulators, 4-8 weight vectors
+constexpr int kMaxRows = 2;         // rows a pass over a whole block: 2 x 4 integer and float accumulators
+constexpr int kHalfRows = 5;        // rows a pass over a half block: 5 x 2 of each, 4 weight vectors
+constexpr int64_t kHalfBlockRows = 32;
 
 inline __m512 load_half16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -121,60 +150,61 @@ inline __m512 load_half16(const uint16_t* p) {
 
 inline __m512i broadcast4(const int8_t* q) { return _mm512_set1_epi32(four_bytes(q)); }
 
-// One 32-input block's integer dot products, for R rows and 64 outputs.
-template <int Bits, int R>
-inline void dot_block(const uint8_t* u, const int8_t* const* q, __m512i (&acc)[R][4]) {
-  if constexpr (Bits == 8) {
-    for (int i = 0; i < kGroup / 4; ++i) {
-      const uint8_t* ui = u + i * kBlock * 4;
-      __m512i w[4];
-      for (int t = 0; t < 4; ++t) w[t] = _mm512_loadu_si512(ui + 64 * t);
-      for (int r = 0; r < R; ++r) {
-        const __m512i x = broadcast4(q[r] + 4 * i);
-        for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], w[t], x);
-      }
-    }
-  } else {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int p = 0; p < kGroup / 8; ++p) {
-      const uint8_t* up = u + p * kBlock * 4;
-      __m512i lo[4], hi[4];
-      for (int t = 0; t < 4; ++t) {
-        const __m512i packed = _mm512_loadu_si512(up + 64 * t);
-        lo[t] = _mm512_and_si512(packed, low);
-        hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512i x_lo = broadcast4(q[r] + 8 * p), x_hi = broadcast4(q[r] + 8 * p + 4);
-        for (int t = 0; t < 4; ++t) {
-          acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], x_lo);
-          acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], x_hi);
-        }
-      }
-    }
-  }
+// The share `pass` of `passes` of `bytes` at `next` fetched into the cache: the weight block a
+// thread takes next arrives while this one is multiplied.
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
+  if (next == nullptr) return;
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t i = pass * lines / passes; i < (pass + 1) * lines / passes; ++i) _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * i, _MM_HINT_T1);
 }
 
-// R activation rows against one 64-row weight block, written out.
-template <int Bits, int R, typename T>
+// R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight block.
+template <int Bits, int R, int V, int T0, typename T>
 inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, T* out, int64_t out_stride) {
   const int64_t groups = x.dim / kGroup, bytes_per_group = kBlock * kGroup * Bits / 8;
   const int8_t* q[R];
-  __m512i acc[R][4];
-  __m512 y[R][4];
+  __m512 y[R][V];
   for (int r = 0; r < R; ++r) {
     q[r] = x.q + (row + r) * x.dim;
-    for (int t = 0; t < 4; ++t) y[r][t] = _mm512_setzero_ps();
+    for (int t = 0; t < V; ++t) y[r][t] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
-    for (int r = 0; r < R; ++r) {
-      for (int t = 0; t < 4; ++t) acc[r][t] = _mm512_setzero_si512();
-    }
+    __m512i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
+    // A row of the layout holds four inputs of the block's 64 outputs: 16 outputs are 64 bytes.
+    const uint8_t* u = w.u + g * bytes_per_group + 64 * T0;
     const int8_t* qg[R];
     for (int r = 0; r < R; ++r) qg[r] = q[r] + g * kGroup;
-    dot_block<Bits, R>(w.u + g * bytes_per_group, qg, acc);
-    for (int t = 0; t < 4; ++t) {
-      const __m512 d = load_half16(w.d + g * kBlock + 16 * t), m = load_half16(w.m + g * kBlock + 16 * t);
+    if constexpr (Bits == 8) {
+      for (int i = 0; i < kGroup / 4; ++i) {
+        __m512i wv[V];
+        for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(u + i * kBlock * 4 + 64 * t);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = broadcast4(qg[r] + 4 * i);
+          for (int t = 0; t < V; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], wv[t], xb);
+        }
+      }
+    } else {
+      const __m512i low = _mm512_set1_epi8(0x0F);
+      for (int p = 0; p < kGroup / 8; ++p) {
+        __m512i lo[V], hi[V];
+        for (int t = 0; t < V; ++t) {
+          const __m512i packed = _mm512_loadu_si512(u + p * kBlock * 4 + 64 * t);
+          lo[t] = _mm512_and_si512(packed, low);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i x_lo = broadcast4(qg[r] + 8 * p), x_hi = broadcast4(qg[r] + 8 * p + 4);
+          for (int t = 0; t < V; ++t) {
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], lo[t], x_lo);
+            acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], hi[t], x_hi);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < V; ++t) {
+      const __m512 d = load_half16(w.d + g * kBlock + 16 * (T0 + t)), m = load_half16(w.m + g * kBlock + 16 * (T0 + t));
       for (int r = 0; r < R; ++r) {
         const int64_t at = (row + r) * groups + g;
         const __m512 da = _mm512_mul_ps(d, _mm512_set1_ps(x.a[at]));
@@ -183,8 +213,8 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
       }
     }
   }
-  for (int t = 0; t < 4; ++t) {
-    const int64_t first = 16 * t, count = std::min<int64_t>(16, w.count - first);
+  for (int t = 0; t < V; ++t) {
+    const int64_t first = 16 * (T0 + t), count = std::min<int64_t>(16, w.count - first);
     if (count <= 0) break;
     const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
     const __m512 bias = w.bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lanes, w.bias + first);
@@ -192,14 +222,35 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
   }
 }
 
-// Every row of `act` against one 64-row weight block, written to out (row stride out_stride).
+// Every row of `act` against one whole 64-row weight block, written to out (row stride
+// out_stride); `next` (or nullptr): the block to prefetch meanwhile, `next_bytes` long.
 template <int Bits, typename T>
-inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride) {
+inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next, int64_t next_bytes) {
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t r = 0; r < rows; r += kMaxRows) {
+    prefetch_share(next, next_bytes, r / kMaxRows, passes);
     if (rows - r >= 2) {
-      block_rows<Bits, 2>(act, r, w, out + r * out_stride, out_stride);
+      block_rows<Bits, 2, 4, 0>(act, r, w, out + r * out_stride, out_stride);
     } else {
-      block_rows<Bits, 1>(act, r, w, out + r * out_stride, out_stride);
+      block_rows<Bits, 1, 4, 0>(act, r, w, out + r * out_stride, out_stride);
+    }
+  }
+}
+
+// Every row of `act` against half T0 / 2 (T0: 0 or 2) of one weight block, as `block`.
+template <int Bits, int T0, typename T>
+inline void half_block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next,
+                       int64_t next_bytes) {
+  const int64_t passes = (rows + kHalfRows - 1) / kHalfRows;
+  for (int64_t r = 0, pass = 0; r < rows; r += kHalfRows, ++pass) {
+    prefetch_share(next, next_bytes, pass, passes);
+    T* o = out + r * out_stride;
+    switch (std::min<int64_t>(rows - r, kHalfRows)) {
+      case 1: block_rows<Bits, 1, 2, T0>(act, r, w, o, out_stride); break;
+      case 2: block_rows<Bits, 2, 2, T0>(act, r, w, o, out_stride); break;
+      case 3: block_rows<Bits, 3, 2, T0>(act, r, w, o, out_stride); break;
+      case 4: block_rows<Bits, 4, 2, T0>(act, r, w, o, out_stride); break;
+      default: block_rows<Bits, kHalfRows, 2, T0>(act, r, w, o, out_stride); break;
     }
   }
 }
@@ -305,19 +356,41 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   const auto* md = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
   const int64_t block_bytes = kBlock * dim * Bits / 8;
   T* out_d = out.data_ptr<T>();
-  actorserve::parallel_for(weight.size(0), 1, [&](int64_t first, int64_t last) {
+  const int64_t blocks = weight.size(0);
+  auto weight_block = [&](int64_t b) {
+    const int64_t col = b * kBlock;
+    return WeightBlock{ud + b * block_bytes, dd + b * groups * kBlock, md + b * groups * kBlock, bias == nullptr ? nullptr : bias + col,
+                       std::min(kBlock, n - col)};
+  };
+#ifdef ACTORSERVE_GGUF_VNNI
+  if (width == 512 && rows >= vnni::kHalfBlockRows) {
+    actorserve::parallel_for(2 * blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t unit = first; unit < last; ++unit) {
+        const int64_t b = unit / 2;
+        const WeightBlock w = weight_block(b);
+        // A block's first half fetches the next block, when this thread takes it too.
+        const uint8_t* next = unit % 2 == 0 && 2 * (b + 1) < last ? ud + (b + 1) * block_bytes : nullptr;
+        if (unit % 2 == 0) {
+          vnni::half_block<Bits, 0>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        } else if (w.count > kBlock / 2) {
+          vnni::half_block<Bits, 2>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        }
+      }
+    });
+    return;
+  }
+#endif
+  actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t b = first; b < last; ++b) {
-      const int64_t col = b * kBlock;
-      const WeightBlock w{ud + b * block_bytes, dd + b * groups * kBlock, md + b * groups * kBlock,
-                          bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
+      const WeightBlock w = weight_block(b);
 #ifdef ACTORSERVE_GGUF_VNNI
       if (width == 512) {
-        vnni::block<Bits>(act, rows, w, out_d + col, n);
+        vnni::block<Bits>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr, block_bytes);
         continue;
       }
 #endif
 #ifdef ACTORSERVE_GGUF_AVX2
-      avx2::block<Bits>(act, rows, w, out_d + col, n);
+      avx2::block<Bits>(act, rows, w, out_d + b * kBlock, n);
 #endif
     }
   });
