@@ -10,8 +10,8 @@ It covers the compiled CPU kernels with one tensor-parallel rank and no per-head
 (Qwen3's), decode batches whose attention is the plain paged decode (no shared prefix to merge, no
 host-tier loads to wait for layer by layer), and linear layers (gpu/packed_linear.py) that are
 either all PackedLinears (oneDNN, float32 or bfloat16), all Int8Linears (the AVX512-VNNI kernel
-up to `SMALL_BATCH_ROWS` rows where the CPU has it, oneDNN's int8 kernel past that) or all
-GgufLinears on their kernel (gpu/gguf_linear.py), at any batch size.
+where the CPU has it, else oneDNN's int8 kernel) or all GgufLinears on their kernel
+(gpu/gguf_linear.py), at any batch size.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from gpu.attention import AttentionBackend, TorchAttention
 from gpu.forward_batch import ForwardBatch
 from gpu.gguf_linear import GgufLinear
-from gpu.packed_linear import SMALL_BATCH_ROWS, CpuLinear, Int8Linear, PackedLinear, int8_kernels
+from gpu.packed_linear import CpuLinear, Int8Linear, PackedLinear, int8_kernels
 from gpu.paged_attention import PagedDecode
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class CpuDecodeLayers:
         dims = [attn0.num_heads, attn0.num_kv_heads, attn0.head_dim]
         rotary = model.rotary
         layers = torch.classes.actorserve.DecodeLayers(
-            LINEAR_KINDS[kind], SMALL_BATCH_ROWS, weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
+            LINEAR_KINDS[kind], weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
         )
         return cls(layers, attn)
 
@@ -110,6 +110,6 @@ def _linear_weights(m: CpuLinear) -> list[torch.Tensor]:
         return [none, none, none, bias, m.weight, none]
     if isinstance(m, GgufLinear):
         return [m.weight, m.scale, m.minimum, bias, none, none]
-    if m.small_batch is None:
+    if m.vnni is None:
         return [none, none, m.weight_scale, bias, m.weight, m.weight_zero_point]
-    return [m.small_batch_weight, m.small_batch_offsets, m.weight_scale, bias, m.weight, m.weight_zero_point]
+    return [m.vnni_weight, m.vnni_offsets, m.weight_scale, bias, none, none]

@@ -10,15 +10,13 @@ the modules' own (so memory does not double), and the model's forward takes the 
 wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU formats).
 
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
-per output channel) and activations quantized per row (per token) at every call, multiplied by
-oneDNN's u8 x s8 kernel (VNNI where the CPU has it). Up to SMALL_BATCH_ROWS rows (decode at small
-batches) take gpu/csrc/int8_matmul.cpp's kernel instead, 2-7x faster at 1-4 rows and bit for bit
-the same result; on a CPU with AVX512-VNNI each layer then holds its int8 weights twice, once per
-kernel's layout. Each token's scale is its own, so a request's
-output does not depend on what else is in the batch; SmoothQuant scales folded in first
-(gpu/int8_smoothing.py) keep a few large input channels from setting that scale. The output layer
-is quantized too: it is the largest matmul of a decode step. See BENCHMARKS.md for its speed and
-its error against the unquantized model.
+per output channel) and activations quantized per row (per token) at every call. On a CPU with
+AVX512-VNNI gpu/csrc/int8_matmul.cpp multiplies them at every batch size (faster than oneDNN's u8 x
+s8 kernel from 1 to 512 rows on SmolLM2's shapes, and bit for bit its result); elsewhere oneDNN's
+kernel does. Each token's scale is its own, so a request's output does not depend on what else is
+in the batch; SmoothQuant scales folded in first (gpu/int8_smoothing.py) keep a few large input
+channels from setting that scale. The output layer is quantized too: it is the largest matmul of a
+decode step. See BENCHMARKS.md for its speed and its error against the unquantized model.
 
 With `quantization="gguf"` they become GgufLinears (gpu/gguf_linear.py), built from the blocks of
 the GGUF file the model was loaded from instead of from its dequantized weights.
@@ -46,7 +44,6 @@ ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 12
 # Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's layers (2 threads,
 # BENCHMARKS.md): 2-7x at 1-4 rows; at 16, 1.2-1.9x on three of a layer's four matmuls and 0.8-1.0x
 # on gate/up and the output layer, a net gain; oneDNN's wins from 64 rows.
-SMALL_BATCH_ROWS = 16
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -70,9 +67,9 @@ class PackedLinear(nn.Module):
 
 
 @dataclass(frozen=True, slots=True)
-class SmallBatchMatmul:
-    """gpu/csrc/int8_matmul.cpp (AVX512-VNNI): quantize, multiply and scale back in one call, for
-    few rows. `pack(q)` -> (weight in the kernel's layout, zero-point offsets);
+class VnniMatmul:
+    """gpu/csrc/int8_matmul.cpp (AVX512-VNNI): quantize, multiply and scale back in one call.
+    `pack(q)` -> (weight in the kernel's layout, zero-point offsets);
     `matmul(x, packed, offsets, weight_scale, bias, out_features)`."""
 
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -81,12 +78,12 @@ class SmallBatchMatmul:
 
 @dataclass(frozen=True, slots=True)
 class Int8Kernels:
-    """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do;
-    and the small-batch kernel where the CPU has AVX512-VNNI."""
+    """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do
+    (oneDNN's path); and the VNNI kernel where the CPU has AVX512-VNNI."""
 
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dequantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
-    small_batch: SmallBatchMatmul | None = None
+    vnni: VnniMatmul | None = None
 
 
 @cache
@@ -98,37 +95,37 @@ def int8_kernels() -> Int8Kernels | None:
         log.warning("int8 quantization kernels unavailable, using torch ops: %s", exc)
         return None
     ops = torch.ops.actorserve
-    small_batch = SmallBatchMatmul(ops.int8_pack_weight, ops.int8_matmul) if ops.int8_matmul_available() else None
-    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows, small_batch)
+    vnni = VnniMatmul(ops.int8_pack_weight, ops.int8_matmul) if ops.int8_matmul_available() else None
+    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows, vnni)
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 (a scale per output row) and x quantized per row at each call;
-    the concatenation of one or more layers'. `kernels` quantize and scale back in one pass each;
+    the concatenation of one or more layers'. The weight is held in one layout: the VNNI kernel's
+    where `kernels` has it, else oneDNN's. `kernels` quantize and scale back in one pass each;
     without them the same arithmetic runs as torch ops."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         q, scale = quantize_weight(weight)
-        self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
         self.register_buffer("weight_scale", scale, persistent=False)
-        self.register_buffer("weight_zero_point", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
         bias = _concat_biases(weight, weights, biases)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
         self.kernels = kernels
         self.out_features = q.shape[0]
-        self.small_batch = kernels.small_batch if kernels is not None else None
-        if self.small_batch is not None:
-            packed, offsets = self.small_batch.pack(q)
-            self.register_buffer("small_batch_weight", packed, persistent=False)
-            self.register_buffer("small_batch_offsets", offsets, persistent=False)
+        self.vnni = kernels.vnni if kernels is not None else None
+        if self.vnni is not None:
+            packed, offsets = self.vnni.pack(q)
+            self.register_buffer("vnni_weight", packed, persistent=False)
+            self.register_buffer("vnni_offsets", offsets, persistent=False)
+        else:
+            self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
+            self.register_buffer("weight_zero_point", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_batch is not None and x.shape[0] <= SMALL_BATCH_ROWS:
-            return self.small_batch.matmul(
-                x.contiguous(), self.small_batch_weight, self.small_batch_offsets, self.weight_scale, self.bias, self.out_features
-            )
+        if self.vnni is not None:
+            return self.vnni.matmul(x.contiguous(), self.vnni_weight, self.vnni_offsets, self.weight_scale, self.bias, self.out_features)
         quantize = self.kernels.quantize_rows if self.kernels is not None else quantize_rows_torch
         dequantize = self.kernels.dequantize_rows if self.kernels is not None else dequantize_rows_torch
         q, row_scale = quantize(x.contiguous())
@@ -251,5 +248,5 @@ def _drop_weight(module: nn.Module) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     kernels = int8_kernels()  # what `make setup` runs: the build, ahead of the first int8 model
-    small = "with" if kernels is not None and kernels.small_batch is not None else "without"
-    print(f"int8 kernels: {'built, ' + small + ' the AVX512-VNNI small-batch kernel' if kernels else 'unavailable (torch ops)'}")
+    vnni = "with" if kernels is not None and kernels.vnni is not None else "without"
+    print(f"int8 kernels: {'built, ' + vnni + ' the AVX512-VNNI kernel' if kernels else 'unavailable (torch ops)'}")

@@ -2,7 +2,7 @@
 int8 path, and every decoder layer in one call (gpu/cpu_decode.py, gpu/csrc/decode_layers.cpp)
 against the modules, with int8 and with oneDNN's packed float32 / bfloat16 linear layers. Both are
 meant to give the same bits as the path they shortcut, so the tests compare with torch.equal. On a
-CPU without AVX512-VNNI there is no small-batch kernel and the int8 tests that need it skip."""
+CPU without AVX512-VNNI there is no VNNI kernel and the int8 tests that need it skip."""
 
 from __future__ import annotations
 
@@ -12,46 +12,50 @@ import torch
 from gpu.cpu_decode import CpuDecodeLayers
 from gpu.forward_batch import ForwardBatch
 from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.packed_linear import SMALL_BATCH_ROWS, Int8Kernels, Int8Linear
+from gpu import packed_linear
+from gpu.packed_linear import Int8Kernels, Int8Linear
+
+LARGE_BATCH = 18  # requests: many rows per pass of the int8 kernel, and a batch past oneDNN's 16-row bucket
 
 
 @pytest.fixture(scope="module")
 def vnni(int8_ops: Int8Kernels) -> Int8Kernels:
-    if int8_ops.small_batch is None:
+    if int8_ops.vnni is None:
         pytest.skip("this CPU has no AVX512-VNNI: int8 layers take oneDNN's path at every batch size")
     return int8_ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(100, 70), (192, 96), (64, 576)])
-def test_small_batch_kernel_gives_onednns_bits(vnni: Int8Kernels, dtype: torch.dtype, out_features: int, in_features: int) -> None:
-    """Shapes that are not whole 64-row blocks or 4-feature groups included; with and without bias."""
+def test_vnni_kernel_gives_onednns_bits(vnni: Int8Kernels, dtype: torch.dtype, out_features: int, in_features: int) -> None:
+    """Shapes that are not whole 64-row blocks or 4-feature groups included; with and without bias;
+    whole blocks (1-3 rows) and half blocks five rows a pass with every tail (4 rows and more)."""
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features) * 0.05
     bias = torch.randn(out_features)
-    onednn = Int8Kernels(vnni.quantize_rows, vnni.dequantize_rows, small_batch=None)
+    onednn = Int8Kernels(vnni.quantize_rows, vnni.dequantize_rows, vnni=None)
     for b in (None, bias):
-        small, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn)
-        assert small.small_batch is not None and reference.small_batch is None
-        for rows in (1, 3, 6, 7, SMALL_BATCH_ROWS):
+        kernel, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn)
+        assert kernel.vnni is not None and reference.vnni is None
+        for rows in (1, 3, 4, 6, 7, 8, 9, 16, 64):
             x = (torch.randn(rows, in_features) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)
-            got, want = small(x), reference(x)
+            got, want = kernel(x), reference(x)
             assert got.dtype == dtype and torch.equal(got, want), (rows, b is None, (got.float() - want.float()).abs().max())
 
 
 def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(vnni: Int8Kernels) -> None:
-    """Alone a row takes the small-batch kernel, in a batch of more than SMALL_BATCH_ROWS oneDNN's:
-    a request's output must not depend on which."""
+    """Alone a row takes whole weight blocks, in a batch half blocks five rows at a time: a
+    request's output must not depend on which."""
     torch.manual_seed(1)
     layer = Int8Linear([torch.randn(160, 96) * 0.05], [torch.randn(160)], vnni)
-    x = torch.randn(SMALL_BATCH_ROWS + 4, 96).to(torch.bfloat16)
+    x = torch.randn(LARGE_BATCH + 4, 96).to(torch.bfloat16)
     batched = layer(x)
     for i in range(x.shape[0]):
         assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1]), i
 
 
 def _runner(path, dtype: str, quantization: str | None = "int8") -> ModelRunner:
-    config = RunnerConfig(model_path=str(path), dtype=dtype, quantization=quantization, max_total_tokens=1024, max_running_requests=SMALL_BATCH_ROWS + 2)
+    config = RunnerConfig(model_path=str(path), dtype=dtype, quantization=quantization, max_total_tokens=1024, max_running_requests=LARGE_BATCH)
     return ModelRunner(config)
 
 
@@ -84,12 +88,22 @@ def test_one_call_for_all_layers_gives_the_modules_bits(
 ) -> None:
     """Each decode step twice, on the same pool: in one call, then through the modules. The
     logits and the K/V written for the new tokens must be the same bits (Qwen2: q/k/v biases);
-    at 3 requests (int8: the small-batch kernel where the CPU has it) and at SMALL_BATCH_ROWS + 2
-    (int8: oneDNN's kernel on rows padded to a bucket)."""
-    runner = _runner(request.getfixturevalue(model), dtype, quantization)
+    at 3 requests and at LARGE_BATCH."""
+    _check_one_call(_runner(request.getfixturevalue(model), dtype, quantization))
+
+
+def test_one_call_with_onednns_int8_kernel(int8_ops: Int8Kernels, tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the CPU has no AVX512-VNNI, int8 layers take oneDNN's kernel on rows padded to a bucket."""
+    monkeypatch.setattr(packed_linear, "int8_kernels", lambda: Int8Kernels(int8_ops.quantize_rows, int8_ops.dequantize_rows, vnni=None))
+    runner = _runner(tiny_llama, "bfloat16")
+    assert runner.model.model.layers[0].mlp.gate_up.vnni is None
+    _check_one_call(runner)
+
+
+def _check_one_call(runner: ModelRunner) -> None:
     fast = runner.model.cpu_decode
     assert isinstance(fast, CpuDecodeLayers)
-    contexts, steps = [5, 40, 17] + [9] * (SMALL_BATCH_ROWS - 1), 4
+    contexts, steps = [5, 40, 17] + [9] * (LARGE_BATCH - 3), 4
     rows, slots = _requests(runner, contexts, steps)
     for step in range(steps):
         n = 3 if step < 2 else len(contexts)
@@ -109,7 +123,7 @@ def test_batches_it_does_not_cover_take_the_modules(int8_ops: Int8Kernels, tiny_
     runner = _runner(tiny_llama, "bfloat16")
     fast = runner.model.cpu_decode
     assert fast is not None
-    contexts = [9] * (SMALL_BATCH_ROWS + 1)
+    contexts = [9] * (LARGE_BATCH - 1)
     rows, slots = _requests(runner, contexts, 1)
     large = _decode_batch(runner, contexts, 0, rows, slots)
     runner.attn.init_forward_metadata(large)

@@ -24,10 +24,9 @@ namespace {
 using actorserve::kZeroPoint;
 
 // One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
-// `bias`. An Int8Linear: also `small` and `offsets` in int8_matmul's layout (empty where the CPU has
-// no small-batch kernel), `scale` per output row, and oneDNN's prepacked int8 `onednn` weight with
-// its `zero_point`s for larger batches. A GgufLinear: `small` its packed blocks, `offsets` and
-// `scale` their float16 scales and minimums.
+// `bias`. An Int8Linear: `scale` per output row and either `small` and `offsets` in int8_matmul's
+// layout (CPUs with AVX512-VNNI) or oneDNN's prepacked int8 `onednn` weight with its `zero_point`s.
+// A GgufLinear: `small` its packed blocks, `offsets` and `scale` their float16 scales and minimums.
 struct LinearWeights {
   at::Tensor small, offsets, scale;
   c10::optional<at::Tensor> bias;
@@ -86,12 +85,11 @@ enum class LinearKind : int64_t { kPacked = 0, kInt8 = 1, kGguf = 2 };
 class DecodeLayers : public torch::CustomClassHolder {
  public:
   // weights: kPerLayer tensors per layer; out_features: qkv, o, gate_up, down per layer.
-  // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. kind: a
-  // LinearKind; small_batch_rows: the most rows int8_matmul takes.
-  DecodeLayers(int64_t kind, int64_t small_batch_rows, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
+  // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. kind: a LinearKind.
+  DecodeLayers(int64_t kind, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
                std::vector<double> numbers, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                std::vector<at::Tensor> v_pools)
-      : kind_(static_cast<LinearKind>(kind)), small_batch_rows_(small_batch_rows), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
+      : kind_(static_cast<LinearKind>(kind)), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
     TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (packed), 1 (int8) or 2 (gguf)");
     TORCH_CHECK(dims.size() == 3 && numbers.size() == 2, "dims: heads, kv heads, head dim; numbers: eps, scale");
     TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == 4 * (weights.size() / kPerLayer),
@@ -134,7 +132,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     auto linear = [&](const at::Tensor& x, const LinearWeights& w) {
       if (kind_ == LinearKind::kPacked) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
       if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
-      if (w.small.numel() > 0 && batch <= small_batch_rows_) return matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
+      if (w.small.numel() > 0) return matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
       // Int8Linear.forward's oneDNN path: the padding rows are the zero point, and integer dot
       // products are exact, so no row's result depends on them.
       auto [q, row_scale] = quantize.call(x);
@@ -163,7 +161,6 @@ class DecodeLayers : public torch::CustomClassHolder {
 
  private:
   LinearKind kind_;
-  int64_t small_batch_rows_;
   std::vector<LayerWeights> layers_;
   at::Tensor cos_, sin_;
   std::vector<at::Tensor> k_pools_, v_pools_;
@@ -175,7 +172,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<int64_t, int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
+      .def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
                        at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &DecodeLayers::run);
 }

@@ -7,8 +7,8 @@
 // This kernel reads the weights once, as one sequential stream: they are repacked so that each
 // block of 64 output rows is contiguous, four input features at a time ([N/64][K/4][64][4]), so
 // one 64-byte load feeds one VNNI instruction (`vpdpbusd`: 16 lanes of four u8 x s8 products)
-// and each lane accumulates one output row; no horizontal sums. Up to six activation rows share
-// each weight load.
+// and each lane accumulates one output row; no horizontal sums. Several activation rows share
+// each weight load (see kHalfRows).
 //
 // The arithmetic is Int8Linear's exactly: activations quantized as quantize_rows does (q + 128 as
 // u8), the zero point taken out with the weights' row sums (the integer dot product is exact),
@@ -87,7 +87,12 @@ void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_
 #ifdef ACTORSERVE_INT8_VNNI
 using actorserve::store16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-constexpr int kMaxRows = 6;  // activation rows per pass: 6 x 4 accumulators + 4 weights in 32 registers
+// Rows a pass. Whole blocks (4 vectors of 16 outputs) take up to two, for few rows, where the
+// weights' reads bound the time; from kHalfBlockRows rows on, half blocks take five: 5 x 2
+// accumulators and 2 weight vectors keep `vpdpbusd` near one an instruction cycle, where six rows
+// of whole blocks (24 accumulators) ran at half that.
+constexpr int kBlockRows = 2, kHalfRows = 5;
+constexpr int64_t kHalfBlockRows = 4;
 
 // What Int8Linear's dequantize does with oneDNN's float output, 16 outputs at a time:
 // (dot * w_scale) * row_scale + bias. The explicit-rounding forms are never fused into an FMA.
@@ -107,35 +112,66 @@ struct Epilogue {
   int64_t count;      // outputs of the block that exist (the last block may be short)
 };
 
-// R activation rows against one 64-row weight block, written out dequantized.
-template <int R, typename T>
+// The share `pass` of `passes` of `bytes` at `next` fetched into the cache: the weight block a
+// thread takes next arrives while this one is multiplied.
+inline void prefetch_share(const int8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
+  if (next == nullptr) return;
+  const int64_t lines = (bytes + 63) / 64;
+  for (int64_t i = pass * lines / passes; i < (pass + 1) * lines / passes; ++i) _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * i, _MM_HINT_T1);
+}
+
+// R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
+// block, written out dequantized.
+template <int R, int V, int T0, typename T>
 inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
                        const Epilogue& e, T* out, int64_t out_stride) {
-  __m512i acc[R][4];
+  __m512i acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_si512();
+    for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
   }
   for (int64_t i = 0; i < k4; ++i) {
-    const int8_t* wi = w + i * kBlock * 4;
-    const __m512i w0 = _mm512_loadu_si512(wi), w1 = _mm512_loadu_si512(wi + 64);
-    const __m512i w2 = _mm512_loadu_si512(wi + 128), w3 = _mm512_loadu_si512(wi + 192);
+    const int8_t* wi = w + i * kBlock * 4 + 64 * T0;
+    __m512i wv[V];
+    for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(wi + 64 * t);
     for (int r = 0; r < R; ++r) {
       int32_t four;
       std::memcpy(&four, q + r * stride + i * 4, sizeof four);
       const __m512i a = _mm512_set1_epi32(four);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, w1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, w2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, w3);
+      for (int t = 0; t < V; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], a, wv[t]);
     }
   }
   for (int r = 0; r < R; ++r) {
     const __m512 scale = _mm512_set1_ps(row_scale[r]);
-    for (int g = 0; g < 4; ++g) {
-      const int64_t first = 16 * g, count = std::min<int64_t>(16, e.count - first);
+    for (int t = 0; t < V; ++t) {
+      const int64_t first = 16 * (T0 + t), count = std::min<int64_t>(16, e.count - first);
       if (count <= 0) break;
-      const __m512 y = dequantize16(acc[r][g], e.offset + first, e.w_scale + first, scale, e.bias == nullptr ? nullptr : e.bias + first, count);
+      const __m512 y = dequantize16(acc[r][t], e.offset + first, e.w_scale + first, scale, e.bias == nullptr ? nullptr : e.bias + first, count);
       store16(out + r * out_stride + first, y, count);
+    }
+  }
+}
+
+// Every row against one whole block (T0 = 0, V = 4) or one half of it (T0 = 0 or 2, V = 2), MaxRows
+// rows a pass, prefetching `next` (or nullptr) meanwhile.
+template <int V, int T0, int MaxRows, typename T>
+inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                         const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
+  const int64_t passes = (rows + MaxRows - 1) / MaxRows;
+  for (int64_t r = 0, pass = 0; r < rows; r += MaxRows, ++pass) {
+    prefetch_share(next, k4 * kBlock * 4, pass, passes);
+    const uint8_t* qr = q + r * stride;
+    T* o = out + r * out_stride;
+    const int64_t n = std::min<int64_t>(MaxRows, rows - r);
+    if (n == MaxRows) {
+      block_rows<MaxRows, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride);
+    } else if (n == 1) {
+      block_rows<1, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride);
+    } else if constexpr (MaxRows > 2) {
+      switch (n) {
+        case 2: block_rows<2, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
+        case 3: block_rows<3, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
+        default: block_rows<4, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
+      }
     }
   }
 }
@@ -157,22 +193,30 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   const int32_t* od = offsets.data_ptr<int32_t>();
   const float* scale = w_scale.data_ptr<float>();
   T* out_d = out.data_ptr<T>();
-  actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t b = first; b < last; ++b) {
-      const int8_t* w = wd + b * k4 * kBlock * 4;
-      const int64_t col = b * kBlock;
-      const Epilogue e{od + col, scale + col, bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
-      for (int64_t r = 0; r < rows; r += kMaxRows) {
-        const uint8_t* qr = qd + r * stride;
-        T* o = out_d + r * n + col;
-        switch (std::min<int64_t>(kMaxRows, rows - r)) {
-          case 6: block_rows<6>(qr, stride, sd + r, w, k4, e, o, n); break;
-          case 5: block_rows<5>(qr, stride, sd + r, w, k4, e, o, n); break;
-          case 4: block_rows<4>(qr, stride, sd + r, w, k4, e, o, n); break;
-          case 3: block_rows<3>(qr, stride, sd + r, w, k4, e, o, n); break;
-          case 2: block_rows<2>(qr, stride, sd + r, w, k4, e, o, n); break;
-          default: block_rows<1>(qr, stride, sd + r, w, k4, e, o, n); break;
-        }
+  const int64_t block_bytes = k4 * kBlock * 4;
+  auto epilogue = [&](int64_t b) {
+    const int64_t col = b * kBlock;
+    return Epilogue{od + col, scale + col, bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
+  };
+  if (rows < kHalfBlockRows) {
+    actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        rows_against<4, 0, kBlockRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, epilogue(b), out_d + b * kBlock, n,
+                                       b + 1 < last ? wd + (b + 1) * block_bytes : nullptr);
+      }
+    });
+    return;
+  }
+  actorserve::parallel_for(2 * blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t unit = first; unit < last; ++unit) {
+      const int64_t b = unit / 2;
+      const Epilogue e = epilogue(b);
+      // A block's first half fetches the next block, when this thread takes it too.
+      const int8_t* next = unit % 2 == 0 && 2 * (b + 1) < last ? wd + (b + 1) * block_bytes : nullptr;
+      if (unit % 2 == 0) {
+        rows_against<2, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+      } else if (e.count > kBlock / 2) {
+        rows_against<2, 2, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
       }
     }
   });
