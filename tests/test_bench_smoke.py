@@ -228,6 +228,21 @@ def test_decode_attention_bandwidth_follows_from_the_bytes_and_times(monkeypatch
     assert "vectors of at most 0 bits" in out if layout else f"at most {torch.ops.actorserve.decode_attention_widths()[0]} bits" in out
 
 
+# --- bench.int8_matmul --------------------------------------------------------------------------
+def test_int8_matmul_covers_every_shape_and_row_count(monkeypatch, capsys):
+    from bench import int8_matmul
+    from gpu.packed_linear import int8_kernels
+
+    kernels = int8_kernels()
+    if kernels is None or kernels.vnni is None:
+        pytest.skip("no AVX512-VNNI int8 kernel on this CPU")
+    out = _run_main(monkeypatch, capsys, int8_matmul, "--rows", "1,6", "--repeats", "1", "--calls", "1")
+    rows = _rows(out)
+    assert [(r[0], r[1]) for r in rows] == [(f"{k} x {n}", str(m)) for k, n in int8_matmul.SHAPES for m in (1, 6)], out
+    for row in rows:
+        assert _ratio_fits(_number(row[4]), _number(row[2]), _number(row[3]), (1, 1, 0.01)), row
+
+
 # --- bench.gguf_matmul --------------------------------------------------------------------------
 def test_gguf_matmul_ratios_follow_from_the_times(monkeypatch, capsys):
     from bench import gguf_matmul
