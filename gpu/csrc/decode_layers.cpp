@@ -24,11 +24,11 @@ namespace {
 using actorserve::kZeroPoint;
 
 // One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
-// `bias`. An Int8Linear: `scale` per output row and either `small` and `offsets` in int8_matmul's
+// `bias`. An Int8Linear: `scale` per output row and either `kernel` and `offsets` in int8_matmul's
 // layout (CPUs with AVX512-VNNI) or oneDNN's prepacked int8 `onednn` weight with its `zero_point`s.
-// A GgufLinear: `small` its packed blocks, `offsets` and `scale` their float16 scales and minimums.
+// A GgufLinear: `kernel` its packed blocks, `offsets` and `scale` their float16 scales and minimums.
 struct LinearWeights {
-  at::Tensor small, offsets, scale;
+  at::Tensor kernel, offsets, scale;
   c10::optional<at::Tensor> bias;
   at::Tensor onednn, zero_point;
   int64_t out_features;
@@ -76,7 +76,7 @@ using DecodeAttention = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, co
                                                            const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                            const at::Tensor&, double);
 
-constexpr int64_t kPerLinear = 6;                  // small, offsets, scale, bias, onednn, zero_point (empty: none)
+constexpr int64_t kPerLinear = 6;                  // kernel, offsets, scale, bias, onednn, zero_point (empty: none)
 constexpr int64_t kPerLayer = 2 + 4 * kPerLinear;  // the two norms' weights, then qkv, o, gate_up, down
 
 // gpu/cpu_decode.py's LINEAR_KINDS: which class of gpu/packed_linear.py every linear layer is.
@@ -131,8 +131,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     const c10::List<c10::optional<at::Scalar>> no_args;
     auto linear = [&](const at::Tensor& x, const LinearWeights& w) {
       if (kind_ == LinearKind::kPacked) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
-      if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
-      if (w.small.numel() > 0) return matmul.call(x, w.small, w.offsets, w.scale, w.bias, w.out_features);
+      if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.kernel, w.offsets, w.scale, w.bias, w.out_features);
+      if (w.kernel.numel() > 0) return matmul.call(x, w.kernel, w.offsets, w.scale, w.bias, w.out_features);
       // Int8Linear.forward's oneDNN path: the padding rows are the zero point, and integer dot
       // products are exact, so no row's result depends on them.
       auto [q, row_scale] = quantize.call(x);
