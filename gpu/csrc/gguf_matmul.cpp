@@ -21,6 +21,7 @@
 
 #include "cpu_math.h"
 #include "linear_bias.h"
+#include "half_blocks.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -150,14 +151,6 @@ inline __m512 load_half16(const uint16_t* p) {
 
 inline __m512i broadcast4(const int8_t* q) { return _mm512_set1_epi32(four_bytes(q)); }
 
-// The share `pass` of `passes` of `bytes` at `next` fetched into the cache: the weight block a
-// thread takes next arrives while this one is multiplied.
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
-  if (next == nullptr) return;
-  const int64_t lines = (bytes + 63) / 64;
-  for (int64_t i = pass * lines / passes; i < (pass + 1) * lines / passes; ++i) _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * i, _MM_HINT_T1);
-}
-
 // R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight block.
 template <int Bits, int R, int V, int T0, typename T>
 inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, T* out, int64_t out_stride) {
@@ -228,7 +221,7 @@ template <int Bits, typename T>
 inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next, int64_t next_bytes) {
   const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t r = 0; r < rows; r += kMaxRows) {
-    prefetch_share(next, next_bytes, r / kMaxRows, passes);
+    actorserve::prefetch_share(next, next_bytes, r / kMaxRows, passes);
     if (rows - r >= 2) {
       block_rows<Bits, 2, 4, 0>(act, r, w, out + r * out_stride, out_stride);
     } else {
@@ -243,7 +236,7 @@ inline void half_block(const Activations& act, int64_t rows, const WeightBlock& 
                        int64_t next_bytes) {
   const int64_t passes = (rows + kHalfRows - 1) / kHalfRows;
   for (int64_t r = 0, pass = 0; r < rows; r += kHalfRows, ++pass) {
-    prefetch_share(next, next_bytes, pass, passes);
+    actorserve::prefetch_share(next, next_bytes, pass, passes);
     T* o = out + r * out_stride;
     switch (std::min<int64_t>(rows - r, kHalfRows)) {
       case 1: block_rows<Bits, 1, 2, T0>(act, r, w, o, out_stride); break;
@@ -364,17 +357,13 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   };
 #ifdef ACTORSERVE_GGUF_VNNI
   if (width == 512 && rows >= vnni::kHalfBlockRows) {
-    actorserve::parallel_for(2 * blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t unit = first; unit < last; ++unit) {
-        const int64_t b = unit / 2;
-        const WeightBlock w = weight_block(b);
-        // A block's first half fetches the next block, when this thread takes it too.
-        const uint8_t* next = unit % 2 == 0 && 2 * (b + 1) < last ? ud + (b + 1) * block_bytes : nullptr;
-        if (unit % 2 == 0) {
-          vnni::half_block<Bits, 0>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
-        } else if (w.count > kBlock / 2) {
-          vnni::half_block<Bits, 2>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
-        }
+    actorserve::for_each_half_block(blocks, [&](int64_t b, int64_t half, bool fetch_next) {
+      const WeightBlock w = weight_block(b);
+      const uint8_t* next = fetch_next ? ud + (b + 1) * block_bytes : nullptr;
+      if (half == 0) {
+        vnni::half_block<Bits, 0>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+      } else if (w.count > kBlock / 2) {
+        vnni::half_block<Bits, 2>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       }
     });
     return;

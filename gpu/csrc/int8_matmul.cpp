@@ -21,6 +21,7 @@
 
 #include "cpu_math.h"
 #include "linear_bias.h"
+#include "half_blocks.h"
 #include "parallel.h"
 #include "quantize_row.h"
 
@@ -112,14 +113,6 @@ struct Epilogue {
   int64_t count;      // outputs of the block that exist (the last block may be short)
 };
 
-// The share `pass` of `passes` of `bytes` at `next` fetched into the cache: the weight block a
-// thread takes next arrives while this one is multiplied.
-inline void prefetch_share(const int8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
-  if (next == nullptr) return;
-  const int64_t lines = (bytes + 63) / 64;
-  for (int64_t i = pass * lines / passes; i < (pass + 1) * lines / passes; ++i) _mm_prefetch(reinterpret_cast<const char*>(next) + 64 * i, _MM_HINT_T1);
-}
-
 // R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
 // block, written out dequantized.
 template <int R, int V, int T0, typename T>
@@ -158,7 +151,7 @@ inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const f
                          const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
   const int64_t passes = (rows + MaxRows - 1) / MaxRows;
   for (int64_t r = 0, pass = 0; r < rows; r += MaxRows, ++pass) {
-    prefetch_share(next, k4 * kBlock * 4, pass, passes);
+    actorserve::prefetch_share(next, k4 * kBlock * 4, pass, passes);
     const uint8_t* qr = q + r * stride;
     T* o = out + r * out_stride;
     const int64_t n = std::min<int64_t>(MaxRows, rows - r);
@@ -207,17 +200,13 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     });
     return;
   }
-  actorserve::parallel_for(2 * blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t unit = first; unit < last; ++unit) {
-      const int64_t b = unit / 2;
-      const Epilogue e = epilogue(b);
-      // A block's first half fetches the next block, when this thread takes it too.
-      const int8_t* next = unit % 2 == 0 && 2 * (b + 1) < last ? wd + (b + 1) * block_bytes : nullptr;
-      if (unit % 2 == 0) {
-        rows_against<2, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
-      } else if (e.count > kBlock / 2) {
-        rows_against<2, 2, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
-      }
+  actorserve::for_each_half_block(blocks, [&](int64_t b, int64_t half, bool fetch_next) {
+    const Epilogue e = epilogue(b);
+    const int8_t* next = fetch_next ? wd + (b + 1) * block_bytes : nullptr;
+    if (half == 0) {
+      rows_against<2, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+    } else if (e.count > kBlock / 2) {
+      rows_against<2, 2, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
     }
   });
 }
