@@ -79,7 +79,7 @@ inline __m256 load8(const c10::BFloat16* x) {
 
 // One row's activations, per 32-input block: q = round_half_even(x / a) with a = max|x| / 127
 // (0 for an all-zero block, whose q are then 0), and s = a * sum(q). In 256-bit vectors, which
-// every CPU with either path has: a scalar division per input cost a 64-row decode step ~4 ms.
+// every CPU with either path has: a scalar division per input cost a 64-row decode step ~3 ms.
 template <typename T>
 void quantize_blocks(const T* x, int64_t dim, int8_t* q, float* a, float* s) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));

@@ -90,7 +90,7 @@ using actorserve::store16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 // Rows a pass. Whole blocks (4 vectors of 16 outputs) take up to two, for few rows, where the
 // weights' reads bound the time; from kHalfBlockRows rows on, half blocks take five: 5 x 2
-// accumulators and 2 weight vectors keep `vpdpbusd` near one an instruction cycle, where six rows
+// accumulators and 2 weight vectors keep `vpdpbusd` near one a cycle, where six rows
 // of whole blocks (24 accumulators) ran at half that.
 constexpr int kBlockRows = 2, kHalfRows = 5;
 constexpr int64_t kHalfBlockRows = 4;
