@@ -66,17 +66,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 async def _generate_async(args: argparse.Namespace) -> int:
     from api.frontend.engine import Engine
+    from runtime.sampling_params import SamplingParams
 
-    sampling = {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "top_k": args.top_k,
-        "seed": args.seed,
-        "ignore_eos": args.ignore_eos,
-    }
+    sampling = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos
+    )
+    # What can be refused without the model is refused before it loads.
+    error = sampling.validation_error()
+    if error is not None:
+        raise ValueError(error)
+    input_ids = _input_ids(args.input_ids) if args.input_ids is not None else None
     async with Engine(model_path=args.model_path, dtype=args.dtype, device=args.device, max_running_requests=1) as engine:
-        prompt_ids = _prompt_ids(args, engine.tokenizer)
+        prompt_ids = input_ids if input_ids is not None else _prompt_ids(args, engine.tokenizer)
         out = await engine.generate(input_ids=prompt_ids, sampling_params=sampling)
     if args.json:
         record = {
@@ -92,12 +93,14 @@ async def _generate_async(args: argparse.Namespace) -> int:
     return 0
 
 
+def _input_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--input-ids must be comma-separated integers, got {text!r}") from None
+
+
 def _prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
-    if args.input_ids is not None:
-        try:
-            return [int(t) for t in args.input_ids.split(",") if t.strip()]
-        except ValueError:
-            raise ValueError(f"--input-ids must be comma-separated integers, got {args.input_ids!r}") from None
     if args.chat:
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
         return tokenizer.encode(rendered, add_special_tokens=False)
