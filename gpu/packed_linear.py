@@ -41,9 +41,6 @@ log = logging.getLogger(__name__)
 
 PACKABLE = (torch.float32, torch.bfloat16)
 ZERO_POINT = 128  # oneDNN's fast int8 kernels take unsigned activations: q + 128
-# Up to this many rows the small-batch kernel beats oneDNN's on SmolLM2's layers (2 threads,
-# BENCHMARKS.md): 2-7x at 1-4 rows; at 16, 1.2-1.9x on three of a layer's four matmuls and 0.8-1.0x
-# on gate/up and the output layer, a net gain; oneDNN's wins from 64 rows.
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
