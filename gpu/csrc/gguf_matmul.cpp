@@ -141,7 +141,7 @@ inline int32_t four_bytes(const int8_t* q) {
 namespace vnni {
 
 using actorserve::store16;
-constexpr int kMaxRows = 2;         // rows a pass over a whole block: 2 x 4 integer and float accumulators
+constexpr int kBlockRows = 2;       // rows a pass over a whole block: 2 x 4 integer and float accumulators
 constexpr int kHalfRows = 5;        // rows a pass over a half block: 5 x 2 of each, 4 weight vectors
 constexpr int64_t kHalfBlockRows = 32;
 
@@ -215,37 +215,15 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
   }
 }
 
-// Every row of `act` against one whole 64-row weight block, written to out (row stride
-// out_stride); `next` (or nullptr): the block to prefetch meanwhile, `next_bytes` long.
-template <int Bits, typename T>
-inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next, int64_t next_bytes) {
-  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  for (int64_t r = 0; r < rows; r += kMaxRows) {
-    actorserve::prefetch_share(next, next_bytes, r / kMaxRows, passes);
-    if (rows - r >= 2) {
-      block_rows<Bits, 2, 4, 0>(act, r, w, out + r * out_stride, out_stride);
-    } else {
-      block_rows<Bits, 1, 4, 0>(act, r, w, out + r * out_stride, out_stride);
-    }
-  }
-}
-
-// Every row of `act` against half T0 / 2 (T0: 0 or 2) of one weight block, as `block`.
-template <int Bits, int T0, typename T>
-inline void half_block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next,
-                       int64_t next_bytes) {
-  const int64_t passes = (rows + kHalfRows - 1) / kHalfRows;
-  for (int64_t r = 0, pass = 0; r < rows; r += kHalfRows, ++pass) {
-    actorserve::prefetch_share(next, next_bytes, pass, passes);
-    T* o = out + r * out_stride;
-    switch (std::min<int64_t>(rows - r, kHalfRows)) {
-      case 1: block_rows<Bits, 1, 2, T0>(act, r, w, o, out_stride); break;
-      case 2: block_rows<Bits, 2, 2, T0>(act, r, w, o, out_stride); break;
-      case 3: block_rows<Bits, 3, 2, T0>(act, r, w, o, out_stride); break;
-      case 4: block_rows<Bits, 4, 2, T0>(act, r, w, o, out_stride); break;
-      default: block_rows<Bits, kHalfRows, 2, T0>(act, r, w, o, out_stride); break;
-    }
-  }
+// Every row of `act` against one whole block (T0 = 0, V = 4) or one half of it (T0 = 0 or 2, V =
+// 2), MaxRows rows a pass, written to out (row stride out_stride); `next` (or nullptr): the block
+// to prefetch meanwhile, `next_bytes` long.
+template <int Bits, int V, int T0, int MaxRows, typename T>
+inline void rows_against(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next,
+                         int64_t next_bytes) {
+  actorserve::row_passes<MaxRows>(rows, next, next_bytes, [&]<int R>(int64_t r) {
+    block_rows<Bits, R, V, T0>(act, r, w, out + r * out_stride, out_stride);
+  });
 }
 
 }  // namespace vnni
@@ -361,9 +339,9 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       const WeightBlock w = weight_block(b);
       const uint8_t* next = fetch_next ? ud + (b + 1) * block_bytes : nullptr;
       if (half == 0) {
-        vnni::half_block<Bits, 0>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        vnni::rows_against<Bits, 2, 0, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       } else if (w.count > kBlock / 2) {
-        vnni::half_block<Bits, 2>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        vnni::rows_against<Bits, 2, 2, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       }
     });
     return;
@@ -374,7 +352,8 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       const WeightBlock w = weight_block(b);
 #ifdef ACTORSERVE_GGUF_VNNI
       if (width == 512) {
-        vnni::block<Bits>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr, block_bytes);
+        vnni::rows_against<Bits, 4, 0, vnni::kBlockRows>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr,
+                                                        block_bytes);
         continue;
       }
 #endif

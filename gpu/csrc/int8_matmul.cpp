@@ -149,24 +149,9 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
 template <int V, int T0, int MaxRows, typename T>
 inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
                          const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
-  const int64_t passes = (rows + MaxRows - 1) / MaxRows;
-  for (int64_t r = 0, pass = 0; r < rows; r += MaxRows, ++pass) {
-    actorserve::prefetch_share(next, k4 * kBlock * 4, pass, passes);
-    const uint8_t* qr = q + r * stride;
-    T* o = out + r * out_stride;
-    const int64_t n = std::min<int64_t>(MaxRows, rows - r);
-    if (n == MaxRows) {
-      block_rows<MaxRows, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride);
-    } else if (n == 1) {
-      block_rows<1, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride);
-    } else if constexpr (MaxRows > 2) {
-      switch (n) {
-        case 2: block_rows<2, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
-        case 3: block_rows<3, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
-        default: block_rows<4, V, T0>(qr, stride, row_scale + r, w, k4, e, o, out_stride); break;
-      }
-    }
-  }
+  actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r) {
+    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride);
+  });
 }
 
 template <typename T>
