@@ -16,6 +16,7 @@ Megatron's layout, over `torch.distributed` (gloo on a CPU, NCCL on CUDA):
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed.ProcessGroup
+    # The same ranks, for the header that starts each piece of work: the other ranks wait on it as
+    # long as the engine idles, which the group's collective timeout must not end (`make_idle_group`).
+    idle_group: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -50,6 +54,22 @@ class TPGroup:
         if self.size > 1:
             torch.distributed.broadcast(x, src=0, group=self.group)
         return x
+
+    def broadcast_header(self, x: torch.Tensor) -> torch.Tensor:
+        """`broadcast` over the idle group: what the other ranks wait on between steps."""
+        if self.size > 1:
+            torch.distributed.broadcast(x, src=0, group=self.group if self.idle_group is None else self.idle_group)
+        return x
+
+
+# How long a rank waits for the next step's header: an idle engine is not a failed one. A rank
+# that stops answering mid-step still fails the engine after dist_timeout_s (the main group's).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+def make_idle_group(backend: str) -> Any:
+    """The idle group over every rank of the initialized default group (each rank calls this once, in the same order)."""
+    return torch.distributed.new_group(backend=backend, timeout=IDLE_TIMEOUT)
 
 
 @dataclass(frozen=True, slots=True)

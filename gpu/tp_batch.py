@@ -60,7 +60,7 @@ class BatchChannel:
         parts = [batch.input_ids, batch.positions, batch.out_cache_loc, batch.req_rows, host_to_device(host, self.device), values]
         if logit_index is not None:
             parts.append(logit_index)
-        self.tp.broadcast(host_to_device(torch.tensor(header, dtype=torch.int64), self.device))
+        self.tp.broadcast_header(host_to_device(torch.tensor(header, dtype=torch.int64), self.device))
         self.tp.broadcast(torch.cat([p.to(self.device, torch.int64) for p in parts]))
 
     def send_moves(self, moves: HostMoves) -> None:
@@ -68,14 +68,14 @@ class BatchChannel:
         header = [_MOVES, len(counts), sum(counts), moves.host_slots, 0, 0, 0]
         flags = torch.tensor([[int(m.to_host), n] for m, n in zip(moves.moves, counts)], dtype=torch.int64).flatten()
         slots = [s.to("cpu", torch.int64) for m in moves.moves for s in (m.device_slots, m.host_slots)]
-        self.tp.broadcast(host_to_device(torch.tensor(header, dtype=torch.int64), self.device))
+        self.tp.broadcast_header(host_to_device(torch.tensor(header, dtype=torch.int64), self.device))
         self.tp.broadcast(host_to_device(torch.cat([flags, *slots]), self.device))
 
     def send_stop(self) -> None:
-        self.tp.broadcast(host_to_device(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), self.device))
+        self.tp.broadcast_header(host_to_device(torch.tensor([_STOP] + [0] * (_HEADER - 1), dtype=torch.int64), self.device))
 
     def receive(self) -> ForwardBatch | HostMoves | None:
-        header = self.tp.broadcast(torch.empty(_HEADER, dtype=torch.int64, device=self.device)).tolist()
+        header = self.tp.broadcast_header(torch.empty(_HEADER, dtype=torch.int64, device=self.device)).tolist()
         kind, size, tokens, num_logits, all_logits, entries, mode = header
         if kind == _STOP:
             return None

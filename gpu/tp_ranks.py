@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from gpu.model_runner import ModelRunner, RunnerConfig
-from gpu.tensor_parallel import TPGroup
+from gpu.tensor_parallel import TPGroup, make_idle_group
 
 log = logging.getLogger("actorserve.tp")
 
@@ -88,7 +88,7 @@ class TPRanks:
         """Join the group as rank 0 and load its shard (blocks until every rank has joined)."""
         r = self.rendezvous
         torch.distributed.init_process_group(r.backend, store=self.store, rank=0, world_size=r.size, timeout=r.timeout)
-        self.runner = ModelRunner(self.runner_config, TPGroup(0, r.size, torch.distributed.group.WORLD))
+        self.runner = ModelRunner(self.runner_config, TPGroup(0, r.size, torch.distributed.group.WORLD, make_idle_group(r.backend)))
         return self.runner
 
     async def wait_exit(self) -> str:
@@ -146,7 +146,7 @@ def rank_main(spec_hex: str) -> None:
     store = torch.distributed.TCPStore(r.host, r.port, r.size, is_master=False, timeout=r.timeout)
     torch.distributed.init_process_group(r.backend, store=store, rank=spec.rank, world_size=r.size, timeout=r.timeout)
     try:
-        runner = ModelRunner(spec.runner, TPGroup(spec.rank, r.size, torch.distributed.group.WORLD))
+        runner = ModelRunner(spec.runner, TPGroup(spec.rank, r.size, torch.distributed.group.WORLD, make_idle_group(r.backend)))
         runner.serve_ranks()
     finally:
         torch.distributed.destroy_process_group()

@@ -326,13 +326,18 @@ async def test_kill_9_of_a_rank_mid_stream_fails_its_requests_and_stops_the_core
         assert any(death in failure for death in deaths), failure
 
 
-async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout(tiny_model_factory):
+async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout_an_idle_one_does_not(tiny_model_factory):
     async with _started_with_its_rank(tiny_model_factory("llama"), dist_timeout_s=3) as (engine, core, rank):
+        # Idle longer than the timeout first: waiting for work is not failing to answer.
+        await asyncio.sleep(3.5)
+        assert len((await engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)).output_ids) == GREEDY["max_new_tokens"]
         os.kill(rank, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
         # Its sockets stay open, so only the collective's timeout can end this (gloo: "Timed out
         # waiting 3000ms for recv operation to complete").
+        start = time.monotonic()
         with pytest.raises(EngineError, match="(?i)timed out"):
             await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY), 30)
+        assert time.monotonic() - start >= 2.9
 
 
 async def test_kill_9_of_the_core_takes_its_ranks_with_it(tiny_model_factory):
