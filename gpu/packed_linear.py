@@ -105,13 +105,14 @@ class Int8Linear(nn.Module):
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        q, scale = quantize_weight(weight)
+        self.kernels = kernels
+        self.vnni = kernels.vnni if kernels is not None else None
+        self.weight_max = WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX
+        q, scale = quantize_weight(weight, self.weight_max)
         self.register_buffer("weight_scale", scale, persistent=False)
         bias = _concat_biases(weight, weights, biases)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
-        self.kernels = kernels
         self.out_features = q.shape[0]
-        self.vnni = kernels.vnni if kernels is not None else None
         if self.vnni is not None:
             packed, offsets = self.vnni.pack(q)
             self.register_buffer("vnni_weight", packed, persistent=False)
@@ -163,11 +164,19 @@ def can_quantize(device: torch.device, quantization: str = "int8") -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (q in [-127, 127], float32 scale per row)."""
+WEIGHT_MAX = 127
+# oneDNN's int8 kernel on a CPU without VNNI (vpmaddubsw) sums two u8 x s8 products into int16 with
+# saturation: activations up to 255 against weights up to 127 overflow it (logits off by up to 10
+# on SmolLM2, one greedy step in eight changed). Weights of 7 bits keep every pair in range, as
+# PyTorch's reduce_range does for the activations.
+ONEDNN_WEIGHT_MAX = 63
+
+
+def quantize_weight(weight: torch.Tensor, max_level: int = WEIGHT_MAX) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: (q in [-max_level, max_level], float32 scale per row)."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / max_level
+    return (w / scale[:, None]).round().clamp(-max_level, max_level).to(torch.int8), scale
 
 
 def quantize_rows_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
