@@ -27,11 +27,16 @@ from runtime.config import QUANTIZATIONS
 STARTUP_TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("bfloat16", "float32", *QUANTIZATIONS)
+KV_INT8 = "+kv-int8"  # a mode's suffix: `--kv-cache-dtype int8`
 
 
-def mode_settings(mode: str) -> tuple[str, str | None]:
-    """(dtype, quantization) of an actorserve mode: a dtype, or a quantization with bfloat16 activations."""
-    return ("bfloat16", mode) if mode in QUANTIZATIONS else (mode, None)
+def mode_settings(mode: str) -> tuple[str, str | None, str]:
+    """(dtype, quantization, kv_cache_dtype) of an actorserve mode: a dtype, or a quantization with
+    the CPU's default activations (bfloat16 where it is native, else float32); either with KV_INT8
+    after it for an int8 KV cache."""
+    base = mode.removesuffix(KV_INT8)
+    kv_cache_dtype = "int8" if mode.endswith(KV_INT8) else "auto"
+    return ("auto", base, kv_cache_dtype) if base in QUANTIZATIONS else (base, None, kv_cache_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,10 +58,10 @@ def llama_server(path: str, gguf: str, threads: int, slots: int, context: int) -
 
 def actorserve(mode: str, gguf: str, threads: int, tree: Path = ROOT, label: str | None = None, flags: tuple[str, ...] = ()) -> Server:
     """`actorserve serve` from the checkout `tree` in `mode` (`mode_settings`)."""
-    dtype, quantization = mode_settings(mode)
+    dtype, quantization, kv_cache_dtype = mode_settings(mode)
     quant = ("--quantization", quantization) if quantization else ()
     argv = (sys.executable, "-c", "import sys; from api.cli import main; sys.exit(main())", "serve", "--model", gguf,
-            "--dtype", dtype, *quant, "--core-threads", str(threads), "--host", "127.0.0.1", "--port", "{port}",
+            "--dtype", dtype, *quant, "--kv-cache-dtype", kv_cache_dtype, "--core-threads", str(threads), "--host", "127.0.0.1", "--port", "{port}",
             "--log-level", "warning", *flags)
     return Server(label or f"actorserve {mode}", argv, tree, (("PYTHONPATH", str(tree)), ("HF_HUB_OFFLINE", "1")))
 

@@ -3,6 +3,7 @@ of the same K/V bytes, measured in the same run.
 
     python -m bench.decode_attention [--batch 64] [--context 256] [--layers 30] [--dtype bfloat16]
         [--heads 9] [--kv-heads 3] [--head-dim 64] [--scatter] [--repeats 15] [--width 512|256|0]
+        [--kv-cache-dtype auto|int8]
 
 Every layer has a K and a V pool of its own, as in the engine, and a decode step reads each once,
 so with `--layers` pools together larger than the last-level cache each call reads its rows from
@@ -14,7 +15,8 @@ memory. Per layer, medians over --repeats passes through all layers:
 Slots are contiguous per request (what a fresh allocation gives) unless --scatter spreads each
 request's slots over the whole pool at random. --width picks the kernel's path: the widest vectors
 in bits it may use (512: AVX-512, 256: AVX2, 0: the generic loops; default the widest compiled), so
-one machine can time the path another CPU would take.
+one machine can time the path another CPU would take. --kv-cache-dtype int8 makes the pools 8-bit
+rows with their scales (gpu/kv_quant.py), as `--kv-cache-dtype int8` makes the engine's.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu.cpu_ops import cpu_kernels
+from gpu.kv_quant import quantize_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,9 @@ class Pools:
 def make_pools(args: argparse.Namespace) -> Pools:
     dtype = getattr(torch, args.dtype)
     slots = args.batch * args.context
-    k = [torch.randn(slots, args.kv_heads, args.head_dim).to(dtype) for _ in range(args.layers)]
-    v = [torch.randn(slots, args.kv_heads, args.head_dim).to(dtype) for _ in range(args.layers)]
+    store = quantize_rows if args.kv_cache_dtype == "int8" else (lambda x: x.to(dtype))
+    k = [store(torch.randn(slots, args.kv_heads, args.head_dim)) for _ in range(args.layers)]
+    v = [store(torch.randn(slots, args.kv_heads, args.head_dim)) for _ in range(args.layers)]
     order = torch.randperm(slots) if args.scatter else torch.arange(slots)
     req_to_token = order.view(args.batch, args.context).to(torch.int32).contiguous()
     return Pools(
@@ -88,8 +92,8 @@ def main() -> None:
         torch.ops.actorserve.decode_attention_at(p.q, p.k[layer], p.v[layer], p.req_to_token, p.req_rows, p.key_begin, p.key_end, p.scale, width)
 
     def read(layer: int) -> None:
-        p.k[layer].view(torch.int64).max()
-        p.v[layer].view(torch.int64).max()
+        p.k[layer].view(-1).view(torch.int64).max()
+        p.v[layer].view(-1).view(torch.int64).max()
 
     # Alternating, so that a change in the machine's load falls on both alike.
     kernel_ms, read_ms = [], []
@@ -100,7 +104,7 @@ def main() -> None:
     kernel, plain = statistics.median(kernel_ms), statistics.median(read_ms)
     mb = p.bytes_per_layer / 1e6
     print(f"decode attention, batch {args.batch} x {args.context} keys, {args.heads} heads / {args.kv_heads} K/V heads x "
-          f"{args.head_dim}, {args.dtype}, {args.layers} layers' pools ({mb * args.layers:.0f} MB), slots "
+          f"{args.head_dim}, {args.dtype}{', int8 K/V' if args.kv_cache_dtype == 'int8' else ''}, {args.layers} layers' pools ({mb * args.layers:.0f} MB), slots "
           f"{'scattered' if args.scatter else 'contiguous'}, vectors of at most {width} bits, {torch.get_num_threads()} threads\n")
     print("| pass | ms per layer | GB/s |")
     print("| --- | --- | --- |")
@@ -122,6 +126,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--scatter", action="store_true", help="each request's slots spread over the pool at random")
     p.add_argument("--repeats", type=int, default=15, help="passes through all layers per round")
     p.add_argument("--width", type=int, default=None, help="the kernel's widest vectors in bits: 512, 256 or 0 (generic)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="int8: 8-bit K/V rows with their scales")
     p.add_argument("--rounds", type=int, default=3, help="kernel and plain read alternate this many times")
     return p.parse_args()
 

@@ -1,7 +1,7 @@
 """Forward-pass speed: the engine's paged model runner against transformers' contiguous cache.
 
     python -m bench.forward [--model tiny-qwen3|smollm2|PATH] [--dtype float32|bfloat16] [--repeats 5] [--tp-size N]
-        [--quantization int8,gguf]
+        [--quantization int8,gguf] [--kv-cache-dtype auto|int8]
 
 Decode: one step at batch 1 / 16 / 64 with 256 tokens of context per request, then at batch 64 / 128
 with contexts drawn uniformly from 33..768 (W1-mixed's spread, which uniform batches hide: padding
@@ -16,7 +16,8 @@ same runner without the CPU kernels (compiled decode attention, packed linears: 
 with cpu_count / N torch threads; the other columns use every thread. --quantization adds a column
 per quantization named (and its speedup over transformers in --dtype): the same runner with int8
 linear layers (int8: gpu/packed_linear.py's Int8Linear) or with the GGUF file's Q4/Q8 blocks as they
-are (gguf: gpu/gguf_linear.py), activations in --dtype.
+are (gguf: gpu/gguf_linear.py), activations in --dtype. --kv-cache-dtype int8 gives every engine
+column 8-bit K/V rows (gpu/kv_quant.py); transformers keeps its cache in --dtype.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def main() -> None:
     model_path = _model_path(args.model)
     max_bs = max(args.batches + args.mixed_batches)
     pool = max_bs * (max(CONTEXT, MIXED_CONTEXT[1]) + args.steps + 1) + PREFILL
-    config = RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool)
+    config = RunnerConfig(model_path=model_path, dtype=args.dtype, max_running_requests=max_bs, max_total_tokens=pool, kv_cache_dtype=args.kv_cache_dtype)
     runner = ModelRunner(config)
     # The same runner without the CPU kernels: the compiled decode attention and packed linears.
     plain = ModelRunner(dataclasses.replace(config, cpu_kernels=False)) if runner.device.type == "cpu" and not args.no_torch_path else None
@@ -56,7 +57,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     split = _split_runner(config, args.tp_size, threads) if args.tp_size > 1 else None
     quantized = {q: ModelRunner(dataclasses.replace(config, quantization=q)) for q in args.quantization}
-    print(f"model={args.model} dtype={args.dtype} threads={threads} steps={args.steps} repeats={args.repeats}")
+    print(f"model={args.model} dtype={args.dtype} kv_cache_dtype={args.kv_cache_dtype} threads={threads} steps={args.steps} repeats={args.repeats}")
     headers = ["engine ms"] + (["torch path ms"] if plain else []) + ([f"engine tp={args.tp_size} ms"] if split else [])
     headers += [f"engine {q} ms" for q in quantized]
     speedups = ["engine speedup"] + [f"{q} speedup" for q in quantized]
@@ -112,6 +113,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--no-torch-path", action="store_true", help="skip the column without the CPU kernels")
     p.add_argument("--quantization", type=_quantizations, default=[],
                    help="also time the runner with int8 linear layers (int8) or the GGUF file's blocks kept (gguf); comma-separated")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "int8"), default="auto", help="the engine's KV pools: the model's dtype or 8-bit rows")
     return p.parse_args()
 
 

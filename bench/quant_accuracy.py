@@ -1,6 +1,8 @@
-"""Accuracy of `--quantization int8` (or gguf) against the same engine unquantized, on the default model.
+"""Accuracy of `--quantization int8` (or gguf), and of `--kv-cache-dtype int8`, against the same
+engine unquantized, on the default model.
 
-    python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32] [--quantization int8|gguf]
+    python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32] [--quantization int8|gguf|none]
+        [--kv-cache-dtype auto|int8]
 
 Logits: every position of the parity prompts (tests/test_smollm2.py's), max and mean |quantized -
 unquantized| beside the mean |logit|. Greedy: for each prompt of a fixed set, the unquantized model's
@@ -57,16 +59,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
-    p.add_argument("--quantization", default="int8", choices=QUANTIZATIONS)
+    p.add_argument("--quantization", default="int8", choices=(*QUANTIZATIONS, "none"))
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the compared engine's KV pool (int8: 8-bit rows)")
     args = p.parse_args()
+    quantization = None if args.quantization == "none" else args.quantization
     gguf = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     runners = [
-        ModelRunner(RunnerConfig(model_path=None, dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS)))
-        for q in (None, args.quantization)
+        ModelRunner(RunnerConfig(model_path=None, dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS),
+                                 kv_cache_dtype=kv))
+        for q, kv in ((None, "auto"), (quantization, args.kv_cache_dtype))
     ]
     base, quantized = runners
-    print(f"dtype={args.dtype}: {args.quantization} against unquantized")
+    print(f"dtype={args.dtype}: quantization {args.quantization}, KV cache {args.kv_cache_dtype}, against unquantized")
     for prompt in PARITY_PROMPTS:
         ids = tokenizer.encode(prompt)
         ref = all_logits(base, ids)

@@ -176,9 +176,9 @@ def _bare_forward_ms(mode: str, gguf: str, threads: int, repeats: int) -> float:
     from gpu.model_runner import ModelRunner, RunnerConfig
 
     torch.set_num_threads(threads)
-    dtype, quant = cpu_servers.mode_settings(mode)
+    dtype, quant, kv_cache_dtype = cpu_servers.mode_settings(mode)
     steps = 32
-    runner = ModelRunner(RunnerConfig(model_path=gguf, dtype=dtype, quantization=quant, max_running_requests=1,
+    runner = ModelRunner(RunnerConfig(model_path=gguf, dtype=dtype, quantization=quant, kv_cache_dtype=kv_cache_dtype, max_running_requests=1,
                                       max_total_tokens=PROMPT_LEN + steps + 8))
     _engine_decode(runner, [PROMPT_LEN], steps)  # warm-up
     return statistics.median(_engine_decode(runner, [PROMPT_LEN], steps) for _ in range(repeats)) / steps * 1e3

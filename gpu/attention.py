@@ -116,11 +116,16 @@ class _TorchMetadata:
 
 
 class TorchAttention(AttentionBackend):
-    def __init__(self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float, kernels: CpuKernels | None = None):
+    def __init__(
+        self, kv: KVBuffers, req_to_token: torch.Tensor, scale: float, kernels: CpuKernels | None = None, dtype: torch.dtype | None = None
+    ):
         self.kv = kv
         self.req_to_token = req_to_token
         self.scale = scale
         self.kernels = kernels  # attend CPU batches in place with these (gpu/paged_attention.py)
+        if dtype is None and kv.int8_rows:
+            raise ValueError("TorchAttention over int8 KV rows needs the model's dtype")
+        self.dtype = dtype or kv.k[0].dtype  # the model's: what gathered int8 rows are read as
         self._meta: _TorchMetadata | None = None
         self.shared_prefix_batches = 0  # decode batches that attended a shared prefix once
         # Gathered K and V land in these reused buffers: a fresh allocation of tens of MB per
@@ -138,7 +143,7 @@ class TorchAttention(AttentionBackend):
             return _TorchMetadata(loc, extend=PagedExtend.plan(kernels.extend_attention, batch))
         if batch.batch_size == 1 and batch.prefix_lens[0] == 0:
             return _TorchMetadata(loc, in_order=True, plain_causal=True)
-        shared = find_shared_prefixes(batch, self.req_to_token, self._k_buf.dtype)
+        shared = find_shared_prefixes(batch, self.req_to_token, self.dtype)
         self.shared_prefix_batches += shared is not None
         skip = shared.skip if shared else [0] * batch.batch_size
         prefix_rows = shared.slots.numel() if shared else 0
@@ -190,9 +195,9 @@ class TorchAttention(AttentionBackend):
             # see key 0, so no row is fully masked (which would make SDPA return NaN).
             query_pos = torch.tensor(prefix, device=device)[:, None] + torch.arange(max_new, device=device)[None, :]
             allowed = (key_pos[None, None, :] <= query_pos[:, :, None]) & in_seq[:, None, :]
-            mask = _additive(allowed[:, None], self._k_buf.dtype)
+            mask = _additive(allowed[:, None], self.dtype)
         elif max_new == 1 and min(seqs) != max_seq:
-            mask = _additive(in_seq[:, None, None, :], self._k_buf.dtype)
+            mask = _additive(in_seq[:, None, None, :], self.dtype)
         return _Bucket(token_index, pad_index, kv_slots, mask, causal, size, max_new, max_seq)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int) -> torch.Tensor:
@@ -247,7 +252,7 @@ class TorchAttention(AttentionBackend):
         rows = slots.numel()
         keys = torch.index_select(self.kv.k[layer_id], 0, slots, out=self._k_buf[:rows])
         values = torch.index_select(self.kv.v[layer_id], 0, slots, out=self._v_buf[:rows])
-        return keys, values
+        return self.kv.read(keys, self.dtype), self.kv.read(values, self.dtype)
 
     def _bucket_kv(self, b: _Bucket, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The bucket's keys and values, [size, kv_heads, max_seq, dim]."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu.kv_quant import dequantize_rows, quantize_rows, row_width
+
 
 class ReqToTokenPool:
     """`table[row, p]`: the KV slot of the row's request's token at position p;
@@ -185,20 +187,27 @@ class KVMove:
 
 @dataclass(slots=True)
 class KVBuffers:
-    """K and V for every layer: `[num_slots, num_kv_heads, head_dim]` each."""
+    """K and V for every layer: `[num_slots, num_kv_heads, head_dim]` each in the model's dtype, or
+    `[num_slots, num_kv_heads, head_dim + 4]` int8 rows with their scales (gpu/kv_quant.py)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
     @classmethod
     def allocate(
-        cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device
+        cls, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str | torch.device,
+        int8_rows: bool = False,
     ) -> KVBuffers:
-        shape = (num_slots, num_kv_heads, head_dim)
+        shape = (num_slots, num_kv_heads, row_width(head_dim) if int8_rows else head_dim)
+        dtype = torch.int8 if int8_rows else dtype
         return cls(
             k=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
             v=[torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)],
         )
+
+    @property
+    def int8_rows(self) -> bool:
+        return self.k[0].dtype == torch.int8
 
     def host_buffers(self, num_slots: int) -> KVBuffers:
         """Host memory for `num_slots` of these buffers' tokens (the host tier's), pinned when
@@ -210,8 +219,14 @@ class KVBuffers:
         return host
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.int8_rows:
+            k, v = quantize_rows(k), quantize_rows(v)
         self.k[layer][slots] = k
         self.v[layer][slots] = v
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows gathered from these pools as `dtype` values (int8 rows dequantized)."""
+        return dequantize_rows(rows, dtype) if self.int8_rows else rows
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -31,6 +31,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.gguf_linear import GgufBlockSource
 from gpu.graph_runner import DecodeGraphRunner, capture_batch_sizes, default_cuda_graph_max_bs
 from gpu.kv_pool import KVBuffers, KVMove, ReqToTokenPool, TokenSlotAllocator
+from gpu.kv_quant import row_width
 from gpu.loader import dtype_name, load_model, resolve_dtype, resolve_model_dir
 from gpu.model_config import ModelConfig
 from gpu.packed_linear import can_pack, can_quantize, pack_for_cpu
@@ -49,6 +50,9 @@ class RunnerConfig:
     # "int8": Int8Linear layers (gpu/packed_linear.py); "gguf": GgufLinear layers from the model's
     # GGUF file (gpu/gguf_linear.py); CPU only.
     quantization: str | None = None
+    # "int8": the KV pool holds 8-bit rows with their scales (gpu/kv_quant.py; CPU only); else the
+    # model's dtype.
+    kv_cache_dtype: str = "auto"
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from a memory budget
     max_running_requests: int = 64
     page_size: int = 1
@@ -79,6 +83,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         if config.quantization is not None and not can_quantize(self.device, config.quantization):
             raise ValueError(f"quantization {config.quantization} needs a CPU (and for int8 oneDNN's int8 matmul); device {self.device}")
+        if config.kv_cache_dtype == "int8" and self.device.type != "cpu":
+            raise ValueError(f"kv_cache_dtype int8 is read by the CPU kernels only; device {self.device}")
         available_at_start = available_memory_bytes(self.device) if config.mem_fraction_static is not None else 0
         # Before the weights load: a backend that cannot run here fails fast with the reason.
         self.attention_backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype, self.model_config.head_dim)
@@ -96,7 +102,7 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(config.max_running_requests, self.context_len, self.device, record_writes=tp.size > 1)
         self.kv = KVBuffers.allocate(
             self.model_config.num_layers, self.allocator.total_slots, self.layout.num_kv_heads, self.model_config.head_dim,
-            self.dtype, self.device,
+            self.dtype, self.device, int8_rows=config.kv_cache_dtype == "int8",
         )
         self.channel = BatchChannel(tp, self.req_to_token, self.device) if tp.size > 1 else None
         self.host_kv: KVBuffers | None = None  # the host tier's KV for this rank's heads: `host_buffers`
@@ -180,7 +186,8 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         """KV bytes of one token on this rank (its K/V heads only)."""
         mc = self.model_config
-        return 2 * mc.num_layers * self.layout.num_kv_heads * mc.head_dim * torch.finfo(self.dtype).bits // 8
+        row_bytes = row_width(mc.head_dim) if self.config.kv_cache_dtype == "int8" else mc.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * mc.num_layers * self.layout.num_kv_heads * row_bytes
 
     def _agreed(self, pool_tokens: int) -> int:
         """The pool size every rank can hold (the budget is per rank, the slots shared)."""
@@ -194,7 +201,7 @@ class ModelRunner:
         mc = self.model_config
         scale = mc.head_dim**-0.5
         if self.attention_backend == "torch":
-            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, kernels=self.cpu_kernels)
+            return TorchAttention(self.kv, self.req_to_token.table, scale=scale, kernels=self.cpu_kernels, dtype=self.dtype)
         shape = AttentionShape(self.layout.num_heads, self.layout.num_kv_heads, mc.head_dim, self.config.page_size, scale)
         return FlashInferAttention(self.kv, self.req_to_token.table, shape, self.context_len)
 

@@ -42,9 +42,10 @@ QUANTIZATIONS: tuple[str, ...] = get_args(Quantization)
 ROUTER_POLICIES: tuple[str, ...] = get_args(RouterPolicy)
 SAMPLING_DEFAULTS: tuple[str, ...] = get_args(SamplingDefaults)
 LOAD_FORMATS: tuple[str, ...] = get_args(LoadFormat)
-# SGLang's kv_cache_dtype values whose KV layout the pools here can hold: the model's dtype only
-# (no backend here stores fp8 or fp4 KV with scales).
-KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16")
+# The kv_cache_dtype values the pools here can hold: SGLang's names of the model's dtype, and int8
+# (8-bit rows with a scale each, gpu/kv_quant.py; CPU only), which SGLang lacks (its fp8/fp4 KV is
+# for GPUs).
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "int8")
 FAIRNESS: tuple[str, ...] = get_args(Fairness)
 # sjf without --priority-aging-s ages at this rate: shortest-first alone starves long prompts.
 SJF_DEFAULT_AGING_S = 5.0
@@ -141,7 +142,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     # Share of the device's memory (RAM on a CPU) for weights + KV pool, as SGLang's; None: the
     # fixed budget (gpu/model_runner.py). max_total_tokens, when given, wins.
     mem_fraction_static: float | None = None
-    kv_cache_dtype: str = "auto"  # the KV pool holds the model's dtype; see KV_CACHE_DTYPES
+    kv_cache_dtype: str = "auto"  # auto: the KV pool holds the model's dtype; see KV_CACHE_DTYPES
     load_format: LoadFormat = "auto"
 
     def __post_init__(self) -> None:
@@ -232,7 +233,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                 self.mem_fraction_static is None or 0.0 < self.mem_fraction_static < 1.0,
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
             ),
-            (self.kv_cache_dtype == "auto" or self.kv_cache_dtype in KV_CACHE_DTYPES and self.dtype == "bfloat16", _kv_cache_dtype_error(self.kv_cache_dtype)),
+            (self.kv_cache_dtype in ("auto", "int8") or self.kv_cache_dtype in KV_CACHE_DTYPES and self.dtype == "bfloat16", _kv_cache_dtype_error(self.kv_cache_dtype)),
+            (self.kv_cache_dtype != "int8" or self.device.startswith("cpu"), f"kv_cache_dtype int8 runs on a CPU only; drop it with device {self.device}"),
             (self.load_format in LOAD_FORMATS, _load_format_error(self.load_format)),
             (
                 not self.chunking_enabled or self.chunked_prefill_size >= self.page_size,
@@ -353,8 +355,8 @@ def _router_error(policy: str, cache_threshold: float, balance_abs: int, balance
 
 def _kv_cache_dtype_error(name: str) -> str:
     if name in KV_CACHE_DTYPES:
-        return f"kv_cache_dtype {name} needs dtype bfloat16: the KV cache holds the model's dtype"
-    return f"kv_cache_dtype {name!r} is not supported: the KV pools here hold the model's dtype, no fp8/fp4 KV with scales (use auto)"
+        return f"kv_cache_dtype {name} needs dtype bfloat16: the KV cache holds the model's dtype or int8"
+    return f"kv_cache_dtype {name!r} is not supported: the KV pools here hold the model's dtype or int8 rows, no fp8/fp4 KV (use auto or int8)"
 
 
 def _load_format_error(name: str) -> str:

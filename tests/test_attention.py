@@ -381,7 +381,7 @@ def test_kernel_refuses_bad_input_by_name(kernels):
     kernel = kernels.decode_attention
     q, pool = torch.zeros(2, 4, 16), torch.zeros(10, 2, 16)
     table, rows, ends = torch.zeros(3, 8, dtype=torch.int32), torch.tensor([1, 2]), torch.tensor([3, 3])
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="q.s dtype or int8 rows"):
         kernel(q, pool.double(), pool.double(), table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
     with pytest.raises(RuntimeError, match="multiple of K/V heads"):
         kernel(torch.zeros(2, 3, 16), pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)

@@ -87,7 +87,8 @@ async def test_generation_config_temperature_applies_when_the_request_gives_none
             sampled = await _chat(session, url, temperature=1.0)  # seeded: the same draw every run
             assert sampled != greedy  # so the two cases below are told apart
             left_out = await _chat(session, url)
-            assert left_out == (greedy if sampling_defaults == "model" else sampled)
+            # Close, not equal: the later requests find the prompt cached and extend past it (other float rounding).
+            assert left_out == pytest.approx(greedy if sampling_defaults == "model" else sampled, abs=1e-4)
     finally:
         await stop_site(runner, engine)
 

@@ -205,6 +205,7 @@ def runner_config(cfg: CoreConfig) -> RunnerConfig:
         dtype=cfg.dtype,
         device=cfg.device,
         quantization=cfg.quantization,
+        kv_cache_dtype="int8" if cfg.kv_cache_dtype == "int8" else "auto",
         max_total_tokens=cfg.max_total_tokens,
         max_running_requests=cfg.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS,
         page_size=cfg.page_size,

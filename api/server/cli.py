@@ -103,7 +103,8 @@ FIELD_HELP: dict[str, str] = {
     "mem_fraction_static": "share of the memory available at start (GPU memory; RAM on a CPU) for weights + KV pool: "
     "the pool gets fraction x available - weights, at most max_running_requests x context_length tokens "
     "(none: 80%% of free GPU memory, or 2 GiB of RAM, after the weights)",
-    "kv_cache_dtype": "KV cache dtype: auto (the model's); bf16/bfloat16 with --dtype bfloat16; no fp8/fp4 KV",
+    "kv_cache_dtype": "KV cache dtype: auto (the model's); bf16/bfloat16 with --dtype bfloat16; int8 (CPU: 8-bit rows "
+    "with a scale each, about half a bfloat16 cache's bytes); no fp8/fp4 KV",
     "sampling_defaults": "defaults of chat requests that leave temperature/top_p/top_k/min_p/repetition_penalty out: "
     "model (generation_config.json, then OpenAI's) or openai",
     "preferred_sampling_params": "JSON object of sampling params under every request's own, e.g. '{\"temperature\": 0.7}'",
@@ -249,7 +250,7 @@ def _one_of(allowed: tuple[str, ...], why: str) -> Callable[[str], str]:
 CONVERTERS: dict[str, Callable[[str], Any]] = {
     "dtype": _dtype,
     "preferred_sampling_params": _json_object,
-    "kv_cache_dtype": _one_of(KV_CACHE_DTYPES, "the KV pools hold the model's dtype, no backend here stores fp8/fp4 KV with scales"),
+    "kv_cache_dtype": _one_of(KV_CACHE_DTYPES, "the KV pools hold the model's dtype or int8 rows, no backend here stores fp8/fp4 KV"),
     "load_format": _one_of(LOAD_FORMATS, "actorserve loads safetensors checkpoint directories and GGUF files, offline"),
 }
 

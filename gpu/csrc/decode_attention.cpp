@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "kv_rows.h"
 #include "paged_inputs.h"
 
 #include <algorithm>
@@ -39,21 +40,22 @@
 #define ACTORSERVE_QUAD_SCORES 1
 #include <immintrin.h>
 #endif
-#if defined(ACTORSERVE_LANES16) && defined(__AVX512F__)  // not under the bfloat16 emulation of a test build
+// ACTORSERVE_EMULATE_AVX512: a test build with every 512-bit path, its intrinsics emulated.
+#if defined(ACTORSERVE_LANES16) && (defined(__AVX512F__) || defined(ACTORSERVE_EMULATE_AVX512))
 #define ACTORSERVE_F32_LANES16 1
+#endif
+// int8 pools' scores by vpdpbusd (AVX512-VNNI), their values converted to float32 (AVX-512F).
+#if defined(ACTORSERVE_F32_LANES16) && ((defined(__AVX512VNNI__) && defined(__AVX512BW__)) || defined(ACTORSERVE_EMULATE_AVX512))
+#define ACTORSERVE_INT8_DOT 1
 #endif
 
 namespace {
 
 using actorserve::exp_nonpositive;
+using actorserve::load_row;
+using actorserve::row_elems;
 
 constexpr int64_t BLOCK = 32;
-
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-#pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = actorserve::load_f32(src + d);
-}
 
 // Rows are scattered over the pool, so the hardware prefetcher cannot see the next one coming.
 constexpr int64_t PREFETCH_AHEAD = 16;
@@ -61,10 +63,12 @@ constexpr int64_t PREFETCH_AHEAD = 16;
 // Into L2, not L1 (locality 2: prefetcht1): a block's rows are a hundred or more lines, more than
 // L1's few outstanding misses take, and L1-bound prefetches past those wait or drop. Out of cache
 // (30 layers' pools, batch 64, 256 keys each) a bfloat16 layer took 0.70 ms instead of 1.0.
+// Every line of a pool row of `dim` values (an int8 row's scale included, and the lines it straddles).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off, 0, 2);
+  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(row + row_elems<T>(dim)) - 1;
+  for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -158,9 +162,9 @@ struct Lanes16 {
     return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, set1(limit), _CMP_LT_OQ)), y);
   }
   // x * scale in lanes 4h + i with i < valid, -inf in the others.
-  static Reg scale_live(Reg x, int64_t valid, float scale) {
+  static Reg scale_live(Reg x, int64_t valid, Reg scale) {
     const __mmask16 live = static_cast<__mmask16>(((1u << valid) - 1) * 0x1111u);
-    return _mm512_mask_mul_ps(set1(-std::numeric_limits<float>::infinity()), live, x, set1(scale));
+    return _mm512_mask_mul_ps(set1(-std::numeric_limits<float>::infinity()), live, x, scale);
   }
 };
 #endif
@@ -189,9 +193,9 @@ struct Lanes8 {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
   }
   static Reg zero_below(Reg y, Reg x, float limit) { return _mm256_and_ps(y, _mm256_cmp_ps(x, set1(limit), _CMP_NLT_UQ)); }
-  static Reg scale_live(Reg x, int64_t valid, float scale) {
+  static Reg scale_live(Reg x, int64_t valid, Reg scale) {
     const Reg live = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3), set1(static_cast<float>(valid)), _CMP_LT_OQ);
-    return _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), mul(x, set1(scale)), live);
+    return _mm256_blendv_ps(set1(-std::numeric_limits<float>::infinity()), mul(x, scale), live);
   }
 };
 #endif
@@ -247,17 +251,17 @@ inline typename W::Reg quarter_sum(typename W::Reg x) {
 }
 
 // Scores of one vector's heads against a block's keys (partials(t): their partial sums against key
-// t < BLOCK, lane 4h + i; keys past n masked), then the online softmax update: each score vector's
-// probabilities go to store(j, p), each head's rescale into the state ([3][N]: running max,
-// running sum, this block's rescale).
-template <typename W, typename Partials, typename Store>
-inline void score_block(Partials partials, int64_t n, float scale, Store store, float* state) {
+// t < BLOCK, lane 4h + i; scales(j): the factors of score vector j's lanes; keys past n masked),
+// then the online softmax update: each score vector's probabilities go to store(j, p), each head's
+// rescale into the state ([3][N]: running max, running sum, this block's rescale).
+template <typename W, typename Partials, typename Scales, typename Store>
+inline void score_block(Partials partials, int64_t n, Scales scales, Store store, float* state) {
   typename W::Reg s[VECS];
   for (int64_t j = 0; j < VECS; ++j) {
     const int64_t t = QUAD_KEYS * j;
     const auto ab = fold_pairs<W>(partials(t), partials(t + 1));
     const auto cd = fold_pairs<W>(partials(t + 2), partials(t + 3));
-    s[j] = W::scale_live(fold_pairs<W>(ab, cd), std::clamp<int64_t>(n - t, 0, QUAD_KEYS), scale);
+    s[j] = W::scale_live(fold_pairs<W>(ab, cd), std::clamp<int64_t>(n - t, 0, QUAD_KEYS), scales(j));
   }
   auto block_max = s[0];
   for (int64_t j = 1; j < VECS; ++j) block_max = W::max(block_max, s[j]);
@@ -444,7 +448,7 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     for (int64_t w = 0; w < quads; ++w) {
       const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
       uint16_t* probs = s.probs.data() + w * VECS * 16;
-      score_block<W>([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, scale,
+      score_block<W>([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, [&](int64_t) { return W::set1(scale); },
                   [&](int64_t j, __m512 p) {
                     const __m256bh rounded = _mm512_cvtneps_pbh(p);
                     std::memcpy(probs + 16 * j, &rounded, sizeof rounded);
@@ -504,29 +508,42 @@ inline typename W::Reg quad_partials(const float* q4, const float* key) {
   return W::add(even, odd);
 }
 
-// acc = acc * rescale + P.V over the block's first n value rows, for one head; p: the head's
-// probabilities, key t at p[N * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
-template <typename W, int64_t CHUNKS>
-inline void accumulate_values(const float* p, float rescale, const float* const* rows, int64_t n, float* acc) {
-  constexpr int64_t V = 32 * CHUNKS / W::N;  // vectors per row
-  typename W::Reg a[V], b[V];  // even and odd keys: twice the independent chains
-  const auto r = W::set1(rescale);
-  for (int64_t v = 0; v < V; ++v) {
-    a[v] = W::mul(W::load(acc + W::N * v), r);
-    b[v] = W::zero();
+// acc[0 .. S * N) = acc * rescale + P.V over the block's first n value rows (from column `col` on),
+// for one head, in CHAINS independent chains of S accumulators.
+template <typename W, int64_t S, int64_t CHAINS>
+inline void accumulate_slice(const float* p, float rescale, const float* const* rows, int64_t col, int64_t n, float* acc) {
+  typename W::Reg a[CHAINS][S];
+  for (int64_t v = 0; v < S; ++v) {
+    a[0][v] = W::mul(W::load(acc + W::N * v), W::set1(rescale));
+    for (int64_t c = 1; c < CHAINS; ++c) a[c][v] = W::zero();
   }
   auto prob = [&](int64_t t) { return W::set1(p[W::N * (t / 4) + t % 4]); };
   int64_t t = 0;
-  for (; t + 1 < n; t += 2) {
-    const auto p0 = prob(t), p1 = prob(t + 1);
-    for (int64_t c = 0; c < V; ++c) {
-      a[c] = W::fmadd(p0, W::load(rows[t] + W::N * c), a[c]);
-      b[c] = W::fmadd(p1, W::load(rows[t + 1] + W::N * c), b[c]);
+  for (; t + CHAINS <= n; t += CHAINS)
+    for (int64_t c = 0; c < CHAINS; ++c) {
+      const auto pc = prob(t + c);
+      for (int64_t v = 0; v < S; ++v) a[c][v] = W::fmadd(pc, W::load(rows[t + c] + col + W::N * v), a[c][v]);
     }
+  for (; t < n; ++t)
+    for (int64_t v = 0; v < S; ++v) a[0][v] = W::fmadd(prob(t), W::load(rows[t] + col + W::N * v), a[0][v]);
+  for (int64_t v = 0; v < S; ++v) {
+    for (int64_t c = 1; c < CHAINS; ++c) a[0][v] = W::add(a[0][v], a[c][v]);
+    W::store(acc + W::N * v, a[0][v]);
   }
-  if (t < n)
-    for (int64_t c = 0; c < V; ++c) a[c] = W::fmadd(prob(t), W::load(rows[t] + W::N * c), a[c]);
-  for (int64_t v = 0; v < V; ++v) W::store(acc + W::N * v, W::add(a[v], b[v]));
+}
+
+// acc = acc * rescale + P.V over the block's first n value rows, for one head; p: the head's
+// probabilities, key t at p[N * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
+// Slices of at most 8 vectors of the row, in two chains (twice the independent FMAs) where both
+// fit the registers beside the probabilities: AVX2's 16 registers take one chain of 8 (head size
+// 64 in float32), where two spilled to the stack (a call at batch 64 took 4.95 ms instead of 4.3
+// on one core).
+template <typename W, int64_t CHUNKS>
+inline void accumulate_values(const float* p, float rescale, const float* const* rows, int64_t n, float* acc) {
+  constexpr int64_t V = 32 * CHUNKS / W::N;  // vectors per row
+  constexpr int64_t S = std::min<int64_t>(V, 8), REGISTERS = W::N == 16 ? 32 : 16;
+  constexpr int64_t CHAINS = 2 * S + 4 <= REGISTERS ? 2 : 1;
+  for (int64_t col = 0; col < V * W::N; col += S * W::N) accumulate_slice<W, S, CHAINS>(p, rescale, rows, col, n, acc + col);
 }
 
 // Scratch of one thread for `attend` (sizes for the largest group and dim).
@@ -538,15 +555,35 @@ struct Scratch {
   std::vector<float> probs;  // [vectors][VECS][N] probabilities in score-vector layout
   std::vector<float> state;  // [vectors][STATE]
   std::vector<float> acc;  // [group][dim]
+  std::vector<float> rows;  // [BLOCK][dim] an int8 pool's block of rows as float32
+  const float* row_ptrs[BLOCK];
   Scratch(int64_t group, int64_t dim)
-      : q4(vectors(group) * dim / 4 * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE), acc(group * dim) {}
+      : q4(vectors(group) * dim / 4 * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE), acc(group * dim),
+        rows(dim ? BLOCK * dim : 0) {}
   static int64_t vectors(int64_t group) { return (group + heads<W>() - 1) / heads<W>(); }
+
+  // A block's rows (past n, the last row again) as float32: a float pool's where they lie, an int8
+  // pool's converted into `rows`.
+  template <int64_t DIM, typename P>
+  const float* const* float_rows(const P* const* block, int64_t n) {
+    if constexpr (std::is_same_v<P, float>) {
+      return block;
+    } else {
+      for (int64_t t = 0; t < n; ++t) {
+        load_row(block[t], rows.data() + t * DIM, DIM);
+        row_ptrs[t] = rows.data() + t * DIM;
+      }
+      std::fill(row_ptrs + n, row_ptrs + BLOCK, row_ptrs[n - 1]);
+      return row_ptrs;
+    }
+  }
 };
 
 // Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
-// of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and lse[group].
-template <typename W, int64_t CHUNKS>
-void attend(const float* q, const float* k_pool, const float* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+// of one request, for one K/V head (the pools offset to it: float32 or int8 rows). Writes out[group,
+// dim] and lse[group].
+template <typename W, int64_t CHUNKS, typename P>
+void attend(const float* q, const P* k_pool, const P* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
             int64_t end, int64_t group, float scale, Scratch<W>& s, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS, HEADS = heads<W>(), STATE = Scratch<W>::STATE;
   const int64_t vectors = Scratch<W>::vectors(group);
@@ -555,15 +592,17 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
     reset_state<W>(s.state.data() + w * STATE);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const float* const* keys, int64_t n) {
+  auto score = [&](const P* const* block, int64_t n) {
+    const float* const* keys = s.template float_rows<DIM>(block, n);
     for (int64_t w = 0; w < vectors; ++w) {
       const float* q4 = s.q4.data() + w * DIM / 4 * W::N;
       float* probs = s.probs.data() + w * VECS * W::N;
-      score_block<W>([&](int64_t t) { return quad_partials<W, CHUNKS>(q4, keys[t]); }, n, scale,
+      score_block<W>([&](int64_t t) { return quad_partials<W, CHUNKS>(q4, keys[t]); }, n, [&](int64_t) { return W::set1(scale); },
                      [&](int64_t j, typename W::Reg p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
     }
   };
-  auto accumulate = [&](const float* const* values, int64_t n) {
+  auto accumulate = [&](const P* const* block, int64_t n) {
+    const float* const* values = s.template float_rows<DIM>(block, n);
     for (int64_t g = 0; g < group; ++g) {
       const int64_t w = g / HEADS, h = g % HEADS;
       accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], values, n,
@@ -582,6 +621,168 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
 }  // namespace f32
 #endif
 
+#ifdef ACTORSERVE_INT8_DOT
+// int8 pools (kv_rows.h) on CPUs with AVX512-VNNI. Q.K: each query head is rounded to int8 against
+// its own scale, and vpdpbusd multiplies four key bytes by four query bytes and sums them in int32
+// (exact), so each instruction advances four heads by 16 elements of a key broadcast to every
+// quarter; vpdpbusd takes its first operand unsigned, so the keys go in as k + 128 (a sign-bit
+// flip) and 128 times the query's sum comes off again. The score is then that integer times the
+// query's scale and the key row's. P.V: each probability times its value row's scale weights the
+// row converted to float32, with every head of a pass sharing the conversion.
+namespace i8 {
+
+using namespace quad;
+using W = Lanes16;
+constexpr int64_t HEADS = heads<W>();
+
+// Scratch of one thread for `attend` (sizes for the largest group and dim).
+struct Scratch {
+  std::vector<int8_t> q4;  // [quads][dim / 16][64]: lane 4h + i of vector c holds q[h][16c + 4i .. 16c + 4i + 3]
+  std::vector<float> q_scale;  // [quads][16]: lane 4h + i the head's query scale times the attention's
+  std::vector<float> q_offset;  // [quads][16]: lane 4h + i 32 times the head's int8 query sum (a quarter of the +128's share)
+  std::vector<float> probs;  // [quads][VECS][16] probabilities times their value rows' scales
+  std::vector<float> state;  // [quads][3][16]: running max, running sum, this block's rescale
+  std::vector<float> acc;  // [group][dim]
+  std::vector<float> q;  // [group][dim] the queries as float
+  float key_scale[BLOCK], value_scale[BLOCK];
+  Scratch(int64_t group, int64_t dim)
+      : q4(quads(group) * dim * 4), q_scale(quads(group) * 16), q_offset(quads(group) * 16), probs(quads(group) * VECS * 16),
+        state(quads(group) * 48), acc(group * dim), q(group * dim) {}
+  static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
+};
+
+// Query heads first .. first + 3 (zeros past `group`) as vpdpbusd operands, with their scales
+// (times `scale`) and offsets, each head rounded as kv_rows.h rounds a row.
+inline void pack_queries(const float* q, int64_t dim, int64_t first, int64_t group, float scale, int8_t* q4, float* q_scale, float* q_offset) {
+  for (int64_t h = 0; h < HEADS; ++h) {
+    const int64_t head = first + h;
+    int8_t row[actorserve::MAX_HEAD_DIM + actorserve::kRowScaleBytes] = {};
+    if (head < group) actorserve::quantize_kv_row(q + head * dim, dim, row);
+    int32_t sum = 0;
+    for (int64_t d = 0; d < dim; ++d) sum += row[d];
+    const float s = head < group ? actorserve::row_scale(row, dim) : 0.f;
+    for (int64_t i = 0; i < 4; ++i) {
+      q_scale[4 * h + i] = s * scale;
+      q_offset[4 * h + i] = 32.f * static_cast<float>(sum);
+    }
+    for (int64_t c = 0; c < dim / 16; ++c)
+      for (int64_t i = 0; i < 4; ++i) std::memcpy(q4 + 64 * c + 16 * h + 4 * i, row + 16 * c + 4 * i, 4);
+  }
+}
+
+// Four heads' partial sums against one key row, less their offsets: lane 4h + i sums the products
+// of elements 16c + 4i .. 16c + 4i + 3 over the row's pieces c.
+template <int64_t CHUNKS>
+inline __m512 quad_partials(const int8_t* q4, const __m512 q_offset, const int8_t* key) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  auto piece = [&](int64_t c) {
+    return _mm512_xor_si512(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + 16 * c))), flip);
+  };
+  __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();  // two chains: half the latency
+  for (int64_t c = 0; c < 2 * CHUNKS; c += 2) {
+    even = _mm512_dpbusd_epi32(even, piece(c), _mm512_loadu_si512(q4 + 64 * c));
+    odd = _mm512_dpbusd_epi32(odd, piece(c + 1), _mm512_loadu_si512(q4 + 64 * (c + 1)));
+  }
+  return _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(even, odd)), q_offset);  // exact: below 2^24
+}
+
+// acc = acc * rescale + P.V over the block's first n value rows for the H heads of one pass: head
+// h's probabilities at p[h][16 * (t / 4) + t % 4] (already times the value scales).
+template <int64_t CHUNKS, int H>
+inline void accumulate_values(const float* const* p, const float* rescale, const int8_t* const* rows, int64_t n, float* const* acc) {
+  constexpr int64_t V = 2 * CHUNKS;  // 16-float vectors per row
+  __m512 a[H][V];
+  for (int h = 0; h < H; ++h) {
+    const __m512 r = _mm512_set1_ps(rescale[h]);
+    for (int64_t v = 0; v < V; ++v) a[h][v] = _mm512_mul_ps(_mm512_loadu_ps(acc[h] + 16 * v), r);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 x[V];
+    for (int64_t v = 0; v < V; ++v)
+      x[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + 16 * v))));
+    const int64_t at = 16 * (t / 4) + t % 4;
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(p[h][at]);
+      for (int64_t v = 0; v < V; ++v) a[h][v] = _mm512_fmadd_ps(w, x[v], a[h][v]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[h] + 16 * v, a[h][v]);
+}
+
+// Heads per pass of accumulate_values: sixteen accumulators.
+template <int64_t CHUNKS>
+constexpr int heads_per_pass() { return static_cast<int>(8 / CHUNKS); }
+
+// call(std::integral_constant<int, h>) for 1 <= h <= Max.
+template <int Max, typename Call>
+inline void with_count(int64_t h, Call call) {
+  if constexpr (Max > 1) {
+    if (h < Max) return with_count<Max - 1>(h, call);
+  }
+  call(std::integral_constant<int, Max>{});
+}
+
+// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
+// of one request, for one K/V head (the int8 pools offset to it). Writes out[group, dim] and lse[group].
+template <typename T, int64_t CHUNKS>
+void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+  constexpr int64_t DIM = 32 * CHUNKS;
+  constexpr int PASS = heads_per_pass<CHUNKS>();
+  const int64_t quads = Scratch::quads(group);
+  load_row(q, s.q.data(), group * DIM);
+  for (int64_t w = 0; w < quads; ++w) {
+    pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q4.data() + w * DIM * 4, s.q_scale.data() + 16 * w, s.q_offset.data() + 16 * w);
+    reset_state<W>(s.state.data() + w * 48);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
+  auto score = [&](const int8_t* const* keys, int64_t n) {
+    for (int64_t t = 0; t < BLOCK; ++t) s.key_scale[t] = actorserve::row_scale(keys[t], DIM);
+    for (int64_t w = 0; w < quads; ++w) {
+      const int8_t* q4 = s.q4.data() + w * DIM * 4;
+      const __m512 offset = W::load(s.q_offset.data() + 16 * w), q_scale = W::load(s.q_scale.data() + 16 * w);
+      float* probs = s.probs.data() + w * VECS * 16;
+      score_block<W>([&](int64_t t) { return quad_partials<CHUNKS>(q4, offset, keys[t]); }, n,
+                     [&](int64_t j) { return W::mul(q_scale, W::broadcast4(s.key_scale + QUAD_KEYS * j)); },
+                     [&](int64_t j, __m512 p) { W::store(probs + 16 * j, p); }, s.state.data() + w * 48);
+    }
+  };
+  auto accumulate = [&](const int8_t* const* values, int64_t n) {
+    for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
+    for (int64_t w = 0; w < quads; ++w)  // the probabilities weight the rows as they are stored
+      for (int64_t j = 0; j < VECS; ++j) {
+        float* p = s.probs.data() + w * VECS * 16 + 16 * j;
+        W::store(p, W::mul(W::load(p), W::broadcast4(s.value_scale + QUAD_KEYS * j)));
+      }
+    for (int64_t first = 0; first < group; first += PASS) {
+      with_count<PASS>(std::min<int64_t>(PASS, group - first), [&](auto count) {
+        constexpr int H = decltype(count)::value;
+        const float* p[H];
+        float rescale[H];
+        float* acc[H];
+        for (int h = 0; h < H; ++h) {
+          const int64_t g = first + h, w = g / HEADS, lane = 4 * (g % HEADS);
+          p[h] = s.probs.data() + w * VECS * 16 + lane;
+          rescale[h] = s.state[w * 48 + 32 + lane];
+          acc[h] = s.acc.data() + g * DIM;
+        }
+        accumulate_values<CHUNKS, H>(p, rescale, values, n, acc);
+      });
+    }
+  };
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
+    const float inv = 1.f / state[16];
+    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
+    lse[g] = state[0] + std::log(state[16]);
+  }
+}
+
+}  // namespace i8
+#endif
+
 // The head sizes the vector paths unroll: 32 * CHUNKS.
 inline bool unrolled_dim(int64_t dim) { return dim == 32 || dim == 64 || dim == 128; }
 
@@ -594,8 +795,8 @@ void with_chunks(int64_t dim, Call call) {
 }
 
 // Which kernel attends a task: the generic one, or a vector path for float32 rows (256- or 512-bit
-// lanes) or bfloat16 rows (AVX512-BF16), for head sizes it unrolls.
-enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16 };
+// lanes), bfloat16 rows (AVX512-BF16) or int8 rows (AVX512-VNNI), for head sizes it unrolls.
+enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16, kInt8 };
 
 // Vector widths in bits of the float32 paths compiled here, widest first, then 0: the generic path.
 // Built once: every decode call reads it.
@@ -613,12 +814,15 @@ const std::vector<int64_t>& compiled_widths() {
 
 std::vector<int64_t> widths() { return compiled_widths(); }
 
-// The path for T rows of `dim` elements with vectors of at most `width` bits.
-template <typename T>
+// The path for P rows of `dim` elements (T queries) with vectors of at most `width` bits.
+template <typename T, typename P>
 Path choose_path(int64_t dim, int64_t width) {
   if (!unrolled_dim(dim)) return Path::kGeneric;
+#ifdef ACTORSERVE_INT8_DOT
+  if (std::is_same_v<P, int8_t> && width >= 512) return Path::kInt8;
+#endif
 #ifdef ACTORSERVE_BF16_DOT
-  if (std::is_same_v<T, c10::BFloat16> && width >= 512) return Path::kBf16;
+  if (std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, T> && width >= 512) return Path::kBf16;
 #endif
   if (!std::is_same_v<T, float>) return Path::kGeneric;
 #ifdef ACTORSERVE_F32_LANES16
@@ -630,7 +834,7 @@ Path choose_path(int64_t dim, int64_t width) {
   return Path::kGeneric;
 }
 
-template <typename T>
+template <typename T, typename P>
 void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
          const at::Tensor& req_rows, const at::Tensor& key_begin, const at::Tensor& key_end, double scale, int64_t width,
          at::Tensor& out, at::Tensor& lse) {
@@ -638,8 +842,8 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const T* q_data = q.data_ptr<T>();
   const int64_t q_stride = q.stride(0);
-  const T* k_data = k_pool.data_ptr<T>();
-  const T* v_data = v_pool.data_ptr<T>();
+  const P* k_data = static_cast<const P*>(k_pool.const_data_ptr());
+  const P* v_data = static_cast<const P*>(v_pool.const_data_ptr());
   const int32_t* table = req_to_token.data_ptr<int32_t>();
   const int64_t table_stride = req_to_token.stride(0);
   const int64_t* rows = req_rows.data_ptr<int64_t>();
@@ -647,9 +851,9 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const int64_t* ends = key_end.data_ptr<int64_t>();
   T* out_data = out.data_ptr<T>();
   float* lse_data = lse.data_ptr<float>();
-  const int64_t slot_stride = kv_heads * dim;
+  const int64_t row = row_elems<P>(dim), slot_stride = kv_heads * row;
   const int64_t num_tasks = batch * kv_heads;
-  const Path path = choose_path<T>(dim, width);
+  const Path path = choose_path<T, P>(dim, width);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
   {
@@ -664,25 +868,35 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 #ifdef ACTORSERVE_LANES8
     f32::Scratch<Lanes8> f32x8_scratch(scratch_size(Path::kF32Lanes8, group), scratch_size(Path::kF32Lanes8, dim));
 #endif
+#ifdef ACTORSERVE_INT8_DOT
+    i8::Scratch i8_scratch(scratch_size(Path::kInt8, group), scratch_size(Path::kInt8, dim));
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
       const T* q_head = q_data + b * q_stride + h * group * dim;
-      const T* k_head = k_data + h * dim;
-      const T* v_head = v_data + h * dim;
+      const P* k_head = k_data + h * row;
+      const P* v_head = v_data + h * row;
       const int32_t* slots = table + rows[b] * table_stride;
       float* lse_out = lse_data + b * heads + h * group;
 #ifdef ACTORSERVE_QUAD_SCORES
       auto attend_f32 = [&](auto& scratch) {
         using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
         with_chunks(dim, [&](auto chunks) {
-          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
-                                                  reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
+          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), k_head, v_head, slot_stride, slots, begins[b], ends[b], group,
                                                   static_cast<float>(scale), scratch, result.data(), lse_out);
         });
       };
 #endif
-      if (path == Path::kBf16) {
+      if (path == Path::kInt8) {
+#ifdef ACTORSERVE_INT8_DOT
+        with_chunks(dim, [&](auto chunks) {
+          i8::attend<T, decltype(chunks)::value>(q_head, reinterpret_cast<const int8_t*>(k_head), reinterpret_cast<const int8_t*>(v_head),
+                                                 slot_stride, slots, begins[b], ends[b], group, static_cast<float>(scale), i8_scratch,
+                                                 result.data(), lse_out);
+        });
+#endif
+      } else if (path == Path::kBf16) {
 #ifdef ACTORSERVE_BF16_DOT
         with_chunks(dim, [&](auto chunks) {
           bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
@@ -701,7 +915,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       } else {
         for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
         auto call = [&](auto fixed_dim) {
-          attend<T, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
+          attend<P, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
                                                  rows_buf.data(), scores.data(), result.data(), lse_out);
         };
         if (dim == 32) call(std::integral_constant<int64_t, 32>{});
@@ -715,7 +929,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   }
 }
 
-// q: [batch, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim] (same dtype as q);
+// q: [batch, heads, dim]; k_pool, v_pool: [slots, kv_heads, dim] in q's dtype, or int8 rows (kv_rows.h);
 // req_to_token: [rows, context] int32; req_rows, key_begin, key_end: [batch] int64 (request b
 // attends to the slots at positions key_begin[b] .. key_end[b] - 1 of its row, at least one).
 // Returns out [batch, heads, dim] in q's dtype and lse [batch, heads] float32. width: the widest
@@ -741,8 +955,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
   }
   auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "decode_attention", [&] {
-    run<scalar_t>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, width, out, lse);
+  actorserve::dispatch_q_and_pool(q, k_pool, [&](auto t, auto p) {
+    run<decltype(t), decltype(p)>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, width, out, lse);
   });
   return {out, lse};
 }

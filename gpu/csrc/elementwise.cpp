@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "cpu_math.h"
+#include "kv_rows.h"
 #include "parallel.h"
 
 #include <cmath>
@@ -171,17 +172,22 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 // index_put's per-call setup (~40 us for a decode step's 64 rows, twice per layer).
 // k_pool, v_pool: contiguous [slots, kv_heads, dim]; slots: int64 [tokens]; k, v: [tokens,
 // kv_heads, dim] in the pools' dtype, any strides but a contiguous last dimension.
+// The new tokens' K/V rows into their pool slots: copied as they are, or rounded to int8 rows
+// with their scales where the pools hold those (kv_rows.h).
 void write_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes(),
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
               "the pools must be contiguous [slots, kv_heads, dim], both the same");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1, "slots must be int64 [tokens]");
+  const bool int8_rows = actorserve::int8_rows(k_pool);
+  const int64_t dim = k_pool.size(2) - (int8_rows ? actorserve::kRowScaleBytes : 0);
   for (const auto* x : {&k, &v}) {
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == slots.numel() && x->size(1) == k_pool.size(1) && x->size(2) == k_pool.size(2),
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == slots.numel() && x->size(1) == k_pool.size(1) && x->size(2) == dim,
                 "k and v must be [tokens, kv_heads, dim] matching the pools");
-    TORCH_CHECK(x->scalar_type() == k_pool.scalar_type(), "k and v must be in the pools' dtype");
-    TORCH_CHECK(x->stride(2) == 1, "k and v need a contiguous last dimension");
+    TORCH_CHECK(int8_rows || x->scalar_type() == k_pool.scalar_type(), "k and v must be in the pools' dtype");
+    TORCH_CHECK(x->scalar_type() == k.scalar_type() && x->stride(2) == 1, "k and v need one dtype and a contiguous last dimension");
   }
-  const int64_t heads = k_pool.size(1), head_bytes = k_pool.size(2) * k_pool.element_size();
+  const int64_t heads = k_pool.size(1), row_bytes = k_pool.size(2) * k_pool.element_size();
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(s[t] >= 0 && s[t] < k_pool.size(0), "slots[", t, "] = ", s[t], " is not a slot of the pool");
@@ -191,12 +197,18 @@ void write_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, 
     const auto* src = static_cast<const char*>(x->data_ptr());
     const int64_t token_stride = x->stride(0) * x->element_size(), head_stride = x->stride(1) * x->element_size();
     for (int64_t t = 0; t < slots.numel(); ++t) {
-      char* row = dst + s[t] * heads * head_bytes;
-      if (head_stride == head_bytes) {  // the token's heads lie back to back: one copy
-        std::memcpy(row, src + t * token_stride, heads * head_bytes);
-        continue;
+      char* row = dst + s[t] * heads * row_bytes;
+      if (int8_rows) {
+        AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x->scalar_type(), "write_kv_", [&] {
+          for (int64_t h = 0; h < heads; ++h)
+            actorserve::quantize_kv_row(reinterpret_cast<const scalar_t*>(src + t * token_stride + h * head_stride), dim,
+                                        reinterpret_cast<int8_t*>(row + h * row_bytes));
+        });
+      } else if (head_stride == row_bytes) {  // the token's heads lie back to back: one copy
+        std::memcpy(row, src + t * token_stride, heads * row_bytes);
+      } else {
+        for (int64_t h = 0; h < heads; ++h) std::memcpy(row + h * row_bytes, src + t * token_stride + h * head_stride, row_bytes);
       }
-      for (int64_t h = 0; h < heads; ++h) std::memcpy(row + h * head_bytes, src + t * token_stride + h * head_stride, head_bytes);
     }
   }
 }

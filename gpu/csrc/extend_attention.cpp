@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_math.h"
+#include "kv_rows.h"
 #include "paged_inputs.h"
 
 namespace {
@@ -45,8 +46,8 @@ struct Scratch {
         max(group * TILE), sum(group * TILE) {}
 };
 
-template <typename T, int64_t FIXED_DIM>
-void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const T* k_pool, const T* v_pool, int64_t slot_stride, const int32_t* slots,
+template <typename T, typename P, int64_t FIXED_DIM>
+void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_stride, const P* k_pool, const P* v_pool, int64_t slot_stride, const int32_t* slots,
                  int64_t first_pos, int64_t tile, int64_t group, int64_t dim_arg, float scale, Scratch& s) {
   const int64_t DIM = FIXED_DIM ? FIXED_DIM : dim_arg;
   // Rows past the tile's end repeat its last query: computed, never stored.
@@ -64,13 +65,8 @@ void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_strid
   for (int64_t start = 0; start < end; start += BLOCK) {
     const int64_t n = std::min(BLOCK, end - start);
     for (int64_t t = 0; t < n; ++t) {
-      const T* k = k_pool + slots[start + t] * slot_stride;
-      const T* v = v_pool + slots[start + t] * slot_stride;
-#pragma omp simd
-      for (int64_t d = 0; d < DIM; ++d) {
-        s.keys[t * DIM + d] = load_f32(k + d);
-        s.values[t * DIM + d] = load_f32(v + d);
-      }
+      actorserve::load_row(k_pool + slots[start + t] * slot_stride, s.keys.data() + t * DIM, DIM);
+      actorserve::load_row(v_pool + slots[start + t] * slot_stride, s.values.data() + t * DIM, DIM);
     }
     const bool masked = start + n - 1 > first_pos;  // some key here lies past some row's position
     for (int64_t g = 0; g < group; ++g) {
@@ -143,7 +139,7 @@ void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_strid
     }
 }
 
-template <typename T>
+template <typename T, typename P>
 void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
          const std::vector<int64_t>& rows, const std::vector<int64_t>& prefix, const std::vector<int64_t>& extend,
          const std::vector<int64_t>& token_start, double scale, at::Tensor& out) {
@@ -156,10 +152,11 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
                    [&](const Task& x, const Task& y) { return prefix[x.request] + x.first > prefix[y.request] + y.first; });
   const T* q_data = q.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
-  const T* k_data = k_pool.data_ptr<T>();
-  const T* v_data = v_pool.data_ptr<T>();
+  const P* k_data = static_cast<const P*>(k_pool.const_data_ptr());
+  const P* v_data = static_cast<const P*>(v_pool.const_data_ptr());
   const int32_t* table = req_to_token.data_ptr<int32_t>();
-  const int64_t table_stride = req_to_token.stride(0), slot_stride = kv_heads * dim, q_row_stride = q.stride(0), out_row_stride = heads * dim;
+  const int64_t row = actorserve::row_elems<P>(dim), slot_stride = kv_heads * row;
+  const int64_t table_stride = req_to_token.stride(0), q_row_stride = q.stride(0), out_row_stride = heads * dim;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   // Dynamic scheduling: tiles late in a long prompt cost many times the early ones.
 #pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
@@ -170,12 +167,12 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       const Task& task = tasks[j];
       const int64_t b = task.request, tile = std::min(TILE, extend[b] - task.first);
       const int64_t head_offset = task.kv_head * group * dim, first_token = token_start[b] + task.first;
-      const T* k_head = k_data + task.kv_head * dim;
-      const T* v_head = v_data + task.kv_head * dim;
+      const P* k_head = k_data + task.kv_head * row;
+      const P* v_head = v_data + task.kv_head * row;
       const int32_t* slots = table + rows[b] * table_stride;
       const int64_t first_pos = prefix[b] + task.first;
       auto call = [&](auto fixed_dim) {
-        attend_tile<T, decltype(fixed_dim)::value>(q_data + first_token * q_row_stride + head_offset, q_row_stride,
+        attend_tile<T, P, decltype(fixed_dim)::value>(q_data + first_token * q_row_stride + head_offset, q_row_stride,
                                                    out_data + first_token * out_row_stride + head_offset, out_row_stride, k_head, v_head, slot_stride, slots,
                                                    first_pos, tile, group, dim, static_cast<float>(scale), scratch);
       };
@@ -194,7 +191,7 @@ std::vector<int64_t> to_vector(const at::Tensor& t, int64_t size, const char* na
 }
 
 // q: [tokens, heads, dim], the new tokens packed request after request; k_pool, v_pool: [slots,
-// kv_heads, dim], already holding the new tokens' K/V; req_to_token: [rows, context] int32;
+// kv_heads, dim] (or int8 rows, kv_rows.h), already holding the new tokens' K/V; req_to_token: [rows, context] int32;
 // req_rows, prefix_lens, extend_lens: [batch] int64. Returns [tokens, heads, dim] in q's dtype.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
                             const at::Tensor& req_rows, const at::Tensor& prefix_lens, const at::Tensor& extend_lens, double scale) {
@@ -214,8 +211,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_pool, const
   }
   TORCH_CHECK(tokens == q.size(0), "extend_lens sum to ", tokens, " tokens but q has ", q.size(0));
   auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention", [&] {
-    run<scalar_t>(q, k_pool, v_pool, req_to_token, rows, prefix, extend, token_start, scale, out);
+  actorserve::dispatch_q_and_pool(q, k_pool, [&](auto t, auto p) {
+    run<decltype(t), decltype(p)>(q, k_pool, v_pool, req_to_token, rows, prefix, extend, token_start, scale, out);
   });
   return out;
 }

@@ -1,5 +1,5 @@
-// The AVX512-BF16 intrinsics the kernels use, emulated by SIMDe (Debian: libsimde-dev), so that
-// their bfloat16 paths can be tested on a CPU without them. Only gpu/cpu_ops.py's emulated build
+// The AVX-512 intrinsics the kernels use (F, BW, BF16, VNNI), emulated by SIMDe (Debian:
+// libsimde-dev), so that their 512-bit paths can be tested on a CPU without them. Only gpu/cpu_ops.py's emulated build
 // includes it (ACTORSERVE_EMULATE_AVX512BF16=1); it is slow and not for serving.
 #pragma once
 
@@ -24,3 +24,27 @@ static inline simde__m256bh actorserve_cvtneps_pbh(simde__m512 a) {
   return out;
 }
 #define _mm512_cvtneps_pbh actorserve_cvtneps_pbh
+
+// Missing from SIMDe 0.7 as well: int32 to float32 (the int8 K/V path converts its integer scores).
+static inline simde__m512 actorserve_cvtepi32_ps(simde__m512i a) {
+  int32_t i[16];
+  float f[16];
+  std::memcpy(i, &a, sizeof i);
+  for (int k = 0; k < 16; ++k) f[k] = static_cast<float>(i[k]);
+  simde__m512 out;
+  std::memcpy(&out, f, sizeof out);
+  return out;
+}
+#define _mm512_cvtepi32_ps actorserve_cvtepi32_ps
+
+// And int8 to int32 (the int8 K/V path widens its value rows).
+static inline simde__m512i actorserve_cvtepi8_epi32(simde__m128i a) {
+  int8_t b[16];
+  int32_t i[16];
+  std::memcpy(b, &a, sizeof b);
+  for (int k = 0; k < 16; ++k) i[k] = b[k];
+  simde__m512i out;
+  std::memcpy(&out, i, sizeof out);
+  return out;
+}
+#define _mm512_cvtepi8_epi32 actorserve_cvtepi8_epi32
