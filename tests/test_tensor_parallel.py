@@ -143,7 +143,7 @@ def test_shards_put_back_together_are_the_checkpoint(kv_heads, size):
 
 # --- the batch channel, with an in-process pipe for the broadcasts -------------------------------
 class _Pipe:
-    """Stands for the group's broadcast: what the sender broadcasts, the receiver gets, in order."""
+    """Stands for the groups' broadcasts: what the sender broadcasts, the receiver gets, in order."""
 
     def __init__(self):
         self.sent: deque[torch.Tensor] = deque()
@@ -155,6 +155,8 @@ class _Pipe:
             def broadcast(self, x):
                 pipe.sent.append(x.clone())
                 return x
+
+            broadcast_header = broadcast  # the idle group's, in the same order here
         return Sender()
 
     def receiver(self):
@@ -165,6 +167,8 @@ class _Pipe:
                 got = pipe.sent.popleft()
                 assert got.shape == x.shape and got.dtype == x.dtype
                 return x.copy_(got)
+
+            broadcast_header = broadcast
         return Receiver()
 
 
