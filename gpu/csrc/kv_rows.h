@@ -6,12 +6,10 @@
 #pragma once
 
 #include "cpu_math.h"
+#include "quantize_row.h"
 
 #include <ATen/ATen.h>
 
-#include <algorithm>
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -45,15 +43,10 @@ inline void load_row(const int8_t* src, float* dst, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<float>(src[d]) * s;
 }
 
-// dim values of T into one int8 row with its scale (at least FLT_MIN / 127: a zero row divides safely).
+// dim values of T into one int8 row with its scale.
 template <typename T>
 inline void quantize_kv_row(const T* x, int64_t dim, int8_t* row) {
-  float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-  for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load_f32(x + d)));
-  const float s = std::max(amax, FLT_MIN) / 127.f;
-#pragma omp simd
-  for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<int8_t>(std::nearbyint(load_f32(x + d) / s));
+  const float s = quantize_row<0>(x, dim, row);
   std::memcpy(row + dim, &s, sizeof s);
 }
 

@@ -14,16 +14,17 @@ namespace actorserve {
 
 constexpr int kZeroPoint = 128;  // oneDNN's fast int8 kernels take unsigned activations: q + 128
 
-// Writes dim bytes to q; returns the row's scale.
-template <typename T>
-inline float quantize_row(const T* x, int64_t dim, uint8_t* q) {
+// Writes dim values round_half_even(x / scale) + Offset to q; returns the row's scale. Offset 0
+// into int8: the KV cache's rows (kv_rows.h).
+template <int Offset = kZeroPoint, typename T, typename Q>
+inline float quantize_row(const T* x, int64_t dim, Q* q) {
   float amax = 0.f;
 #pragma omp simd reduction(max : amax)
   for (int64_t d = 0; d < dim; ++d) amax = std::max(amax, std::fabs(load_f32(x + d)));
   const float s = std::max(amax, FLT_MIN) / 127.f;
 #pragma omp simd
   for (int64_t d = 0; d < dim; ++d) {
-    q[d] = static_cast<uint8_t>(static_cast<int>(std::nearbyint(load_f32(x + d) / s)) + kZeroPoint);
+    q[d] = static_cast<Q>(static_cast<int>(std::nearbyint(load_f32(x + d) / s)) + Offset);
   }
   return s;
 }

@@ -25,26 +25,17 @@ static inline simde__m256bh actorserve_cvtneps_pbh(simde__m512 a) {
 }
 #define _mm512_cvtneps_pbh actorserve_cvtneps_pbh
 
-// Missing from SIMDe 0.7 as well: int32 to float32 (the int8 K/V path converts its integer scores).
-static inline simde__m512 actorserve_cvtepi32_ps(simde__m512i a) {
-  int32_t i[16];
-  float f[16];
-  std::memcpy(i, &a, sizeof i);
-  for (int k = 0; k < 16; ++k) f[k] = static_cast<float>(i[k]);
-  simde__m512 out;
-  std::memcpy(&out, f, sizeof out);
+// Missing from SIMDe 0.7 as well: int32 to float32 and int8 to int32 (the int8 K/V path's score
+// and value conversions), lane by lane.
+template <typename From, typename To, typename Out, typename In>
+static inline Out actorserve_convert16(In a) {
+  From x[16];
+  To y[16];
+  std::memcpy(x, &a, sizeof x);
+  for (int k = 0; k < 16; ++k) y[k] = static_cast<To>(x[k]);
+  Out out;
+  std::memcpy(&out, y, sizeof out);
   return out;
 }
-#define _mm512_cvtepi32_ps actorserve_cvtepi32_ps
-
-// And int8 to int32 (the int8 K/V path widens its value rows).
-static inline simde__m512i actorserve_cvtepi8_epi32(simde__m128i a) {
-  int8_t b[16];
-  int32_t i[16];
-  std::memcpy(b, &a, sizeof b);
-  for (int k = 0; k < 16; ++k) i[k] = b[k];
-  simde__m512i out;
-  std::memcpy(&out, i, sizeof out);
-  return out;
-}
-#define _mm512_cvtepi8_epi32 actorserve_cvtepi8_epi32
+#define _mm512_cvtepi32_ps(a) actorserve_convert16<int32_t, float, simde__m512>(a)
+#define _mm512_cvtepi8_epi32(a) actorserve_convert16<int8_t, int32_t, simde__m512i>(a)
