@@ -170,10 +170,9 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, co
 
 // The new tokens' K and V rows copied into their pool slots: what `pool[slots] = k` does, without
 // index_put's per-call setup (~40 us for a decode step's 64 rows, twice per layer).
-// k_pool, v_pool: contiguous [slots, kv_heads, dim]; slots: int64 [tokens]; k, v: [tokens,
-// kv_heads, dim] in the pools' dtype, any strides but a contiguous last dimension.
-// The new tokens' K/V rows into their pool slots: copied as they are, or rounded to int8 rows
-// with their scales where the pools hold those (kv_rows.h).
+// k_pool, v_pool: contiguous [slots, kv_heads, dim] in k's dtype, or [slots, kv_heads, dim + 4]
+// int8 rows, which each head's values are rounded into with their scale (kv_rows.h); slots: int64
+// [tokens]; k, v: [tokens, kv_heads, dim], any strides but a contiguous last dimension.
 void write_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() &&
                   k_pool.scalar_type() == v_pool.scalar_type(),

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include "kv_rows.h"
+
 namespace actorserve {
 
 constexpr int64_t MAX_HEAD_DIM = 256;
@@ -16,9 +18,9 @@ inline void check_paged_inputs(const char* kernel, const at::Tensor& q, const at
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.dim() == 3, "q, k_pool and v_pool must be 3-dimensional");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q's heads must be contiguous within each token");
   TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "k_pool and v_pool must be contiguous");
-  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() && (k_pool.scalar_type() == q.scalar_type() || k_pool.scalar_type() == at::kChar),
+  TORCH_CHECK(k_pool.scalar_type() == v_pool.scalar_type() && (k_pool.scalar_type() == q.scalar_type() || int8_rows(k_pool)),
               "the pools must hold q's dtype or int8 rows");
-  const int64_t row = k_pool.scalar_type() == at::kChar ? q.size(2) + 4 : q.size(2);
+  const int64_t row = int8_rows(k_pool) ? q.size(2) + kRowScaleBytes : q.size(2);
   TORCH_CHECK(k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == row, "pool shapes do not match q");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of K/V heads");
   TORCH_CHECK(q.size(2) <= MAX_HEAD_DIM, "head dim ", q.size(2), " is over the kernels' ", MAX_HEAD_DIM);
