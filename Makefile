@@ -32,8 +32,11 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/actorserve serve $(ARGS)
 
+# Two pytest workers (a test file each at a time) keep the suite under 15 minutes on 2 cores; many tests
+# wait on processes and sockets. Beside another worker's torch threads, libgomp's default spin before
+# sleeping (~300,000 rounds) would take the cores from it: 1,000 rounds (BENCHMARKS.md, libgomp's teams).
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	GOMP_SPINCOUNT=1000 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
