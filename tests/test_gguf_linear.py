@@ -46,8 +46,9 @@ def test_blocks_are_the_values_gguf_dequantizes(type_name: str) -> None:
 @pytest.mark.parametrize("types", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q4_1", "Q8_0")])
 def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.dtype) -> None:
     """Layers fused along their outputs (mixed widths included), 70-130 outputs (a short last
-    block of 64), 1-37 rows (whole blocks one and two rows a pass; from 32 rows, half blocks five
-    rows a pass and the last 2 or 4), with a bias on one part."""
+    block of 64), 1-37 rows (512-bit: whole blocks one and two rows a pass, from 32 rows half
+    blocks five rows a pass and the last 2 or 4; 256-bit: a row a pass, from 8 rows widened half
+    blocks two rows a pass and the last 1), with a bias on one part."""
     sizes = [(70, 96), (130, 96)][: len(types)]
     parts = [_quantized(n, k, t, seed=i) for i, ((n, k), t) in enumerate(zip(sizes, types))]
     biases = [torch.linspace(-1, 1, sizes[0][0]), None][: len(types)]

@@ -248,6 +248,7 @@ inline void dot_block(const uint8_t* u, const int8_t* q, __m256i (&dot)[4]) {
   if constexpr (Bits == 4) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m256i pairs[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 1  // see widened_rows
     for (int p = 0; p < kGroup / 8; ++p) {
       const __m256i x_lo = broadcast4(q + 8 * p), x_hi = broadcast4(q + 8 * p + 4);
       for (int v = 0; v < 4; ++v) {
@@ -303,6 +304,103 @@ inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T*
   }
 }
 
+// From kWidenedRows rows on the work is compute-bound, and unpacking the weights for every row cost
+// about as much as the products: a half block's weights are widened once to a byte each (8-bit:
+// u - 128, signed), [groups][8 groups of four inputs][32 outputs][4], and each widened vector feeds
+// two rows. Below that, widening costs more than it saves (bench.gguf_matmul, BENCHMARKS.md).
+constexpr int64_t kWidenedRows = 8;
+constexpr int kPairRows = 2;
+constexpr int64_t kWideGroupBytes = kGroup * kBlock / 2;  // one 32-input block of a half: 1 KiB
+
+template <int Bits>
+inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint8_t* wide) {
+  const int64_t bytes_per_group = kBlock * kGroup * Bits / 8;
+  const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* u = w.u + g * bytes_per_group + first * 4;
+    auto* to = reinterpret_cast<__m256i*>(wide + g * kWideGroupBytes);
+    for (int v = 0; v < 4; ++v) {
+      if constexpr (Bits == 4) {
+        for (int p = 0; p < kGroup / 8; ++p) {
+          const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + p * kBlock * 4 + 32 * v));
+          _mm256_storeu_si256(to + 8 * p + v, _mm256_and_si256(packed, low));
+          _mm256_storeu_si256(to + 8 * p + 4 + v, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
+        }
+      } else {
+        for (int i = 0; i < kGroup / 4; ++i) {
+          _mm256_storeu_si256(to + 4 * i + v, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i * kBlock * 4 + 32 * v)), flip));
+        }
+      }
+    }
+  }
+}
+
+// R rows from `row` against the widened half (outputs first .. first + 31): the same integer dot
+// products and the same float operations in the same order as half_block_row, so a row's result
+// does not depend on the path. y lives in memory: 8 accumulators, two broadcasts and a weight
+// vector take the 16 registers.
+template <int Bits, int R, typename T>
+inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wide, const WeightBlock& w, int64_t first, T* out,
+                         int64_t out_stride) {
+  const int64_t groups = act.dim / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) float y[R][32] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const auto* wg = reinterpret_cast<const __m256i*>(wide + g * kWideGroupBytes);
+    __m256i acc[R][4];  // 4-bit: int16 pairs (8 x 2 x 15 x 127 fits); 8-bit: int32
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
+    // Unrolled whole, GCC computed all 64 products first and spilled them to the stack.
+    #pragma GCC unroll 1
+    for (int i = 0; i < kGroup / 4; ++i) {
+      __m256i x[R];
+      for (int r = 0; r < R; ++r) x[r] = broadcast4(act.q + (row + r) * act.dim + g * kGroup + 4 * i);
+      for (int v = 0; v < 4; ++v) {
+        const __m256i wv = _mm256_loadu_si256(wg + 4 * i + v);
+        if constexpr (Bits == 4) {
+          for (int r = 0; r < R; ++r) acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(wv, x[r]));
+        } else {
+          const __m256i magnitude = _mm256_abs_epi8(wv);
+          for (int r = 0; r < R; ++r) {
+            acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], wv)), ones));
+          }
+        }
+      }
+    }
+    for (int v = 0; v < 4; ++v) {
+      const __m256 d = load_half8(w.d + g * kBlock + first + 8 * v);
+      __m256 m = load_half8(w.m + g * kBlock + first + 8 * v);
+      if constexpr (Bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (row + r) * groups + g;
+        const __m256i dot = Bits == 4 ? _mm256_madd_epi16(acc[r][v], ones) : acc[r][v];
+        __m256 yv = _mm256_load_ps(y[r] + 8 * v);
+        yv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(act.a[at])), yv);
+        _mm256_store_ps(y[r] + 8 * v, _mm256_fmadd_ps(m, _mm256_set1_ps(act.s[at]), yv));
+      }
+    }
+  }
+  const int64_t count = std::min<int64_t>(32, w.count - first);
+  for (int r = 0; r < R; ++r) {
+    T* o = out + (row + r) * out_stride + first;
+    for (int64_t j = 0; j < count; ++j) actorserve::store_f32(o + j, w.bias == nullptr ? y[r][j] : y[r][j] + w.bias[first + j]);
+  }
+}
+
+// Every row of `act` against half `half` of a block, written to out (the block's first output of
+// row 0); `next`: the block to prefetch meanwhile (or nullptr).
+template <int Bits, typename T>
+inline void rows_against_half(const Activations& act, int64_t rows, const WeightBlock& w, int64_t half, T* out, int64_t out_stride,
+                              const uint8_t* next, int64_t next_bytes) {
+  const int64_t groups = act.dim / kGroup, first = half * kBlock / 2;
+  thread_local std::vector<uint8_t> wide;
+  wide.resize(groups * kWideGroupBytes);
+  widen_half<Bits>(w, groups, first, wide.data());
+  actorserve::row_passes<kPairRows>(rows, next, next_bytes, [&]<int R>(int64_t r) {
+    widened_rows<Bits, R>(act, r, wide.data(), w, first, out, out_stride);
+  });
+}
+
 }  // namespace avx2
 #endif
 
@@ -343,6 +441,16 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       } else if (w.count > kBlock / 2) {
         vnni::rows_against<Bits, 2, 2, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       }
+    });
+    return;
+  }
+#endif
+#ifdef ACTORSERVE_GGUF_AVX2
+  if (width == 256 && rows >= avx2::kWidenedRows) {
+    actorserve::for_each_half_block(blocks, [&](int64_t b, int64_t half, bool fetch_next) {
+      const WeightBlock w = weight_block(b);
+      if (half == 1 && w.count <= kBlock / 2) return;
+      avx2::rows_against_half<Bits>(act, rows, w, half, out_d + b * kBlock, n, fetch_next ? ud + (b + 1) * block_bytes : nullptr, block_bytes);
     });
     return;
   }
