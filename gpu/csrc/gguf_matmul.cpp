@@ -272,6 +272,29 @@ inline void dot_block(const uint8_t* u, const int8_t* q, __m256i (&dot)[4]) {
   }
 }
 
+// One 32-input block's scale d and minimum m at 8 outputs from `col`; 8-bit weights enter the
+// integer products as u - 128, so their minimum gains 128 d.
+template <int Bits>
+inline void block_scales(const WeightBlock& w, int64_t g, int64_t col, __m256& d, __m256& m) {
+  d = load_half8(w.d + g * kBlock + col);
+  m = load_half8(w.m + g * kBlock + col);
+  if constexpr (Bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+}
+
+// y + dot d a + m s, the float side of one block for 8 outputs, in this order on every path: a
+// row's result does not depend on which path computed it.
+inline __m256 add_block(__m256 y, __m256i dot, __m256 d, __m256 m, __m256 a, __m256 s) {
+  return _mm256_fmadd_ps(m, s, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, a), y));
+}
+
+// A row's 32 outputs from `first` (lanes y), with the bias, to out[first ..] (the block's last
+// outputs may be fewer).
+template <typename T>
+inline void store_half(const float* y, const WeightBlock& w, int64_t first, T* out) {
+  const int64_t count = std::min<int64_t>(32, w.count - first);
+  for (int64_t j = 0; j < count; ++j) actorserve::store_f32(out + first + j, w.bias == nullptr ? y[j] : y[j] + w.bias[first + j]);
+}
+
 // Row `row` of `act` against outputs first .. first + 31 of one 64-row weight block.
 template <int Bits, typename T>
 inline void half_block_row(const Activations& act, int64_t row, const WeightBlock& w, int64_t first, T* out) {
@@ -284,17 +307,14 @@ inline void half_block_row(const Activations& act, int64_t row, const WeightBloc
     dot_block<Bits>(w.u + g * bytes_per_group + first * 4, q + g * kGroup, dot);
     const __m256 a = _mm256_set1_ps(act.a[row * groups + g]), s = _mm256_set1_ps(act.s[row * groups + g]);
     for (int v = 0; v < 4; ++v) {
-      const __m256 d = load_half8(w.d + g * kBlock + first + 8 * v);
-      __m256 m = load_half8(w.m + g * kBlock + first + 8 * v);
-      if constexpr (Bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
-      y[v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[v]), _mm256_mul_ps(d, a), y[v]);
-      y[v] = _mm256_fmadd_ps(m, s, y[v]);
+      __m256 d, m;
+      block_scales<Bits>(w, g, first + 8 * v, d, m);
+      y[v] = add_block(y[v], dot[v], d, m, a, s);
     }
   }
   alignas(32) float lanes[32];
   for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, y[v]);
-  const int64_t count = std::min<int64_t>(32, w.count - first);
-  for (int64_t j = 0; j < count; ++j) actorserve::store_f32(out + first + j, w.bias == nullptr ? lanes[j] : lanes[j] + w.bias[first + j]);
+  store_half(lanes, w, first, out);
 }
 
 template <int Bits, typename T>
@@ -335,10 +355,9 @@ inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint
   }
 }
 
-// R rows from `row` against the widened half (outputs first .. first + 31): the same integer dot
-// products and the same float operations in the same order as half_block_row, so a row's result
-// does not depend on the path. y lives in memory: 8 accumulators, two broadcasts and a weight
-// vector take the 16 registers.
+// R rows from `row` against the widened half (outputs first .. first + 31): the integer dot
+// products half_block_row takes, and its float side (add_block). y lives in memory: the 8
+// accumulators, two broadcasts and a weight vector take the registers.
 template <int Bits, int R, typename T>
 inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wide, const WeightBlock& w, int64_t first, T* out,
                          int64_t out_stride) {
@@ -368,23 +387,17 @@ inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wid
       }
     }
     for (int v = 0; v < 4; ++v) {
-      const __m256 d = load_half8(w.d + g * kBlock + first + 8 * v);
-      __m256 m = load_half8(w.m + g * kBlock + first + 8 * v);
-      if constexpr (Bits == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+      __m256 d, m;
+      block_scales<Bits>(w, g, first + 8 * v, d, m);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (row + r) * groups + g;
         const __m256i dot = Bits == 4 ? _mm256_madd_epi16(acc[r][v], ones) : acc[r][v];
-        __m256 yv = _mm256_load_ps(y[r] + 8 * v);
-        yv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(act.a[at])), yv);
-        _mm256_store_ps(y[r] + 8 * v, _mm256_fmadd_ps(m, _mm256_set1_ps(act.s[at]), yv));
+        const __m256 yv = add_block(_mm256_load_ps(y[r] + 8 * v), dot, d, m, _mm256_set1_ps(act.a[at]), _mm256_set1_ps(act.s[at]));
+        _mm256_store_ps(y[r] + 8 * v, yv);
       }
     }
   }
-  const int64_t count = std::min<int64_t>(32, w.count - first);
-  for (int r = 0; r < R; ++r) {
-    T* o = out + (row + r) * out_stride + first;
-    for (int64_t j = 0; j < count; ++j) actorserve::store_f32(o + j, w.bias == nullptr ? y[r][j] : y[r][j] + w.bias[first + j]);
-  }
+  for (int r = 0; r < R; ++r) store_half(y[r], w, first, out + (row + r) * out_stride);
 }
 
 // Every row of `act` against half `half` of a block, written to out (the block's first output of
