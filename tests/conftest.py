@@ -141,16 +141,35 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_transformers() -> Any:
+def smollm2_transformers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """transformers' own load of the default model's GGUF file (float32, eval), the reference of
-    tests/test_gguf.py and tests/test_smollm2.py: ~17 s of dequantization, paid once. Read-only."""
+    tests/test_gguf.py and tests/test_smollm2.py. Read-only. Its dequantization takes 17-40 s, so
+    the first pytest worker to need it saves the result in the run's temporary folder and the
+    others load that (0.5 s): the same weights, config fields and generation config."""
+    import copy
+
     import torch
+    from filelock import FileLock
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM
 
     from gpu.gguf_loader import default_model_path
 
-    gguf = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    run_folder = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:  # a worker's folder is inside the run's
+        run_folder = run_folder.parent
+    shared = run_folder / "smollm2-transformers"
+    with FileLock(f"{shared}.lock"):
+        if shared.exists():
+            return AutoModelForCausalLM.from_pretrained(str(shared), dtype=torch.float32).eval()
+        gguf = default_model_path()
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        config = copy.deepcopy(model.config)
+        del config.quantization_config  # "gguf", which refuses to be saved; the weights are float32 now
+        config.save_pretrained(str(shared))
+        model.generation_config.save_pretrained(str(shared))
+        save_model(model, str(shared / "model.safetensors"))  # tied embeddings saved once
+        return model
 
 
 CORE_MODES = {"inline": {"inline_core": True}, "core-process": {"inline_core": False}}
