@@ -30,6 +30,66 @@ using actorserve::store_f32;
 constexpr int64_t TILE = 16;   // query positions per task: one float vector of scores
 constexpr int64_t BLOCK = 32;  // keys per softmax update
 
+// Eight floats: GCC and Clang map this vector extension to one 256-bit register where the CPU has
+// them (two SSE registers elsewhere), so the sums below stay in registers.
+using Vec8 = float __attribute__((vector_size(8 * sizeof(float))));
+// Eight floats anywhere in memory (GCC turned memcpy into a Vec8 into two 16-byte stores and a
+// 32-byte load, which the store buffer cannot forward).
+using UnalignedVec8 = float __attribute__((vector_size(8 * sizeof(float)), aligned(alignof(float)), may_alias));
+inline const UnalignedVec8& vec8_at(const float* p) { return *reinterpret_cast<const UnalignedVec8*>(p); }
+inline UnalignedVec8& vec8_at(float* p) { return *reinterpret_cast<UnalignedVec8*>(p); }
+static_assert(TILE == 16, "score_keys holds a tile's scores of one key in two Vec8");
+constexpr int64_t KEYS_AT_ONCE = 4;  // 8 independent sums: FMAs issue back to back despite their latency
+static_assert(BLOCK % KEYS_AT_ONCE == 0, "a block's keys come KEYS_AT_ONCE at a time");
+
+// The tile's scores (q_t: its queries, scaled, position-minor) against keys[0 .. KEYS_AT_ONCE)
+// (rows of `dim`), to p[t * TILE + i].
+// A float[TILE] running sum lived on the stack, each FMA waiting on the last one's store: prefill
+// attention spent over half its time there.
+inline void score_keys(const float* q_t, const float* keys, int64_t dim, float* p) {
+  Vec8 sum[KEYS_AT_ONCE][2] = {};
+  for (int64_t d = 0; d < dim; ++d) {
+    const Vec8 lo = vec8_at(q_t + d * TILE), hi = vec8_at(q_t + d * TILE + 8);
+    for (int64_t j = 0; j < KEYS_AT_ONCE; ++j) {
+      const float k = keys[j * dim + d];
+      sum[j][0] += lo * k;
+      sum[j][1] += hi * k;
+    }
+  }
+  for (int64_t j = 0; j < KEYS_AT_ONCE; ++j) {
+    vec8_at(p + j * TILE) = sum[j][0];
+    vec8_at(p + j * TILE + 8) = sum[j][1];
+  }
+}
+
+// One query position's acc = acc * rescale + sum over t < n of p[t * TILE] * values[t] (rows of
+// `dim`), 64 columns at a time in eight Vec8 sums, the rest one by one. As float[dim] (the old
+// loop) the sums lived on the stack, each FMA again waiting on a store.
+inline void accumulate_values(float* acc, float rescale, const float* p, const float* values, int64_t n, int64_t dim) {
+  constexpr int64_t SLICE = 64;
+  const int64_t vector_end = dim - dim % 8;
+  for (int64_t col = 0; col < vector_end; col += SLICE) {
+    const int64_t vectors = std::min(SLICE, vector_end - col) / 8;
+    Vec8 sum[SLICE / 8];
+    for (int64_t v = 0; v < vectors; ++v) sum[v] = vec8_at(acc + col + 8 * v) * rescale;
+    for (int64_t t = 0; t < n; ++t) {
+      const float pt = p[t * TILE];
+      // Unrolled here, early: otherwise GCC's unroll-and-jam takes two keys a pass, 16 sums, and
+      // spills half of them to the stack.
+#pragma GCC unroll 8
+      for (int64_t v = 0; v < vectors; ++v) {
+        sum[v] += pt * vec8_at(values + t * dim + col + 8 * v);
+      }
+    }
+    for (int64_t v = 0; v < vectors; ++v) vec8_at(acc + col + 8 * v) = sum[v];
+  }
+  for (int64_t col = vector_end; col < dim; ++col) {
+    float sum = acc[col] * rescale;
+    for (int64_t t = 0; t < n; ++t) sum += p[t * TILE] * values[t * dim + col];
+    acc[col] = sum;
+  }
+}
+
 struct Task {
   int64_t request, kv_head, first;  // first: index of the tile's first new token in the request
 };
@@ -74,24 +134,17 @@ void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_strid
       const float* qg = s.q_t.data() + g * DIM * TILE;
       float block_max[TILE];
       std::fill(block_max, block_max + TILE, -std::numeric_limits<float>::infinity());
+      // Keys n .. up to the next multiple of KEYS_AT_ONCE (stale rows of the scratch) are scored and never read.
+      for (int64_t t = 0; t < n; t += KEYS_AT_ONCE) score_keys(qg, s.keys.data() + t * DIM, DIM, p + t * TILE);
       for (int64_t t = 0; t < n; ++t) {
-        float score[TILE] = {};
-        const float* k = s.keys.data() + t * DIM;
-        for (int64_t d = 0; d < DIM; ++d) {
-          const float kd = k[d];
-#pragma omp simd
-          for (int64_t i = 0; i < TILE; ++i) score[i] += qg[d * TILE + i] * kd;
-        }
+        float* score = p + t * TILE;
         if (masked) {
           const float key_pos = static_cast<float>(start + t);
 #pragma omp simd
           for (int64_t i = 0; i < TILE; ++i) score[i] = key_pos <= position[i] ? score[i] : -std::numeric_limits<float>::infinity();
         }
 #pragma omp simd
-        for (int64_t i = 0; i < TILE; ++i) {
-          p[t * TILE + i] = score[i];
-          block_max[i] = std::max(block_max[i], score[i]);
-        }
+        for (int64_t i = 0; i < TILE; ++i) block_max[i] = std::max(block_max[i], score[i]);
       }
       float* m = s.max.data() + g * TILE;
       float* l = s.sum.data() + g * TILE;
@@ -111,22 +164,7 @@ void attend_tile(const T* q, int64_t q_row_stride, T* out, int64_t out_row_strid
       }
 #pragma omp simd
       for (int64_t i = 0; i < TILE; ++i) l[i] = l[i] * rescale[i] + block_sum[i];
-      for (int64_t i = 0; i < TILE; ++i) {
-        // A local copy the compiler can keep in registers across the block's values.
-        float local[FIXED_DIM ? FIXED_DIM : actorserve::MAX_HEAD_DIM];
-        float* a = s.acc.data() + (g * TILE + i) * DIM;
-        const float r = rescale[i];
-#pragma omp simd
-        for (int64_t d = 0; d < DIM; ++d) local[d] = a[d] * r;
-        for (int64_t t = 0; t < n; ++t) {
-          const float pt = p[t * TILE + i];
-          const float* __restrict__ v = s.values.data() + t * DIM;
-#pragma omp simd
-          for (int64_t d = 0; d < DIM; ++d) local[d] += pt * v[d];
-        }
-#pragma omp simd
-        for (int64_t d = 0; d < DIM; ++d) a[d] = local[d];
-      }
+      for (int64_t i = 0; i < TILE; ++i) accumulate_values(s.acc.data() + (g * TILE + i) * DIM, rescale[i], p + i, s.values.data(), n, DIM);
     }
   }
   for (int64_t g = 0; g < group; ++g)
