@@ -27,6 +27,9 @@ log = logging.getLogger("actorserve.tp")
 
 STOP_JOIN_S = 10.0
 PARENT_CHECK_PERIOD_S = 0.2
+# How long rank 0 waits for the others to start and join (a fresh interpreter importing torch; on a
+# loaded machine several seconds): never less than this, whatever dist_timeout_s says of collectives.
+MIN_JOIN_TIMEOUT_S = 120.0
 
 
 class Rendezvous(msgspec.Struct, frozen=True):
@@ -47,8 +50,15 @@ class Rendezvous(msgspec.Struct, frozen=True):
         return cls(host, int(port), size, backend, timeout_s)
 
     @property
-    def timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeout_s)
+    def join_timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=max(self.timeout_s, MIN_JOIN_TIMEOUT_S))
+
+    def join(self, store: torch.distributed.Store, rank: int) -> TPGroup:
+        """Join the group as `rank` (blocks until every rank has): the steps' collectives in a group
+        that times out after timeout_s, the idle wait in one that does not."""
+        torch.distributed.init_process_group(self.backend, store=store, rank=rank, world_size=self.size, timeout=self.join_timeout)
+        steps = torch.distributed.new_group(backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout_s))
+        return TPGroup(rank, self.size, steps, make_idle_group(self.backend))
 
 
 class RankSpec(msgspec.Struct, frozen=True):
@@ -68,7 +78,7 @@ class TPRanks:
         try:
             self.store = torch.distributed.TCPStore(
                 rendezvous.host, rendezvous.port, rendezvous.size, is_master=True, wait_for_workers=False,
-                timeout=rendezvous.timeout,
+                timeout=rendezvous.join_timeout,
             )
         except Exception as exc:  # noqa: BLE001 - DistNetworkError and friends: say where
             raise RuntimeError(f"tensor parallelism cannot listen at {rendezvous.host}:{rendezvous.port}: {exc}") from exc
@@ -86,9 +96,7 @@ class TPRanks:
 
     def load(self) -> ModelRunner:
         """Join the group as rank 0 and load its shard (blocks until every rank has joined)."""
-        r = self.rendezvous
-        torch.distributed.init_process_group(r.backend, store=self.store, rank=0, world_size=r.size, timeout=r.timeout)
-        self.runner = ModelRunner(self.runner_config, TPGroup(0, r.size, torch.distributed.group.WORLD, make_idle_group(r.backend)))
+        self.runner = ModelRunner(self.runner_config, self.rendezvous.join(self.store, 0))
         return self.runner
 
     async def wait_exit(self) -> str:
@@ -143,10 +151,10 @@ def rank_main(spec_hex: str) -> None:
     if spec.threads:
         torch.set_num_threads(spec.threads)
     r = spec.rendezvous
-    store = torch.distributed.TCPStore(r.host, r.port, r.size, is_master=False, timeout=r.timeout)
-    torch.distributed.init_process_group(r.backend, store=store, rank=spec.rank, world_size=r.size, timeout=r.timeout)
+    store = torch.distributed.TCPStore(r.host, r.port, r.size, is_master=False, timeout=r.join_timeout)
+    group = r.join(store, spec.rank)
     try:
-        runner = ModelRunner(spec.runner, TPGroup(spec.rank, r.size, torch.distributed.group.WORLD, make_idle_group(r.backend)))
+        runner = ModelRunner(spec.runner, group)
         runner.serve_ranks()
     finally:
         torch.distributed.destroy_process_group()
