@@ -18,7 +18,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import ctypes  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
-from collections.abc import Callable, Mapping  # noqa: E402
+import contextlib  # noqa: E402
+from collections.abc import Callable, Iterator, Mapping  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
@@ -163,13 +164,29 @@ def smollm2_transformers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if shared.exists():
             return AutoModelForCausalLM.from_pretrained(str(shared), dtype=torch.float32).eval()
         gguf = default_model_path()
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+        with _gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
         config = copy.deepcopy(model.config)
         del config.quantization_config  # "gguf", which refuses to be saved; the weights are float32 now
         config.save_pretrained(str(shared))
         model.generation_config.save_pretrained(str(shared))
         save_model(model, str(shared / "model.safetensors"))  # tied embeddings saved once
         return model
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers' GGUF load parses the file's 49,000-entry vocabulary twice (config, then
+    weights) and builds gguf's tensor-name map once per tensor: 30 of its 45 s here. Both are pure
+    functions of their arguments, so within this load each is computed once (the same weights)."""
+    import functools
+
+    import gguf
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        yield
 
 
 CORE_MODES = {"inline": {"inline_core": True}, "core-process": {"inline_core": False}}

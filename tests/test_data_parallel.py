@@ -16,6 +16,7 @@ from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 SYSTEM = list(range(40, 104))  # a 64-token shared prefix
 PROMPTS = [SYSTEM + [1, 2, 3], [5, 6, 7], SYSTEM + [9, 9], [11] * 30, SYSTEM + [4], [3, 1, 4, 1, 5]]
+KEYS = ["a", "b", "a", "c", "b", "a"]  # routing keys of PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -40,44 +41,63 @@ def _replica_stat(engine: Engine, key: str) -> list[int]:
     return [r[key] for r in engine.stats()["replicas"]]
 
 
-async def test_dp2_gives_dp1_answers_under_every_router_policy(model_path):
-    async with _engine(model_path) as single:
-        expected = await _answers(single)
-    keys = ["a", "b", "a", "c", "b", "a"]
-    for policy in ("cache_aware", "round_robin", "shortest_queue", "routing_key"):
-        engine = _engine(model_path, dp_size=2, router_policy=policy)
-        async with engine:
-            assert await _answers(engine, keys) == expected, policy
-            stats = await engine.current_stats()
-            assert stats["dp_size"] == 2 and [r["up"] for r in stats["replicas"]] == [True, True]
-            # The sums are the replicas' counters added up.
-            assert stats["generated_tokens"] == sum(_replica_stat(engine, "generated_tokens")) == 6 * len(PROMPTS)
-            assert stats["kv_pool_size"] == sum(_replica_stat(engine, "kv_pool_size"))
-            if policy == "round_robin":  # three each
-                assert _replica_stat(engine, "generated_tokens") == [18, 18]
-            await assert_idle_invariants(engine)
-        await close_and_check_tasks(engine)
+@pytest.fixture(scope="module")
+def dp1_answers(model_path) -> list[list[int]]:
+    """PROMPTS' answers from one core process: what dp=2 must give under every router policy."""
+
+    async def answers() -> list[list[int]]:
+        async with _engine(model_path) as single:
+            return await _answers(single)
+    return asyncio.run(answers())
 
 
-async def test_cache_aware_sends_a_shared_prefix_group_to_one_replica(model_path):
+async def _check_dp2_answers(engine: Engine, expected: list[list[int]]) -> None:
+    """PROMPTS through `engine` (dp=2) give `expected`, and its stats add up its replicas'."""
+    policy = engine.config.router_policy
+    assert await _answers(engine, KEYS) == expected, policy
+    stats = await engine.current_stats()
+    assert stats["dp_size"] == 2 and [r["up"] for r in stats["replicas"]] == [True, True]
+    # The sums are the replicas' counters added up.
+    assert stats["generated_tokens"] == sum(_replica_stat(engine, "generated_tokens")) == 6 * len(PROMPTS)
+    assert stats["kv_pool_size"] == sum(_replica_stat(engine, "kv_pool_size"))
+    if policy == "round_robin":  # three each
+        assert _replica_stat(engine, "generated_tokens") == [18, 18]
+    await assert_idle_invariants(engine)
+
+
+# cache_aware and routing_key: in their own tests below, which start a dp=2 engine anyway.
+@pytest.mark.parametrize("policy", ["round_robin", "shortest_queue"])
+async def test_dp2_gives_dp1_answers(model_path, dp1_answers, policy):
+    engine = _engine(model_path, dp_size=2, router_policy=policy)
+    async with engine:
+        await _check_dp2_answers(engine, dp1_answers)
+    await close_and_check_tasks(engine)
+
+
+async def test_cache_aware_gives_dp1_answers_and_sends_a_shared_prefix_group_to_one_replica(model_path, dp1_answers):
     engine = _engine(model_path, dp_size=2, router_policy="cache_aware")
     async with engine:
+        await _check_dp2_answers(engine, dp1_answers)
+        assert await engine.flush_cache()  # and with it the router's view of each replica's cache
+        before = _replica_stat(engine, "generated_tokens")
         first = await engine.generate(input_ids=SYSTEM + [1], sampling_params=GREEDY)
         assert first.cached_tokens == 0
         group = await asyncio.gather(*[engine.generate(input_ids=SYSTEM + [i, i], sampling_params=GREEDY) for i in range(2, 8)])
         # Every later request of the group found the prefix cached: it went where the first did.
         assert all(out.cached_tokens >= len(SYSTEM) for out in group), [o.cached_tokens for o in group]
         await asyncio.gather(*[engine.generate(input_ids=[200 + i] * 20, sampling_params=GREEDY) for i in range(2)])
-        generated = _replica_stat(await _refreshed(engine), "generated_tokens")
+        after = _replica_stat(await _refreshed(engine), "generated_tokens")
+        generated = [a - b for a, b in zip(after, before)]
         assert sorted(generated) == [2 * 6, 7 * 6], generated  # unrelated prompts: the smaller tree
         assert await engine.flush_cache()
         await assert_idle_invariants(engine)
     await close_and_check_tasks(engine)
 
 
-async def test_routing_key_keeps_a_key_on_one_replica(model_path):
+async def test_routing_key_gives_dp1_answers_and_keeps_a_key_on_one_replica(model_path, dp1_answers):
     engine = _engine(model_path, dp_size=2, router_policy="routing_key")
     async with engine:
+        await _check_dp2_answers(engine, dp1_answers)
         homes = set()
         for key in ("alice", "bob", "carol", "dave"):
             before = _replica_stat(await _refreshed(engine), "generated_tokens")
