@@ -34,8 +34,10 @@ PROMPTS = [[5, 7, 9, 11], list(range(40, 100)), [3] * 17, [300, 2, 77, 5, 6, 8, 
 
 
 def _engine(model_path: Path, tp_size: int, **kw) -> Engine:
-    # One torch thread per rank: two ranks share this machine's two cores.
-    return Engine(model_path=str(model_path), dtype="float32", core_threads=1, tp_size=tp_size, max_total_tokens=4096, **kw)
+    # One torch thread per rank: two ranks share this machine's two cores. tp=1, the reference,
+    # runs its core in this process: a core process's start (mostly importing torch) is saved.
+    return Engine(model_path=str(model_path), dtype="float32", core_threads=1, tp_size=tp_size, max_total_tokens=4096,
+                  inline_core=tp_size == 1, **kw)
 
 
 # Sampled on rank 0 from the gathered logits: seeds and penalties see the same distribution.
@@ -244,7 +246,8 @@ async def test_tp2_retraction_keeps_tp1_answers(tiny_model_factory):
         # A new request is charged its whole max_new_tokens, a running one new_token_ratio (0.07
         # here) of what it has left: requests that arrive once the first decodes are admitted
         # beside it and together outgrow the pool, so decode must retract.
-        engine = Engine(model_path=str(path), dtype="float32", core_threads=1, tp_size=tp, max_total_tokens=256, schedule_conservativeness=0.1)
+        engine = Engine(model_path=str(path), dtype="float32", core_threads=1, tp_size=tp, max_total_tokens=256, schedule_conservativeness=0.1,
+                        inline_core=tp == 1)
         async with engine:
             first = engine.stream(input_ids=prompts[0], sampling_params=sampling)
             head = [await anext(first) for _ in range(3)]
