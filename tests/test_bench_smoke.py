@@ -261,3 +261,29 @@ def test_gguf_matmul_ratios_follow_from_the_times(monkeypatch, capsys):
     # One layer of SmolLM2 (q/k/v, o, gate/up, down) and the Q8_0 output layer: 576 inputs each but down's 1536.
     int8_mb = (576 * (960 + 576 + 3072) + 1536 * 576 + 576 * 49152) / 1e6
     assert f"{int8_mb:.0f} MB of int8 weights" in out, out
+
+
+# --- bench.ab -------------------------------------------------------------------------------------
+def test_ab_runs_each_checkouts_own_code_alternately(monkeypatch, capsys, tmp_path):
+    from bench import ab
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ab, "KERNEL_BUILDS", ())  # the kernels' builds take minutes; their code is not what this checks
+    # Which checkout's `bench` package the command imported: the base's lives in the temporary folder.
+    probe = "import bench; print('rate', 2.0 if bench.__file__.startswith(sys.argv[1]) else 3.0)"
+    out = _run_main(monkeypatch, capsys, ab, "--base", "HEAD", "--pairs", "3", "--metric", r"rate ([0-9.]+)", "--",
+                    "python", "-c", f"import sys; {probe}", str(tmp_path))
+    rows = [r for r in _rows(out) if len(r) == 4]
+    assert [r[1:] for r in rows] == [["2", "3", "1.500"]] * 3, out
+    assert "median ratio over 3 pairs: 1.500" in out
+    base = next(tmp_path.glob("actorserve-ab-*"))
+    assert (base / "bench" / "offline.py").is_file() and (base / ".venv").resolve() == (ab.ROOT / ".venv").resolve()
+
+
+def test_ab_refuses_what_it_cannot_compare(monkeypatch, capsys):
+    from bench import ab
+
+    with pytest.raises(SystemExit, match="not a commit here"):
+        _run_main(monkeypatch, capsys, ab, "--base", "no-such-revision", "--metric", "x", "--", "python", "-c", "pass")
+    with pytest.raises(SystemExit, match="is not in the output"):
+        ab.read_metric("nothing to see", re.compile(r"rate ([0-9.]+)"))

@@ -555,35 +555,15 @@ struct Scratch {
   std::vector<float> probs;  // [vectors][VECS][N] probabilities in score-vector layout
   std::vector<float> state;  // [vectors][STATE]
   std::vector<float> acc;  // [group][dim]
-  std::vector<float> rows;  // [BLOCK][dim] an int8 pool's block of rows as float32
-  const float* row_ptrs[BLOCK];
   Scratch(int64_t group, int64_t dim)
-      : q4(vectors(group) * dim / 4 * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE), acc(group * dim),
-        rows(dim ? BLOCK * dim : 0) {}
+      : q4(vectors(group) * dim / 4 * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE), acc(group * dim) {}
   static int64_t vectors(int64_t group) { return (group + heads<W>() - 1) / heads<W>(); }
-
-  // A block's rows (past n, the last row again) as float32: a float pool's where they lie, an int8
-  // pool's converted into `rows`.
-  template <int64_t DIM, typename P>
-  const float* const* float_rows(const P* const* block, int64_t n) {
-    if constexpr (std::is_same_v<P, float>) {
-      return block;
-    } else {
-      for (int64_t t = 0; t < n; ++t) {
-        load_row(block[t], rows.data() + t * DIM, DIM);
-        row_ptrs[t] = rows.data() + t * DIM;
-      }
-      std::fill(row_ptrs + n, row_ptrs + BLOCK, row_ptrs[n - 1]);
-      return row_ptrs;
-    }
-  }
 };
 
 // Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
-// of one request, for one K/V head (the pools offset to it: float32 or int8 rows). Writes out[group,
-// dim] and lse[group].
-template <typename W, int64_t CHUNKS, typename P>
-void attend(const float* q, const P* k_pool, const P* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+// of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and lse[group].
+template <typename W, int64_t CHUNKS>
+void attend(const float* q, const float* k_pool, const float* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
             int64_t end, int64_t group, float scale, Scratch<W>& s, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS, HEADS = heads<W>(), STATE = Scratch<W>::STATE;
   const int64_t vectors = Scratch<W>::vectors(group);
@@ -592,8 +572,7 @@ void attend(const float* q, const P* k_pool, const P* v_pool, int64_t slot_strid
     reset_state<W>(s.state.data() + w * STATE);
   }
   std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const P* const* block, int64_t n) {
-    const float* const* keys = s.template float_rows<DIM>(block, n);
+  auto score = [&](const float* const* keys, int64_t n) {
     for (int64_t w = 0; w < vectors; ++w) {
       const float* q4 = s.q4.data() + w * DIM / 4 * W::N;
       float* probs = s.probs.data() + w * VECS * W::N;
@@ -601,8 +580,7 @@ void attend(const float* q, const P* k_pool, const P* v_pool, int64_t slot_strid
                      [&](int64_t j, typename W::Reg p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
     }
   };
-  auto accumulate = [&](const P* const* block, int64_t n) {
-    const float* const* values = s.template float_rows<DIM>(block, n);
+  auto accumulate = [&](const float* const* values, int64_t n) {
     for (int64_t g = 0; g < group; ++g) {
       const int64_t w = g / HEADS, h = g % HEADS;
       accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], values, n,
@@ -619,6 +597,129 @@ void attend(const float* q, const P* k_pool, const P* v_pool, int64_t slot_strid
 }
 
 }  // namespace f32
+#endif
+
+#ifdef ACTORSERVE_LANES8
+// int8 pools on CPUs with AVX2 and no AVX512-VNNI. Q.K: each query head is rounded to int8 against
+// its own scale (as the VNNI path does), and vpmaddubsw multiplies a key's bytes by the query's
+// (|k| times q with k's sign: both within 127, so a pair's sum cannot saturate 16 bits), vpmaddwd
+// sums each four in int32 (exact). A key's 16-byte pieces are broadcast to both 128-bit lanes, one
+// query head each, which leaves partial sums in the quad layout (lane 4h + i: elements 16c + 4i ..
+// 16c + 4i + 3); the score is that integer times the query's scale and the key row's. P.V: each
+// probability times its value row's scale weights the row converted to float32, as f32's.
+namespace i8x8 {
+
+using namespace quad;
+using W = Lanes8;
+constexpr int64_t HEADS = heads<W>();
+
+// Scratch of one thread for `attend` (sizes for the largest group and dim).
+struct Scratch {
+  static constexpr int64_t STATE = 3 * W::N;  // per vector of heads: running max, running sum, this block's rescale
+  std::vector<int8_t> q2;  // [vectors][dim / 16][32]: 128-bit lane h of vector c holds q[h][16c .. 16c + 15]
+  std::vector<float> q_scale;  // [vectors][8]: lane 4h + i the head's query scale times the attention's
+  std::vector<float> probs;  // [vectors][VECS][8] probabilities times their value rows' scales
+  std::vector<float> state;  // [vectors][STATE]
+  std::vector<float> acc;  // [group][dim]
+  std::vector<float> q;  // [group][dim] the queries as float
+  std::vector<float> rows;  // [BLOCK][dim] a block's value rows as float32, unscaled
+  const float* row_ptrs[BLOCK];
+  float key_scale[BLOCK], value_scale[BLOCK];
+  Scratch(int64_t group, int64_t dim)
+      : q2(vectors(group) * dim * 2), q_scale(vectors(group) * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE),
+        acc(group * dim), q(group * dim), rows(BLOCK * dim) {}
+  static int64_t vectors(int64_t group) { return (group + HEADS - 1) / HEADS; }
+};
+
+// Query heads first and first + 1 (zeros past `group`) as vpmaddubsw operands, with their scales
+// (times `scale`), each head rounded as kv_rows.h rounds a row.
+inline void pack_queries(const float* q, int64_t dim, int64_t first, int64_t group, float scale, int8_t* q2, float* q_scale) {
+  for (int64_t h = 0; h < HEADS; ++h) {
+    const int64_t head = first + h;
+    int8_t row[actorserve::MAX_HEAD_DIM + actorserve::kRowScaleBytes] = {};
+    if (head < group) actorserve::quantize_kv_row(q + head * dim, dim, row);
+    const float s = head < group ? actorserve::row_scale(row, dim) : 0.f;
+    for (int64_t i = 0; i < 4; ++i) q_scale[4 * h + i] = s * scale;
+    for (int64_t c = 0; c < dim / 16; ++c) std::memcpy(q2 + 32 * c + 16 * h, row + 16 * c, 16);
+  }
+}
+
+// Two heads' partial sums against one key row: lane 4h + i sums the products of elements
+// 16c + 4i .. 16c + 4i + 3 over the row's pieces c.
+template <int64_t CHUNKS>
+inline __m256 pair_partials(const int8_t* q2, const int8_t* key) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  auto piece = [&](int64_t c) {
+    const __m256i k = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + 16 * c)));
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q2 + 32 * c));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(k), _mm256_sign_epi8(q, k)), ones);
+  };
+  __m256i sum = piece(0);
+  for (int64_t c = 1; c < 2 * CHUNKS; ++c) sum = _mm256_add_epi32(sum, piece(c));
+  return _mm256_cvtepi32_ps(sum);  // exact: below 2^24
+}
+
+// One int8 row's dim values as float32, unscaled.
+template <int64_t DIM>
+inline void widen_row(const int8_t* row, float* out) {
+  for (int64_t v = 0; v < DIM / 8; ++v) {
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)));
+    _mm256_storeu_ps(out + 8 * v, _mm256_cvtepi32_ps(x));
+  }
+}
+
+// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
+// of one request, for one K/V head (the int8 pools offset to it). Writes out[group, dim] and lse[group].
+template <typename T, int64_t CHUNKS>
+void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+  constexpr int64_t DIM = 32 * CHUNKS, STATE = Scratch::STATE;
+  const int64_t vectors = Scratch::vectors(group);
+  load_row(q, s.q.data(), group * DIM);
+  for (int64_t w = 0; w < vectors; ++w) {
+    pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q2.data() + w * DIM * 2, s.q_scale.data() + W::N * w);
+    reset_state<W>(s.state.data() + w * STATE);
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
+  auto score = [&](const int8_t* const* keys, int64_t n) {
+    for (int64_t t = 0; t < BLOCK; ++t) s.key_scale[t] = actorserve::row_scale(keys[t], DIM);
+    for (int64_t w = 0; w < vectors; ++w) {
+      const int8_t* q2 = s.q2.data() + w * DIM * 2;
+      const __m256 q_scale = W::load(s.q_scale.data() + W::N * w);
+      float* probs = s.probs.data() + w * VECS * W::N;
+      score_block<W>([&](int64_t t) { return pair_partials<CHUNKS>(q2, keys[t]); }, n,
+                     [&](int64_t j) { return W::mul(q_scale, W::broadcast4(s.key_scale + QUAD_KEYS * j)); },
+                     [&](int64_t j, __m256 p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
+    }
+  };
+  auto accumulate = [&](const int8_t* const* values, int64_t n) {
+    for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
+    for (int64_t w = 0; w < vectors; ++w)  // the probabilities weight the rows as they are stored
+      for (int64_t j = 0; j < VECS; ++j) {
+        float* p = s.probs.data() + w * VECS * W::N + W::N * j;
+        W::store(p, W::mul(W::load(p), W::broadcast4(s.value_scale + QUAD_KEYS * j)));
+      }
+    for (int64_t t = 0; t < n; ++t) {
+      widen_row<DIM>(values[t], s.rows.data() + t * DIM);
+      s.row_ptrs[t] = s.rows.data() + t * DIM;
+    }
+    std::fill(s.row_ptrs + n, s.row_ptrs + BLOCK, s.row_ptrs[n - 1]);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t w = g / HEADS, h = g % HEADS;
+      f32::accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], s.row_ptrs, n,
+                                        s.acc.data() + g * DIM);
+    }
+  };
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
+  for (int64_t g = 0; g < group; ++g) {
+    const float* state = s.state.data() + (g / HEADS) * STATE + 4 * (g % HEADS);
+    const float inv = 1.f / state[W::N];
+    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
+    lse[g] = state[0] + std::log(state[W::N]);
+  }
+}
+
+}  // namespace i8x8
 #endif
 
 #ifdef ACTORSERVE_INT8_DOT
@@ -795,8 +896,8 @@ void with_chunks(int64_t dim, Call call) {
 }
 
 // Which kernel attends a task: the generic one, or a vector path for float32 rows (256- or 512-bit
-// lanes), bfloat16 rows (AVX512-BF16) or int8 rows (AVX512-VNNI), for head sizes it unrolls.
-enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16, kInt8 };
+// lanes), bfloat16 rows (AVX512-BF16) or int8 rows (AVX512-VNNI, else AVX2), for head sizes it unrolls.
+enum class Path { kGeneric, kF32Lanes8, kF32Lanes16, kBf16, kInt8, kInt8Lanes8 };
 
 // Vector widths in bits of the float32 paths compiled here, widest first, then 0: the generic path.
 // Built once: every decode call reads it.
@@ -821,10 +922,13 @@ Path choose_path(int64_t dim, int64_t width) {
 #ifdef ACTORSERVE_INT8_DOT
   if (std::is_same_v<P, int8_t> && width >= 512) return Path::kInt8;
 #endif
+#ifdef ACTORSERVE_LANES8
+  if (std::is_same_v<P, int8_t> && width >= 256) return Path::kInt8Lanes8;
+#endif
 #ifdef ACTORSERVE_BF16_DOT
   if (std::is_same_v<T, c10::BFloat16> && std::is_same_v<P, T> && width >= 512) return Path::kBf16;
 #endif
-  if (!std::is_same_v<T, float>) return Path::kGeneric;
+  if (!std::is_same_v<T, float> || !std::is_same_v<P, float>) return Path::kGeneric;
 #ifdef ACTORSERVE_F32_LANES16
   if (width >= 512) return Path::kF32Lanes16;
 #endif
@@ -871,6 +975,9 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 #ifdef ACTORSERVE_INT8_DOT
     i8::Scratch i8_scratch(scratch_size(Path::kInt8, group), scratch_size(Path::kInt8, dim));
 #endif
+#ifdef ACTORSERVE_LANES8
+    i8x8::Scratch i8x8_scratch(scratch_size(Path::kInt8Lanes8, group), scratch_size(Path::kInt8Lanes8, dim));
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
@@ -883,7 +990,8 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       auto attend_f32 = [&](auto& scratch) {
         using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
         with_chunks(dim, [&](auto chunks) {
-          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), k_head, v_head, slot_stride, slots, begins[b], ends[b], group,
+          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
+                                                  reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
                                                   static_cast<float>(scale), scratch, result.data(), lse_out);
         });
       };
@@ -894,6 +1002,14 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
           i8::attend<T, decltype(chunks)::value>(q_head, reinterpret_cast<const int8_t*>(k_head), reinterpret_cast<const int8_t*>(v_head),
                                                  slot_stride, slots, begins[b], ends[b], group, static_cast<float>(scale), i8_scratch,
                                                  result.data(), lse_out);
+        });
+#endif
+      } else if (path == Path::kInt8Lanes8) {
+#ifdef ACTORSERVE_LANES8
+        with_chunks(dim, [&](auto chunks) {
+          i8x8::attend<T, decltype(chunks)::value>(q_head, reinterpret_cast<const int8_t*>(k_head), reinterpret_cast<const int8_t*>(v_head),
+                                                   slot_stride, slots, begins[b], ends[b], group, static_cast<float>(scale), i8x8_scratch,
+                                                   result.data(), lse_out);
         });
 #endif
       } else if (path == Path::kBf16) {
