@@ -35,6 +35,9 @@ class TPGroup:
     # The same ranks, for the header that starts each piece of work: the other ranks wait on it as
     # long as the engine idles, which the group's collective timeout must not end (`make_idle_group`).
     idle_group: Any = None
+    # How long rank 0 waits for the others to take a header (dist_timeout_s): a rank stopped before
+    # it was back waiting for one would otherwise hold rank 0 for the idle group's timeout.
+    header_timeout: datetime.timedelta | None = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -57,13 +60,21 @@ class TPGroup:
 
     def broadcast_header(self, x: torch.Tensor) -> torch.Tensor:
         """`broadcast` over the idle group: what the other ranks wait on between steps."""
-        if self.size > 1:
-            torch.distributed.broadcast(x, src=0, group=self.group if self.idle_group is None else self.idle_group)
+        if self.size == 1:
+            return x
+        if self.idle_group is None:
+            return self.broadcast(x)
+        if self.rank == 0 and self.header_timeout is not None:
+            # gloo sends only to a posted receive: rank 0 waits for every rank to take it.
+            torch.distributed.broadcast(x, src=0, group=self.idle_group, async_op=True).wait(timeout=self.header_timeout)
+        else:
+            torch.distributed.broadcast(x, src=0, group=self.idle_group)
         return x
 
 
 # How long a rank waits for the next step's header: an idle engine is not a failed one. A rank
-# that stops answering mid-step still fails the engine after dist_timeout_s (the main group's).
+# that stops answering mid-step still fails the engine after dist_timeout_s (the step group's), and
+# one that does not take a header after as long (rank 0's wait, `TPGroup.header_timeout`).
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 
 

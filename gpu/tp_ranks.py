@@ -57,8 +57,9 @@ class Rendezvous(msgspec.Struct, frozen=True):
         """Join the group as `rank` (blocks until every rank has): the steps' collectives in a group
         that times out after timeout_s, the idle wait in one that does not."""
         torch.distributed.init_process_group(self.backend, store=store, rank=rank, world_size=self.size, timeout=self.join_timeout)
-        steps = torch.distributed.new_group(backend=self.backend, timeout=datetime.timedelta(seconds=self.timeout_s))
-        return TPGroup(rank, self.size, steps, make_idle_group(self.backend))
+        step_timeout = datetime.timedelta(seconds=self.timeout_s)
+        steps = torch.distributed.new_group(backend=self.backend, timeout=step_timeout)
+        return TPGroup(rank, self.size, steps, make_idle_group(self.backend), step_timeout)
 
 
 class RankSpec(msgspec.Struct, frozen=True):

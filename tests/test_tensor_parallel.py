@@ -12,11 +12,14 @@ import os
 import random
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 
@@ -26,6 +29,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.kv_pool import ReqToTokenPool
 from gpu.model_config import ModelConfig
 from gpu.tensor_parallel import SliceReader, TPLayout
+from gpu.tp_ranks import Rendezvous
 from gpu.tp_batch import BatchChannel
 from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
 
@@ -345,6 +349,33 @@ async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout_an_i
         with pytest.raises(EngineError, match="(?i)timed out"):
             await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY), 30)
         assert time.monotonic() - start >= 2.9
+
+
+def test_a_rank_that_never_takes_the_next_header_fails_rank_0_after_the_timeout():
+    """Stopped between two steps, before it waits for the next header again, a rank never takes
+    it (gloo sends only to a posted receive): rank 0 gives up after dist_timeout_s, not the idle
+    group's year. Rank 1 here joins and then never receives."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rendezvous = Rendezvous("127.0.0.1", port, 2, "gloo", 1.0)
+    joins = (
+        "import sys, time, torch, msgspec; from gpu.tp_ranks import Rendezvous; "
+        "r = msgspec.json.decode(sys.argv[1].encode(), type=Rendezvous); "
+        "r.join(torch.distributed.TCPStore(r.host, r.port, r.size, is_master=False, timeout=r.join_timeout), 1); time.sleep(60)"
+    )
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False, timeout=rendezvous.join_timeout)
+    rank_1 = subprocess.Popen([sys.executable, "-c", joins, msgspec.json.encode(rendezvous).decode()])
+    try:
+        group = rendezvous.join(store, 0)
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="(?i)timed out"):
+            group.broadcast_header(torch.zeros(4, dtype=torch.int64))
+        assert 0.9 <= time.monotonic() - start < 30
+    finally:
+        rank_1.kill()
+        rank_1.wait()
+        torch.distributed.destroy_process_group()
 
 
 async def test_kill_9_of_the_core_takes_its_ranks_with_it(tiny_model_factory):
