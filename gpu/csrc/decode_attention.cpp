@@ -286,6 +286,29 @@ inline void reset_state(float* state) {
   std::fill(state + W::N, state + 2 * W::N, 0.f);
 }
 
+// Every score vector's probabilities (probs: [vectors][VECS][N]) times their value rows' scales
+// (key t's at value_scale[t]), so that the int8 rows weigh in as they are stored.
+template <typename W>
+inline void scale_by_rows(float* probs, int64_t vectors, const float* value_scale) {
+  for (int64_t w = 0; w < vectors; ++w)
+    for (int64_t j = 0; j < VECS; ++j) {
+      float* p = probs + (w * VECS + j) * W::N;
+      W::store(p, W::mul(W::load(p), W::broadcast4(value_scale + QUAD_KEYS * j)));
+    }
+}
+
+// The `group` heads' outputs (their accumulators over their running sums) and log-sum-exps, from
+// the states of their vectors ([vectors][3][N]).
+template <typename W>
+inline void finish(const float* acc, const float* state, int64_t group, int64_t dim, float* out, float* lse) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* head = state + (g / heads<W>()) * 3 * W::N + 4 * (g % heads<W>());
+    const float inv = 1.f / head[W::N];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = acc[g * dim + d] * inv;
+    lse[g] = head[0] + std::log(head[W::N]);
+  }
+}
+
 }  // namespace quad
 #endif
 
@@ -588,12 +611,7 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
     }
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* state = s.state.data() + (g / HEADS) * STATE + 4 * (g % HEADS);
-    const float inv = 1.f / state[W::N];
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
-    lse[g] = state[0] + std::log(state[W::N]);
-  }
+  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
 }
 
 }  // namespace f32
@@ -694,11 +712,7 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
   };
   auto accumulate = [&](const int8_t* const* values, int64_t n) {
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
-    for (int64_t w = 0; w < vectors; ++w)  // the probabilities weight the rows as they are stored
-      for (int64_t j = 0; j < VECS; ++j) {
-        float* p = s.probs.data() + w * VECS * W::N + W::N * j;
-        W::store(p, W::mul(W::load(p), W::broadcast4(s.value_scale + QUAD_KEYS * j)));
-      }
+    scale_by_rows<W>(s.probs.data(), vectors, s.value_scale);
     for (int64_t t = 0; t < n; ++t) {
       widen_row<DIM>(values[t], s.rows.data() + t * DIM);
       s.row_ptrs[t] = s.rows.data() + t * DIM;
@@ -711,12 +725,7 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     }
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* state = s.state.data() + (g / HEADS) * STATE + 4 * (g % HEADS);
-    const float inv = 1.f / state[W::N];
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
-    lse[g] = state[0] + std::log(state[W::N]);
-  }
+  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
 }
 
 }  // namespace i8x8
@@ -851,11 +860,7 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
   };
   auto accumulate = [&](const int8_t* const* values, int64_t n) {
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
-    for (int64_t w = 0; w < quads; ++w)  // the probabilities weight the rows as they are stored
-      for (int64_t j = 0; j < VECS; ++j) {
-        float* p = s.probs.data() + w * VECS * 16 + 16 * j;
-        W::store(p, W::mul(W::load(p), W::broadcast4(s.value_scale + QUAD_KEYS * j)));
-      }
+    scale_by_rows<W>(s.probs.data(), quads, s.value_scale);
     for (int64_t first = 0; first < group; first += PASS) {
       with_count<PASS>(std::min<int64_t>(PASS, group - first), [&](auto count) {
         constexpr int H = decltype(count)::value;
@@ -873,12 +878,7 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     }
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
-    const float inv = 1.f / state[16];
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + d] * inv;
-    lse[g] = state[0] + std::log(state[16]);
-  }
+  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
 }
 
 }  // namespace i8
