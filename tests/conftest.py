@@ -144,9 +144,10 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_transformers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """transformers' own load of the default model's GGUF file (float32, eval), the reference of
-    tests/test_gguf.py and tests/test_smollm2.py. Read-only. Its dequantization takes 17-40 s, so
-    the first pytest worker to need it saves the result in the run's temporary folder and the
-    others load that (0.5 s): the same weights, config fields and generation config."""
+    tests/test_gguf.py and tests/test_smollm2.py. Read-only. Its load takes 15-40 s even with
+    `_gguf_parsed_once`, so the first pytest worker to need it saves the result in the run's
+    temporary folder and the others load that (0.5 s): the same weights, config fields and
+    generation config."""
     import copy
 
     import torch
