@@ -989,11 +989,12 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 #ifdef ACTORSERVE_QUAD_SCORES
       auto attend_f32 = [&](auto& scratch) {
         using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
-        with_chunks(dim, [&](auto chunks) {
-          f32::attend<W, decltype(chunks)::value>(reinterpret_cast<const float*>(q_head), reinterpret_cast<const float*>(k_head),
-                                                  reinterpret_cast<const float*>(v_head), slot_stride, slots, begins[b], ends[b], group,
-                                                  static_cast<float>(scale), scratch, result.data(), lse_out);
-        });
+        if constexpr (std::is_same_v<T, float> && std::is_same_v<P, float>) {  // the only pair choose_path gives these paths
+          with_chunks(dim, [&](auto chunks) {
+            f32::attend<W, decltype(chunks)::value>(q_head, k_head, v_head, slot_stride, slots, begins[b], ends[b], group,
+                                                    static_cast<float>(scale), scratch, result.data(), lse_out);
+          });
+        }
       };
 #endif
       if (path == Path::kInt8) {
