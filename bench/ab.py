@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.cpu_servers import cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_BUILDS = ("gpu.cpu_ops", "gpu.packed_linear")  # each builds into its checkout's build/
 
@@ -37,7 +39,7 @@ def main() -> None:
     pattern = re.compile(args.metric)
     base = base_checkout(args.base)
     trees = {"base": base, "this": ROOT}
-    print(f"base {args.base} at {base}; this checkout {ROOT}; metric {args.metric!r}; cpu flags: {_cpu_flags()}")
+    print(f"base {args.base} at {base}; this checkout {ROOT}; metric {args.metric!r}; cpu flags: {cpu_flags()}")
     print("| pair | base | this | ratio |\n| --- | --- | --- | --- |", flush=True)
     ratios = []
     for pair in range(args.pairs):
@@ -109,12 +111,6 @@ def read_metric(output: str, pattern: re.Pattern[str]) -> float:
 def _env(tree: Path) -> dict[str, str]:
     paths = [str(tree), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "HF_HUB_OFFLINE": "1"}
-
-
-def _cpu_flags() -> str:
-    from bench.cpu_servers import cpu_flags
-
-    return cpu_flags()
 
 
 if __name__ == "__main__":
