@@ -343,12 +343,18 @@ async def test_a_rank_that_never_answers_fails_the_engine_after_the_timeout_an_i
         await asyncio.sleep(3.5)
         assert len((await engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY)).output_ids) == GREEDY["max_new_tokens"]
         os.kill(rank, signal.SIGSTOP)  # alive, holding its sockets, answering nothing
-        # Its sockets stay open, so only the collective's timeout can end this (gloo: "Timed out
-        # waiting 3000ms for recv operation to complete").
-        start = time.monotonic()
-        with pytest.raises(EngineError, match="(?i)timed out"):
-            await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY), 30)
-        assert time.monotonic() - start >= 2.9
+        try:
+            # Its sockets stay open, so only the collective's timeout can end this (gloo: "Timed out
+            # waiting 3000ms for recv operation to complete").
+            start = time.monotonic()
+            with pytest.raises(EngineError, match="(?i)timed out"):
+                await asyncio.wait_for(engine.generate(input_ids=[5, 6, 7], sampling_params=GREEDY), 30)
+            assert time.monotonic() - start >= 2.9
+        finally:
+            # Whatever happened above: a stopped rank cannot see its core go and exit, so it is
+            # woken (the engine's close kills it, or it finds itself orphaned).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank, signal.SIGCONT)
 
 
 def test_a_rank_that_never_takes_the_next_header_fails_rank_0_after_the_timeout():
