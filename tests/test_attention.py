@@ -351,6 +351,10 @@ def test_decode_kernel_per_group_and_dim(kernels, heads, kv_heads, dim, dtype, a
         assert out.dtype == dtype and lse.dtype == torch.float32
         torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0, msg=lambda m: f"width {width}: {m}")
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5, msg=lambda m: f"width {width}: {m}")
+        # A task takes one K/V head, a few, or all of a request's: each head's sums are the same.
+        for task_heads in sorted({1, 2, kv_heads}):
+            split = torch.ops.actorserve.decode_attention_at(q, k_pool, v_pool, table, rows, begin, end, scale, width, task_heads)
+            assert torch.equal(split[0], out) and torch.equal(split[1], lse), (width, task_heads)
     widest = kernels.decode_attention(q, k_pool, v_pool, table, rows, begin, end, scale)
     assert torch.equal(widest[0], torch.ops.actorserve.decode_attention_at(q, k_pool, v_pool, table, rows, begin, end, scale, widths[0])[0])
 

@@ -54,6 +54,9 @@ def test_float32_kernels_over_int8_rows_are_the_kernels_over_their_values(kernel
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), width
         else:  # the vector paths over int8 rows (AVX2, AVX512-VNNI) round the queries to int8 too
             torch.testing.assert_close(got, want, atol=3e-2, rtol=0)
+        for task_heads in (1, kv_heads):  # a task per K/V head or per request: the same sums
+            split = torch.ops.actorserve.decode_attention_at(q, k_pool, v_pool, table, rows, begin, end, dim**-0.5, width, task_heads)
+            assert torch.equal(split[0], got[0]) and torch.equal(split[1], got[1]), (width, task_heads)
     prefix, extend = torch.tensor([0, 20, 5, 50, 90]), torch.tensor([1, 11, 28, 14, 10])
     qe = torch.randn((int(extend.sum()), heads, dim), generator=gen)
     got = kernels.extend_attention(qe, k_pool, v_pool, table, rows, prefix, extend, dim**-0.5)

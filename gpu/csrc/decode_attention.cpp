@@ -1,10 +1,11 @@
 // Decode attention straight from the paged KV pool, on a CPU.
 //
-// One query token per request. Each (request, K/V head) task walks the request's slots in the
-// request-to-token table, reads each key and value row where it lies in the pool (no gathered
-// copy), scores the head's whole query group against it, and keeps a running softmax in float32
-// (blocks of BLOCK keys share one rescale). Also returns each query head's log-sum-exp, so a
-// caller can merge this result with attention over other keys (a shared prefix) exactly.
+// One query token per request. Each task (a request, and one or several of its K/V heads) walks the
+// request's slots in the request-to-token table, reads each key and value row where it lies in the
+// pool (no gathered copy), scores each head's whole query group against it, and keeps a running
+// softmax in float32 (blocks of BLOCK keys share one rescale). Also returns each query head's
+// log-sum-exp, so a caller can merge this result with attention over other keys (a shared prefix)
+// exactly.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -63,12 +64,17 @@ constexpr int64_t PREFETCH_AHEAD = 16;
 // Into L2, not L1 (locality 2: prefetcht1): a block's rows are a hundred or more lines, more than
 // L1's few outstanding misses take, and L1-bound prefetches past those wait or drop. Out of cache
 // (30 layers' pools, batch 64, 256 keys each) a bfloat16 layer took 0.70 ms instead of 1.0.
-// Every line a pool row of `dim` values touches, an int8 row's scale included.
+// Every line of the `count` elements from `first` (for pool rows: an int8 row's scale included).
+template <typename T>
+inline void prefetch_elems(const T* first, int64_t count) {
+  const uintptr_t line0 = reinterpret_cast<uintptr_t>(first) & ~uintptr_t{63};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(first + count) - 1;
+  for (uintptr_t line = line0; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+}
+
 template <typename T>
 inline void prefetch_row(const T* row, int64_t dim) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(row + row_elems<T>(dim)) - 1;
-  for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch(reinterpret_cast<const void*>(line), 0, 2);
+  prefetch_elems(row, row_elems<T>(dim));
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -312,15 +318,27 @@ inline void finish(const float* acc, const float* state, int64_t group, int64_t 
 }  // namespace quad
 #endif
 
-// Walks one task's keys (`begin` to `end` of its slots) a block at a time: the block's key and value
-// rows (past n, the last row again), then score(keys, n) and accumulate(values, n). Rows are
+// Walks one task's keys (`begin` to `end` of its slots) a block at a time, for `task_heads` K/V heads
+// whose rows follow each other in a slot (the pools offset to the first): the block's key rows of
+// head h (past n, the last row again) go to score(h, keys, n), head by head, then its value rows
+// to accumulate(h, values, n). So a slot's rows of all the task's heads are read as one run of
+// lines, where a task per K/V head read a piece of each run and left the rest to other tasks (AVX2,
+// SmolLM2's three heads, int8 rows in contiguous slots, out of cache: 1.38x as long). Rows may be
 // scattered over the pool, so the next block's keys are fetched while this one's are scored, its
 // values while this one's are summed (two smaller bursts: fewer dropped prefetches).
 template <typename Row, typename Score, typename Accumulate>
 inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin, int64_t end,
-                           int64_t dim, Score score, Accumulate accumulate) {
+                           int64_t dim, int64_t task_heads, Score score, Accumulate accumulate) {
+  const int64_t row = row_elems<Row>(dim), span = task_heads * row;
   const Row* keys[BLOCK];
   const Row* values[BLOCK];
+  auto each_head = [&](const Row* const* first, int64_t n, auto call) {
+    const Row* rows[BLOCK];
+    for (int64_t h = 0; h < task_heads; ++h) {
+      for (int64_t t = 0; t < BLOCK; ++t) rows[t] = first[t] + h * row;
+      call(h, rows, n);
+    }
+  };
   for (int64_t start = begin; start < end; start += BLOCK) {
     const int64_t n = std::min(BLOCK, end - start);
     for (int64_t t = 0; t < BLOCK; ++t) {
@@ -329,10 +347,10 @@ inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_st
       values[t] = v_pool + slot * slot_stride;
     }
     const int64_t next_end = std::min(end, start + 2 * BLOCK);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(k_pool + slots[t] * slot_stride, dim);
-    score(keys, n);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_row(v_pool + slots[t] * slot_stride, dim);
-    accumulate(values, n);
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_elems(k_pool + slots[t] * slot_stride, span);
+    each_head(keys, n, score);
+    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_elems(v_pool + slots[t] * slot_stride, span);
+    each_head(values, n, accumulate);
   }
 }
 
@@ -454,20 +472,25 @@ inline int64_t interleaved_lane(int64_t d) {
   return 16 * (2 * c + i / 4) + 4 * L + i % 4;
 }
 
-// Attention of `group` query heads (q: [group, 32 * CHUNKS] bf16 bits, unscaled) over keys
-// `begin` to `end` of one request, for one K/V head (the pools offset to it). Writes out[group,
-// dim] and lse[group].
+// Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS] bf16 bits,
+// unscaled) over keys `begin` to `end` of one request, for `task_heads` K/V heads (the pools
+// offset to the first; scratch[h] for head h). Writes out[task_heads][group, dim] and
+// lse[task_heads][group].
 template <int64_t CHUNKS>
 void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
-            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+            int64_t end, int64_t task_heads, int64_t group, float scale, Scratch* scratch, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS;
   const int64_t quads = Scratch::quads(group);
-  for (int64_t w = 0; w < quads; ++w) {
-    pack_queries(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 8 * 16);
-    reset_state<W>(s.state.data() + w * 48);
+  for (int64_t h = 0; h < task_heads; ++h) {
+    Scratch& s = scratch[h];
+    for (int64_t w = 0; w < quads; ++w) {
+      pack_queries(q + h * group * DIM, DIM, w * HEADS, group, s.q4.data() + w * DIM / 8 * 16);
+      reset_state<W>(s.state.data() + w * 48);
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const uint16_t* const* keys, int64_t n) {
+  auto score = [&](int64_t h, const uint16_t* const* keys, int64_t n) {
+    Scratch& s = scratch[h];
     for (int64_t w = 0; w < quads; ++w) {
       const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
       uint16_t* probs = s.probs.data() + w * VECS * 16;
@@ -479,21 +502,24 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
                   s.state.data() + w * 48);
     }
   };
-  auto accumulate = [&](const uint16_t* const* values, int64_t n) {
+  auto accumulate = [&](int64_t h, const uint16_t* const* values, int64_t n) {
+    Scratch& s = scratch[h];
     interleave_values<CHUNKS>(values, n, s.values.data());
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t w = g / HEADS, h = g % HEADS;
-      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + 4 * h, s.state[w * 48 + 32 + 4 * h], s.values.data(), n,
+      const int64_t w = g / HEADS, lane = 4 * (g % HEADS);
+      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + lane, s.state[w * 48 + 32 + lane], s.values.data(), n,
                                 s.acc.data() + g * DIM);
     }
   };
-  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  for (int64_t g = 0; g < group; ++g) {
-    const float* state = s.state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
-    const float inv = 1.f / state[16];
-    for (int64_t d = 0; d < DIM; ++d) out[g * DIM + d] = s.acc[g * DIM + interleaved_lane(d)] * inv;
-    lse[g] = state[0] + std::log(state[16]);
-  }
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
+  for (int64_t h = 0; h < task_heads; ++h)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* state = scratch[h].state.data() + (g / HEADS) * 48 + 4 * (g % HEADS);
+      const float inv = 1.f / state[16];
+      float* o = out + (h * group + g) * DIM;
+      for (int64_t d = 0; d < DIM; ++d) o[d] = scratch[h].acc[g * DIM + interleaved_lane(d)] * inv;
+      lse[h * group + g] = state[0] + std::log(state[16]);
+    }
 }
 
 }  // namespace bf16
@@ -583,19 +609,24 @@ struct Scratch {
   static int64_t vectors(int64_t group) { return (group + heads<W>() - 1) / heads<W>(); }
 };
 
-// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
-// of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and lse[group].
+// Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
+// keys `begin` to `end` of one request, for `task_heads` K/V heads (the pools offset to the first;
+// scratch[h] for head h). Writes out[task_heads][group, dim] and lse[task_heads][group].
 template <typename W, int64_t CHUNKS>
 void attend(const float* q, const float* k_pool, const float* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
-            int64_t end, int64_t group, float scale, Scratch<W>& s, float* out, float* lse) {
+            int64_t end, int64_t task_heads, int64_t group, float scale, Scratch<W>* scratch, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS, HEADS = heads<W>(), STATE = Scratch<W>::STATE;
   const int64_t vectors = Scratch<W>::vectors(group);
-  for (int64_t w = 0; w < vectors; ++w) {
-    pack_queries<W>(q, DIM, w * HEADS, group, s.q4.data() + w * DIM / 4 * W::N);
-    reset_state<W>(s.state.data() + w * STATE);
+  for (int64_t h = 0; h < task_heads; ++h) {
+    Scratch<W>& s = scratch[h];
+    for (int64_t w = 0; w < vectors; ++w) {
+      pack_queries<W>(q + h * group * DIM, DIM, w * HEADS, group, s.q4.data() + w * DIM / 4 * W::N);
+      reset_state<W>(s.state.data() + w * STATE);
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const float* const* keys, int64_t n) {
+  auto score = [&](int64_t h, const float* const* keys, int64_t n) {
+    Scratch<W>& s = scratch[h];
     for (int64_t w = 0; w < vectors; ++w) {
       const float* q4 = s.q4.data() + w * DIM / 4 * W::N;
       float* probs = s.probs.data() + w * VECS * W::N;
@@ -603,15 +634,17 @@ void attend(const float* q, const float* k_pool, const float* v_pool, int64_t sl
                      [&](int64_t j, typename W::Reg p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
     }
   };
-  auto accumulate = [&](const float* const* values, int64_t n) {
+  auto accumulate = [&](int64_t h, const float* const* values, int64_t n) {
+    Scratch<W>& s = scratch[h];
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t w = g / HEADS, h = g % HEADS;
-      accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], values, n,
+      const int64_t w = g / HEADS, lane = 4 * (g % HEADS);
+      accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + lane, s.state[w * STATE + 2 * W::N + lane], values, n,
                                    s.acc.data() + g * DIM);
     }
   };
-  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
+  for (int64_t h = 0; h < task_heads; ++h)
+    finish<W>(scratch[h].acc.data(), scratch[h].state.data(), group, DIM, out + h * group * DIM, lse + h * group);
 }
 
 }  // namespace f32
@@ -686,20 +719,25 @@ inline void widen_row(const int8_t* row, float* out) {
   }
 }
 
-// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
-// of one request, for one K/V head (the int8 pools offset to it). Writes out[group, dim] and lse[group].
+// Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
+// keys `begin` to `end` of one request, for `task_heads` K/V heads (the int8 pools offset to the first;
+// scratch[h] for head h). Writes out[task_heads][group, dim] and lse[task_heads][group].
 template <typename T, int64_t CHUNKS>
 void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
-            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+            int64_t end, int64_t task_heads, int64_t group, float scale, Scratch* scratch, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS, STATE = Scratch::STATE;
   const int64_t vectors = Scratch::vectors(group);
-  load_row(q, s.q.data(), group * DIM);
-  for (int64_t w = 0; w < vectors; ++w) {
-    pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q2.data() + w * DIM * 2, s.q_scale.data() + W::N * w);
-    reset_state<W>(s.state.data() + w * STATE);
+  for (int64_t h = 0; h < task_heads; ++h) {
+    Scratch& s = scratch[h];
+    load_row(q + h * group * DIM, s.q.data(), group * DIM);
+    for (int64_t w = 0; w < vectors; ++w) {
+      pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q2.data() + w * DIM * 2, s.q_scale.data() + W::N * w);
+      reset_state<W>(s.state.data() + w * STATE);
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const int8_t* const* keys, int64_t n) {
+  auto score = [&](int64_t h, const int8_t* const* keys, int64_t n) {
+    Scratch& s = scratch[h];
     for (int64_t t = 0; t < BLOCK; ++t) s.key_scale[t] = actorserve::row_scale(keys[t], DIM);
     for (int64_t w = 0; w < vectors; ++w) {
       const int8_t* q2 = s.q2.data() + w * DIM * 2;
@@ -710,7 +748,8 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
                      [&](int64_t j, __m256 p) { W::store(probs + W::N * j, p); }, s.state.data() + w * STATE);
     }
   };
-  auto accumulate = [&](const int8_t* const* values, int64_t n) {
+  auto accumulate = [&](int64_t h, const int8_t* const* values, int64_t n) {
+    Scratch& s = scratch[h];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), vectors, s.value_scale);
     for (int64_t t = 0; t < n; ++t) {
@@ -719,13 +758,14 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     }
     std::fill(s.row_ptrs + n, s.row_ptrs + BLOCK, s.row_ptrs[n - 1]);
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t w = g / HEADS, h = g % HEADS;
-      f32::accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + 4 * h, s.state[w * STATE + 2 * W::N + 4 * h], s.row_ptrs, n,
+      const int64_t w = g / HEADS, lane = 4 * (g % HEADS);
+      f32::accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + lane, s.state[w * STATE + 2 * W::N + lane], s.row_ptrs, n,
                                         s.acc.data() + g * DIM);
     }
   };
-  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
+  for (int64_t h = 0; h < task_heads; ++h)
+    finish<W>(scratch[h].acc.data(), scratch[h].state.data(), group, DIM, out + h * group * DIM, lse + h * group);
 }
 
 }  // namespace i8x8
@@ -833,21 +873,27 @@ inline void with_count(int64_t h, Call call) {
   call(std::integral_constant<int, Max>{});
 }
 
-// Attention of `group` query heads (q: [group, 32 * CHUNKS], unscaled) over keys `begin` to `end`
-// of one request, for one K/V head (the int8 pools offset to it). Writes out[group, dim] and lse[group].
+// Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
+// keys `begin` to `end` of one request, for `task_heads` K/V heads (the int8 pools offset to the first;
+// scratch[h] for head h). Writes out[task_heads][group, dim] and lse[task_heads][group].
 template <typename T, int64_t CHUNKS>
 void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
-            int64_t end, int64_t group, float scale, Scratch& s, float* out, float* lse) {
+            int64_t end, int64_t task_heads, int64_t group, float scale, Scratch* scratch, float* out, float* lse) {
   constexpr int64_t DIM = 32 * CHUNKS;
   constexpr int PASS = heads_per_pass<CHUNKS>();
   const int64_t quads = Scratch::quads(group);
-  load_row(q, s.q.data(), group * DIM);
-  for (int64_t w = 0; w < quads; ++w) {
-    pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q4.data() + w * DIM * 4, s.q_scale.data() + 16 * w, s.q_offset.data() + 16 * w);
-    reset_state<W>(s.state.data() + w * 48);
+  for (int64_t h = 0; h < task_heads; ++h) {
+    Scratch& s = scratch[h];
+    load_row(q + h * group * DIM, s.q.data(), group * DIM);
+    for (int64_t w = 0; w < quads; ++w) {
+      pack_queries(s.q.data(), DIM, w * HEADS, group, scale, s.q4.data() + w * DIM * 4, s.q_scale.data() + 16 * w,
+                   s.q_offset.data() + 16 * w);
+      reset_state<W>(s.state.data() + w * 48);
+    }
+    std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
   }
-  std::fill(s.acc.begin(), s.acc.begin() + group * DIM, 0.f);
-  auto score = [&](const int8_t* const* keys, int64_t n) {
+  auto score = [&](int64_t head, const int8_t* const* keys, int64_t n) {
+    Scratch& s = scratch[head];
     for (int64_t t = 0; t < BLOCK; ++t) s.key_scale[t] = actorserve::row_scale(keys[t], DIM);
     for (int64_t w = 0; w < quads; ++w) {
       const int8_t* q4 = s.q4.data() + w * DIM * 4;
@@ -858,7 +904,8 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
                      [&](int64_t j, __m512 p) { W::store(probs + 16 * j, p); }, s.state.data() + w * 48);
     }
   };
-  auto accumulate = [&](const int8_t* const* values, int64_t n) {
+  auto accumulate = [&](int64_t head, const int8_t* const* values, int64_t n) {
+    Scratch& s = scratch[head];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), quads, s.value_scale);
     for (int64_t first = 0; first < group; first += PASS) {
@@ -877,8 +924,9 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
       });
     }
   };
-  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, score, accumulate);
-  finish<W>(s.acc.data(), s.state.data(), group, DIM, out, lse);
+  for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
+  for (int64_t h = 0; h < task_heads; ++h)
+    finish<W>(scratch[h].acc.data(), scratch[h].state.data(), group, DIM, out + h * group * DIM, lse + h * group);
 }
 
 }  // namespace i8
@@ -938,10 +986,29 @@ Path choose_path(int64_t dim, int64_t width) {
   return Path::kGeneric;
 }
 
+// K/V heads per task: as many as keep a slot's rows of them within MAX_TASK_SPAN bytes (a block's
+// rows of one pool then fit L1), when there are enough requests to keep every thread busy;
+// else one, so that a small batch still spreads over the threads. `requested` > 0 overrides (tests).
+constexpr int64_t MAX_TASK_SPAN = 1024;
+
+int64_t heads_per_task(int64_t batch, int64_t kv_heads, int64_t row_bytes, int64_t threads, int64_t requested) {
+  if (requested > 0) return std::min(requested, kv_heads);
+  if (batch < 4 * threads) return 1;
+  const int64_t most = std::clamp<int64_t>(MAX_TASK_SPAN / row_bytes, 1, kv_heads);
+  const int64_t tasks = (kv_heads + most - 1) / most;
+  return (kv_heads + tasks - 1) / tasks;  // the same count in every task where it divides
+}
+
+// One Scratch per head of a task where `path` is `wanted`, else none.
+template <typename S>
+std::vector<S> scratch_for(Path path, Path wanted, int64_t heads, int64_t group, int64_t dim) {
+  return path == wanted ? std::vector<S>(heads, S(group, dim)) : std::vector<S>();
+}
+
 template <typename T, typename P>
 void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& req_to_token,
          const at::Tensor& req_rows, const at::Tensor& key_begin, const at::Tensor& key_end, double scale, int64_t width,
-         at::Tensor& out, at::Tensor& lse) {
+         int64_t requested_heads, at::Tensor& out, at::Tensor& lse) {
   const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(2);
   const int64_t kv_heads = k_pool.size(1), group = heads / kv_heads;
   const T* q_data = q.data_ptr<T>();
@@ -956,43 +1023,45 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   T* out_data = out.data_ptr<T>();
   float* lse_data = lse.data_ptr<float>();
   const int64_t row = row_elems<P>(dim), slot_stride = kv_heads * row;
-  const int64_t num_tasks = batch * kv_heads;
+  const int64_t threads = std::max(1, at::get_num_threads());
+  const int64_t per_task = heads_per_task(batch, kv_heads, row * static_cast<int64_t>(sizeof(P)), threads, requested_heads);
+  const int64_t tasks_per_request = (kv_heads + per_task - 1) / per_task, num_tasks = batch * tasks_per_request;
   const Path path = choose_path<T, P>(dim, width);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
-#pragma omp parallel num_threads(std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(num_tasks))))
+#pragma omp parallel num_threads(static_cast<int>(std::min(threads, num_tasks)))
   {
-    std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(group * dim);
-    auto scratch_size = [&](Path p, int64_t n) { return path == p ? n : 0; };
+    std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(per_task * group * dim);
 #ifdef ACTORSERVE_BF16_DOT
-    bf16::Scratch bf16_scratch(scratch_size(Path::kBf16, group), scratch_size(Path::kBf16, dim));
+    auto bf16_scratch = scratch_for<bf16::Scratch>(path, Path::kBf16, per_task, group, dim);
 #endif
 #ifdef ACTORSERVE_F32_LANES16
-    f32::Scratch<Lanes16> f32x16_scratch(scratch_size(Path::kF32Lanes16, group), scratch_size(Path::kF32Lanes16, dim));
+    auto f32x16_scratch = scratch_for<f32::Scratch<Lanes16>>(path, Path::kF32Lanes16, per_task, group, dim);
 #endif
 #ifdef ACTORSERVE_LANES8
-    f32::Scratch<Lanes8> f32x8_scratch(scratch_size(Path::kF32Lanes8, group), scratch_size(Path::kF32Lanes8, dim));
+    auto f32x8_scratch = scratch_for<f32::Scratch<Lanes8>>(path, Path::kF32Lanes8, per_task, group, dim);
 #endif
 #ifdef ACTORSERVE_INT8_DOT
-    i8::Scratch i8_scratch(scratch_size(Path::kInt8, group), scratch_size(Path::kInt8, dim));
+    auto i8_scratch = scratch_for<i8::Scratch>(path, Path::kInt8, per_task, group, dim);
 #endif
 #ifdef ACTORSERVE_LANES8
-    i8x8::Scratch i8x8_scratch(scratch_size(Path::kInt8Lanes8, group), scratch_size(Path::kInt8Lanes8, dim));
+    auto i8x8_scratch = scratch_for<i8x8::Scratch>(path, Path::kInt8Lanes8, per_task, group, dim);
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < num_tasks; ++task) {
-      const int64_t b = task / kv_heads, h = task % kv_heads;
-      const T* q_head = q_data + b * q_stride + h * group * dim;
-      const P* k_head = k_data + h * row;
-      const P* v_head = v_data + h * row;
+      const int64_t b = task / tasks_per_request, first = (task % tasks_per_request) * per_task;
+      const int64_t count = std::min(per_task, kv_heads - first);
+      const T* q_head = q_data + b * q_stride + first * group * dim;
+      const P* k_head = k_data + first * row;
+      const P* v_head = v_data + first * row;
       const int32_t* slots = table + rows[b] * table_stride;
-      float* lse_out = lse_data + b * heads + h * group;
+      float* lse_out = lse_data + b * heads + first * group;
 #ifdef ACTORSERVE_QUAD_SCORES
       auto attend_f32 = [&](auto& scratch) {
-        using W = typename std::remove_reference_t<decltype(scratch)>::Lanes;
+        using W = typename std::remove_reference_t<decltype(scratch[0])>::Lanes;
         if constexpr (std::is_same_v<T, float> && std::is_same_v<P, float>) {  // the only pair choose_path gives these paths
           with_chunks(dim, [&](auto chunks) {
-            f32::attend<W, decltype(chunks)::value>(q_head, k_head, v_head, slot_stride, slots, begins[b], ends[b], group,
-                                                    static_cast<float>(scale), scratch, result.data(), lse_out);
+            f32::attend<W, decltype(chunks)::value>(q_head, k_head, v_head, slot_stride, slots, begins[b], ends[b], count, group,
+                                                    static_cast<float>(scale), scratch.data(), result.data(), lse_out);
           });
         }
       };
@@ -1001,24 +1070,24 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 #ifdef ACTORSERVE_INT8_DOT
         with_chunks(dim, [&](auto chunks) {
           i8::attend<T, decltype(chunks)::value>(q_head, reinterpret_cast<const int8_t*>(k_head), reinterpret_cast<const int8_t*>(v_head),
-                                                 slot_stride, slots, begins[b], ends[b], group, static_cast<float>(scale), i8_scratch,
-                                                 result.data(), lse_out);
+                                                 slot_stride, slots, begins[b], ends[b], count, group, static_cast<float>(scale),
+                                                 i8_scratch.data(), result.data(), lse_out);
         });
 #endif
       } else if (path == Path::kInt8Lanes8) {
 #ifdef ACTORSERVE_LANES8
         with_chunks(dim, [&](auto chunks) {
           i8x8::attend<T, decltype(chunks)::value>(q_head, reinterpret_cast<const int8_t*>(k_head), reinterpret_cast<const int8_t*>(v_head),
-                                                   slot_stride, slots, begins[b], ends[b], group, static_cast<float>(scale), i8x8_scratch,
-                                                   result.data(), lse_out);
+                                                   slot_stride, slots, begins[b], ends[b], count, group, static_cast<float>(scale),
+                                                   i8x8_scratch.data(), result.data(), lse_out);
         });
 #endif
       } else if (path == Path::kBf16) {
 #ifdef ACTORSERVE_BF16_DOT
         with_chunks(dim, [&](auto chunks) {
           bf16::attend<decltype(chunks)::value>(reinterpret_cast<const uint16_t*>(q_head), reinterpret_cast<const uint16_t*>(k_head),
-                                                reinterpret_cast<const uint16_t*>(v_head), slot_stride, slots, begins[b], ends[b], group,
-                                                static_cast<float>(scale), bf16_scratch, result.data(), lse_out);
+                                                reinterpret_cast<const uint16_t*>(v_head), slot_stride, slots, begins[b], ends[b], count,
+                                                group, static_cast<float>(scale), bf16_scratch.data(), result.data(), lse_out);
         });
 #endif
       } else if (path == Path::kF32Lanes16) {
@@ -1030,18 +1099,22 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
         attend_f32(f32x8_scratch);
 #endif
       } else {
-        for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(q_head + i) * static_cast<float>(scale);
-        auto call = [&](auto fixed_dim) {
-          attend<P, decltype(fixed_dim)::value>(qf.data(), k_head, v_head, slot_stride, slots, begins[b], ends[b], group, dim, acc.data(),
-                                                 rows_buf.data(), scores.data(), result.data(), lse_out);
-        };
-        if (dim == 32) call(std::integral_constant<int64_t, 32>{});
-        else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
-        else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
-        else call(std::integral_constant<int64_t, 0>{});
+        for (int64_t h = 0; h < count; ++h) {
+          const T* qh = q_head + h * group * dim;
+          for (int64_t i = 0; i < group * dim; ++i) qf[i] = actorserve::load_f32(qh + i) * static_cast<float>(scale);
+          auto call = [&](auto fixed_dim) {
+            attend<P, decltype(fixed_dim)::value>(qf.data(), k_head + h * row, v_head + h * row, slot_stride, slots, begins[b], ends[b],
+                                                   group, dim, acc.data(), rows_buf.data(), scores.data(), result.data() + h * group * dim,
+                                                   lse_out + h * group);
+          };
+          if (dim == 32) call(std::integral_constant<int64_t, 32>{});
+          else if (dim == 64) call(std::integral_constant<int64_t, 64>{});
+          else if (dim == 128) call(std::integral_constant<int64_t, 128>{});
+          else call(std::integral_constant<int64_t, 0>{});
+        }
       }
-      T* o = out_data + (b * heads + h * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) actorserve::store_f32(o + i, result[i]);
+      T* o = out_data + (b * heads + first * group) * dim;
+      for (int64_t i = 0; i < count * group * dim; ++i) actorserve::store_f32(o + i, result[i]);
     }
   }
 }
@@ -1050,11 +1123,12 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
 // req_to_token: [rows, context] int32; req_rows, key_begin, key_end: [batch] int64 (request b
 // attends to the slots at positions key_begin[b] .. key_end[b] - 1 of its row, at least one).
 // Returns out [batch, heads, dim] in q's dtype and lse [batch, heads] float32. width: the widest
-// vectors in bits a path may use (one of `widths()`: the benchmark and the tests compare paths).
+// vectors in bits a path may use (one of `widths()`: the benchmark and the tests compare paths);
+// task_heads: K/V heads per task, 0 to choose by the batch (heads_per_task; the tests vary it).
 std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                                        const at::Tensor& req_to_token, const at::Tensor& req_rows,
                                                        const at::Tensor& key_begin, const at::Tensor& key_end, double scale,
-                                                       int64_t width) {
+                                                       int64_t width, int64_t task_heads) {
   const auto& compiled = compiled_widths();
   TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "vector width ", width,
               " is not compiled here (see decode_attention_widths)");
@@ -1073,7 +1147,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
   auto out = at::empty(q.sizes(), q.options());  // contiguous even when q is a strided view
   auto lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
   actorserve::dispatch_q_and_pool(q, k_pool, [&](auto t, auto p) {
-    run<decltype(t), decltype(p)>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, width, out, lse);
+    run<decltype(t), decltype(p)>(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, width, task_heads, out, lse);
   });
   return {out, lse};
 }
@@ -1082,14 +1156,14 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
 std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
                                                     const at::Tensor& req_to_token, const at::Tensor& req_rows,
                                                     const at::Tensor& key_begin, const at::Tensor& key_end, double scale) {
-  return decode_attention_at(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, compiled_widths().front());
+  return decode_attention_at(q, k_pool, v_pool, req_to_token, req_rows, key_begin, key_end, scale, compiled_widths().front(), 0);
 }
 
 }  // namespace
 
 TORCH_LIBRARY(actorserve, m) {
   m.def("decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_rows, Tensor key_begin, Tensor key_end, float scale) -> (Tensor, Tensor)");
-  m.def("decode_attention_at(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_rows, Tensor key_begin, Tensor key_end, float scale, int width) -> (Tensor, Tensor)");
+  m.def("decode_attention_at(Tensor q, Tensor k_pool, Tensor v_pool, Tensor req_to_token, Tensor req_rows, Tensor key_begin, Tensor key_end, float scale, int width, int heads_per_task=0) -> (Tensor, Tensor)");
   m.def("decode_attention_widths() -> int[]", &widths);
 }
 
