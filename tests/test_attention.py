@@ -397,6 +397,8 @@ def test_kernel_refuses_bad_input_by_name(kernels):
         kernel(q, pool, pool, table, rows, torch.tensor([3, 0]), ends, 1.0)
     with pytest.raises(RuntimeError, match="heads must be contiguous"):
         kernel(torch.zeros(4, 2, 16).transpose(0, 1), pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0)
+    with pytest.raises(RuntimeError, match="task_heads must be 0"):
+        torch.ops.actorserve.decode_attention_at(q, pool, pool, table, rows, torch.zeros(2, dtype=torch.int64), ends, 1.0, 0, -1)
     extend = kernels.extend_attention
     with pytest.raises(RuntimeError, match="q has 2"):
         extend(q, pool, pool, table, rows, torch.tensor([0, 0]), torch.tensor([1, 2]), 1.0)

@@ -987,8 +987,9 @@ Path choose_path(int64_t dim, int64_t width) {
 }
 
 // K/V heads per task: as many as keep a slot's rows of them within MAX_TASK_SPAN bytes (a block's
-// rows of one pool then fit L1), when there are enough requests to keep every thread busy;
-// else one, so that a small batch still spreads over the threads. `requested` > 0 overrides (tests).
+// rows of one pool then take at most 32 KiB, a typical L1), when there are enough requests to keep
+// every thread busy; else one, so that a small batch still spreads over the threads. `requested`
+// > 0 overrides (tests).
 constexpr int64_t MAX_TASK_SPAN = 1024;
 
 int64_t heads_per_task(int64_t batch, int64_t kv_heads, int64_t row_bytes, int64_t threads, int64_t requested) {
@@ -1132,6 +1133,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_at(const at::Tensor& q, cons
   const auto& compiled = compiled_widths();
   TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "vector width ", width,
               " is not compiled here (see decode_attention_widths)");
+  TORCH_CHECK(task_heads >= 0, "task_heads must be 0 (chosen by the batch) or a count of K/V heads, got ", task_heads);
   actorserve::check_paged_inputs("decode_attention", q, k_pool, v_pool, req_to_token);
   for (const auto* t : {&req_rows, &key_begin, &key_end}) {
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == q.size(0), "req_rows, key_begin and key_end must be int64 [batch]");
