@@ -381,6 +381,14 @@ def test_kernels_take_q_as_a_view_of_a_fused_projection(kernels, dtype):
     assert out.is_contiguous() and torch.equal(out, kernels.extend_attention(q.contiguous(), *args))
 
 
+def test_decode_kernel_takes_an_empty_batch(kernels):
+    """No request, no task: empty outputs (the parallel region still gets one thread)."""
+    pool = torch.randn(10, 3, 64)
+    none = torch.zeros(0, dtype=torch.int64)
+    out, lse = kernels.decode_attention(torch.randn(0, 9, 64), pool, pool, torch.zeros(3, 8, dtype=torch.int32), none, none, none, 0.125)
+    assert out.shape == (0, 9, 64) and lse.shape == (0, 9)
+
+
 def test_kernel_refuses_bad_input_by_name(kernels):
     kernel = kernels.decode_attention
     q, pool = torch.zeros(2, 4, 16), torch.zeros(10, 2, 16)

@@ -1029,7 +1029,7 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
   const int64_t tasks_per_request = (kv_heads + per_task - 1) / per_task, num_tasks = batch * tasks_per_request;
   const Path path = choose_path<T, P>(dim, width);
   // Dynamic scheduling: contexts differ, and with them the cost of each task.
-#pragma omp parallel num_threads(static_cast<int>(std::min(threads, num_tasks)))
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, std::min(threads, num_tasks))))
   {
     std::vector<float> qf(group * dim), acc(group * dim), rows_buf(BLOCK * dim), scores(group * BLOCK), result(per_task * group * dim);
 #ifdef ACTORSERVE_BF16_DOT
