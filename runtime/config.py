@@ -58,8 +58,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     model_path: str | None = None  # None: the default SmolLM2-135M-Instruct GGUF
     dtype: Dtype = "auto"  # auto: the checkpoint's dtype on CUDA; on a CPU bfloat16 if native, else float32
     # int8: linear layers with int8 weights and per-token int8 activations (oneDNN, CPU only;
-    # gpu/packed_linear.py); gguf: a GGUF model's Q4_0/Q4_1/Q8_0 blocks kept as they are (CPU
-    # only; gpu/gguf_linear.py); None: the dtype's own matmuls. SGLang's and vLLM's flag name.
+    # gpu/packed_linear.py); gguf: a GGUF model's quantized blocks kept (Q4_K, Q5 and Q4/Q8 as
+    # stored, others requantized to 8-bit blocks; CPU only; gpu/gguf_linear.py); None: the dtype's
+    # own matmuls. SGLang's and vLLM's flag name.
     quantization: Quantization | None = None
     device: str = "cpu"
     context_length: int | None = None  # None: the model's max_position_embeddings

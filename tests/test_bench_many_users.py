@@ -18,10 +18,12 @@ def test_every_request_is_counted_once_at_its_full_length(tiny_model_factory, ca
     assert len(rows) == 1 and rows[0].endswith("| 4 |")
 
 
-def test_the_table_gives_each_server_its_ratio_to_llama_cpp() -> None:
+def test_the_table_gives_each_server_its_ratio_to_the_fastest_llama_cpp() -> None:
     def run(label: str, tok_s: float) -> many_users.Run:
         return many_users.Run(label, 2.0, [many_users.Finished(int(tok_s * 2), 0.01, 0.002)])
 
-    text = many_users.table({"llama.cpp Q4_1": [run("llama.cpp Q4_1", 50.0)], "actorserve int8": [run("actorserve int8", 135.0)]}, "llama.cpp Q4_1")
+    labels = {"llama.cpp m.Q4_1": 40.0, "llama.cpp m.Q4_K_M": 50.0, "actorserve int8": 135.0}
+    text = many_users.table({label: [run(label, tok_s)] for label, tok_s in labels.items()})
     assert "| actorserve int8 | 135.0 | 2.70x | 10 / 10 | 2 / 2 | 1 |" in text
-    assert "| llama.cpp Q4_1 | 50.0 | 1.00x |" in text
+    assert "| llama.cpp m.Q4_K_M | 50.0 | 1.00x |" in text and "| llama.cpp m.Q4_1 | 40.0 | 0.80x |" in text
+    assert "| actorserve int8 | 135.0 |  |" in many_users.table({"actorserve int8": [run("actorserve int8", 135.0)]})

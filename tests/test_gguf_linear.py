@@ -1,7 +1,7 @@
-"""`--quantization gguf`: linear layers on a GGUF file's own Q4_0/Q4_1/Q8_0 blocks
-(gpu/gguf_linear.py, gpu/csrc/gguf_matmul.cpp). The oracle is float64 arithmetic on the
-dequantized weights and the dequantized activations; on a CPU without AVX512-VNNI the same tests
-check the torch fallback."""
+"""`--quantization gguf`: linear layers on a GGUF file's own blocks (gpu/gguf_linear.py,
+gpu/csrc/gguf_matmul.cpp). The oracles are gguf's own dequantization of the file's bytes and float64
+arithmetic on the dequantized weights and activations; on a CPU without AVX512-VNNI or AVX2 the same
+tests check the torch fallback."""
 
 from __future__ import annotations
 
@@ -24,39 +24,90 @@ from runtime.sampling_params import SamplingParams
 from tests.test_cpu_decode import _decode_batch, _requests
 from tests.test_gguf import tiny_tensor_shapes, tiny_tokens, write_tiny_gguf, write_tiny_metadata
 
-TYPES = ("Q4_0", "Q4_1", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # gguf.quants can write these
+# Types gguf.quants only reads: random bytes are valid blocks once their float16 scales are set.
+# Byte offsets of each block's float16 scales (d, and dmin where there is one).
+SCALE_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,)}
 
 
 def _quantized(rows: int, cols: int, type_name: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(raw GGUF blocks, gguf's own dequantization of them)."""
-    values = (np.random.default_rng(seed).standard_normal((rows, cols)) * 0.1).astype(np.float32)
-    raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[type_name])
-    return raw, gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name])
+    quant = gguf.GGMLQuantizationType[type_name]
+    rng = np.random.default_rng(seed)
+    if type_name in SCALE_OFFSETS:
+        elements, block_bytes = gguf.GGML_QUANT_SIZES[quant]
+        raw = rng.integers(0, 256, (rows, cols // elements, block_bytes), dtype=np.uint8)
+        for at in SCALE_OFFSETS[type_name]:
+            raw[:, :, at : at + 2] = (rng.uniform(1e-4, 2e-3, (rows, cols // elements, 1)).astype(np.float16)).view(np.uint8)
+        raw = raw.reshape(rows, -1)
+    else:
+        raw = gguf.quants.quantize((rng.standard_normal((rows, cols)) * 0.1).astype(np.float32), quant)
+    return raw, np.asarray(gguf.quants.dequantize(raw, quant), np.float32).reshape(rows, cols)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
 def test_blocks_are_the_values_gguf_dequantizes(type_name: str) -> None:
     raw, want = _quantized(70, 96, type_name, seed=1)
     blocks = blocks_from_gguf(raw, type_name, (70, 96))
-    assert blocks.bits == (8 if type_name == "Q8_0" else 4)
+    assert blocks.bits == (4 if type_name.startswith("Q4") else 8)
     assert torch.equal(blocks.dequantize(), torch.from_numpy(want))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_K"])
+def test_k_quant_blocks_keep_their_weights(type_name: str) -> None:
+    """Eight 32-weight sub-blocks per 256 with 6-bit scales and mins: u is each weight's own code
+    (gguf's dequantization of the same bytes with every scale 1 and every min 0), and d * sc_j and
+    dmin * m_j lose only their rounding to float16."""
+    raw, want = _quantized(6, 512, type_name, seed=2)
+    blocks = blocks_from_gguf(raw, type_name, (6, 512))
+    assert blocks.bits == (4 if type_name == "Q4_K" else 8)
+    unit = raw.reshape(6, 2, -1).copy()
+    unit[:, :, 0:2], unit[:, :, 2:4] = np.frombuffer(np.float16(1).tobytes(), np.uint8), 0
+    unit[:, :, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
+    codes = gguf.quants.dequantize(unit.reshape(6, -1), gguf.GGMLQuantizationType[type_name])
+    assert np.array_equal(blocks.u, codes.reshape(6, 512).astype(np.uint8))
+    error = (blocks.dequantize() - torch.from_numpy(want)).abs()
+    assert error.max().item() <= 2**-10 * np.abs(want).max(), (error.max(), np.abs(want).max())
+
+
+@pytest.mark.parametrize("type_name", ["Q6_K", "Q3_K", "Q2_K", "IQ4_NL"])
+def test_other_block_types_are_requantized_to_8_bit_blocks(type_name: str) -> None:
+    """16-weight sub-blocks (Q6_K, Q3_K, Q2_K) or a non-linear code (IQ4_NL) do not fit one d and m
+    per 32 weights: each 32 of gguf's dequantized weights get m = their minimum and a step of a
+    255th of their range, both float16. A weight is off by at most about half a step (the step's
+    own rounding adds up to an eighth of a step at the top, the minimum's at the bottom)."""
+    raw, want = _quantized(6, 512, type_name, seed=3)
+    blocks = blocks_from_gguf(raw, type_name, (6, 512))
+    assert blocks.bits == 8
+    step = np.repeat(blocks.d.astype(np.float32), 32, axis=1)
+    low = np.repeat(blocks.m.astype(np.float32), 32, axis=1)
+    error = np.abs(blocks.dequantize().numpy() - want)
+    assert (error <= 0.63 * step + 2**-11 * np.abs(low) + 1e-9).all(), (error / step).max()
+    assert error.mean() < 0.3 * step.mean()
+
+
+def test_a_float_tensor_has_no_blocks() -> None:
+    with pytest.raises(ValueError, match="F16 is not a quantized type"):
+        blocks_from_gguf(np.zeros((2, 64), np.uint8), "F16", (2, 32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("types", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q4_1", "Q8_0")])
+@pytest.mark.parametrize("types", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q4_1", "Q8_0"), ("Q4_K", "Q6_K")])
 def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.dtype) -> None:
     """Layers fused along their outputs (mixed widths included), 70-130 outputs (a short last
     block of 64), 1-37 rows (512-bit: whole blocks one and two rows a pass, from 32 rows half
     blocks five rows a pass and the last 2 or 4; 256-bit: a row a pass, from 8 rows widened half
-    blocks two rows a pass and the last 1), with a bias on one part."""
-    sizes = [(70, 96), (130, 96)][: len(types)]
+    blocks two rows a pass and the last 1), with a bias on one part. K-quants come in 256 inputs."""
+    cols = 256 if types[0].endswith("K") else 96
+    sizes = [(70, cols), (130, cols)][: len(types)]
     parts = [_quantized(n, k, t, seed=i) for i, ((n, k), t) in enumerate(zip(sizes, types))]
     biases = [torch.linspace(-1, 1, sizes[0][0]), None][: len(types)]
-    layer = GgufLinear([blocks_from_gguf(raw, t, size) for (raw, _), t, size in zip(parts, types, sizes)], biases)
-    weight = torch.from_numpy(np.concatenate([w for _, w in parts])).double()
+    blocks = [blocks_from_gguf(raw, t, size) for (raw, _), t, size in zip(parts, types, sizes)]
+    layer = GgufLinear(blocks, biases)
+    weight = torch.cat([b.dequantize() for b in blocks]).double()
     bias = torch.cat([b if b is not None else torch.zeros(n) for b, (n, _) in zip(biases, sizes)]).double()
     torch.manual_seed(0)
-    x = torch.randn(37, 96).to(dtype)
+    x = torch.randn(37, cols).to(dtype)
     x[3, :32] = 0  # an all-zero block: scale 0, no division by it
     want = quantize_blocks_torch(x).double() @ weight.T + bias
     tolerance = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
@@ -165,10 +216,10 @@ async def test_engine_serves_on_the_blocks_as_the_runner_decides(quantized_gguf:
     assert out.output_ids == blocks
 
 
-def test_a_tensor_of_another_type_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_float_tensor_is_refused_by_name(tmp_path: Path) -> None:
     """tests/test_gguf.py's tiny file keeps v, o and the MLP as F32: not blocks to keep."""
     path = write_tiny_gguf(tmp_path / "mixed.gguf", "llama")
-    with pytest.raises(ValueError, match=r"keeps Q4_0, Q4_1 and Q8_0 blocks; mixed.gguf's blk.0.attn_v.weight is F32"):
+    with pytest.raises(ValueError, match=r"quantized blocks; mixed.gguf's blk.0.attn_v.weight is F32, not quantized \(load it without"):
         _runner(path, "gguf")
 
 

@@ -42,7 +42,7 @@ LOAD_BALANCE_METHODS = {"round_robin": "round_robin", "shortest_queue": "shortes
 FIELD_HELP: dict[str, str] = {
     "model_path": "checkpoint directory or .gguf file (none: the default SmolLM2-135M-Instruct)",
     "dtype": "weights and KV dtype (auto: the checkpoint's on CUDA; on a CPU bfloat16 where it computes bfloat16 natively, else float32)",
-    "quantization": "int8: linear layers with int8 weights and per-token int8 activations (CPU only; oneDNN); gguf: a .gguf model's Q4_0/Q4_1/Q8_0 blocks kept as stored (CPU only); none: the dtype's matmuls",
+    "quantization": "int8: linear layers with int8 weights and per-token int8 activations (CPU only; oneDNN); gguf: a .gguf model's quantized blocks kept (Q4_0/Q4_1/Q4_K/Q5_*/Q8_0 as stored, other block types requantized to 8 bits; CPU only); none: the dtype's matmuls",
     "device": "cpu or cuda",
     "context_length": "maximum tokens per request (none: the model's max_position_embeddings)",
     "attention_backend": "attention kernels",

@@ -64,7 +64,7 @@ DEFAULT_ONLY: dict[str, DefaultOnly] = {
 
 _OFFLINE = "models are never downloaded here: give --model-path a local checkpoint directory or .gguf file"
 _LOADER = "weights load from local safetensors or GGUF files by actorserve's one loader"
-_QUANT = "no quantized checkpoints here but GGUF files (dequantized at load, or their Q4_0/Q4_1/Q8_0 blocks kept with --quantization gguf; --quantization int8 quantizes at load on a CPU)"
+_QUANT = "no quantized checkpoints here but GGUF files (dequantized at load, or their quantized blocks kept with --quantization gguf; --quantization int8 quantizes at load on a CPU)"
 _LORA = "no LoRA adapters here"
 _SPEC = "no speculative decoding here"
 _MOE = "no mixture-of-experts models or expert parallelism here"
