@@ -40,7 +40,7 @@ def weight_names(source: GgufBlockSource, layers: int) -> list[list[str]]:
 
 
 def in_features(layer: GgufLinear) -> int:
-    return layer.weight.shape[1] * (4 if layer.bits == 8 else 8)
+    return layer.weight.shape[1] * (8 if layer.bits == 4 else 4)
 
 
 def pass_ms(calls: list[Callable[[], object]], repeats: int) -> float:
@@ -76,7 +76,7 @@ def main() -> None:
 
         def gguf_calls(width: int) -> list[Callable[[], object]]:
             return [lambda b=b: torch.ops.actorserve.gguf_matmul_at(inputs[in_features(b)], b.weight, b.scale, b.minimum, None,
-                                                                     b.out_features, width) for b in blocks]
+                                                                     b.out_features, b.bits, width) for b in blocks]
 
         int8_calls = [lambda m=m, b=b: m(inputs[in_features(b)]) for m, b in zip(int8, blocks)]
         # Alternating, so that a change in the machine's load falls on every column alike.

@@ -61,6 +61,7 @@ class CpuDecodeLayers:
             return None
         weights: list[torch.Tensor] = []
         out_features: list[int] = []
+        code_bits: list[int] = []
         for layer in model.model.layers:
             self_attn, mlp = layer.self_attn, layer.mlp
             linears = [self_attn.qkv, self_attn.o_proj.packed, mlp.gate_up, mlp.down_proj.packed]
@@ -71,13 +72,14 @@ class CpuDecodeLayers:
             for m in linears:
                 weights += _linear_weights(m)
                 out_features.append(0 if kind is PackedLinear else m.out_features)  # 0: the packed weight's rows
+                code_bits += [m.bits] if isinstance(m, GgufLinear) else []
         if int8_kernels() is None:  # the extension that holds DecodeLayers did not build here
             return None
         attn0 = model.model.layers[0].self_attn
         dims = [attn0.num_heads, attn0.num_kv_heads, attn0.head_dim]
         rotary = model.rotary
         layers = torch.classes.actorserve.DecodeLayers(
-            LINEAR_KINDS[kind], weights, out_features, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
+            LINEAR_KINDS[kind], weights, out_features, code_bits, dims, [eps, attn.scale], rotary.cos, rotary.sin, attn.kv.k, attn.kv.v
         )
         return cls(layers, attn)
 

@@ -38,19 +38,19 @@ BLOCK_ROWS = 64  # output rows per block of gpu/csrc/gguf_matmul.cpp's layout
 class BlockWeights:
     """One weight matrix [N, K] as GGUF blocks: w[n, k] = d[n, k // 32] * u[n, k] + m[n, k // 32]."""
 
-    u: np.ndarray  # uint8 [N, K]: 0..15 when bits is 4
+    u: np.ndarray  # uint8 [N, K]: u < 2^bits
     d: np.ndarray  # float16 [N, K / 32]
     m: np.ndarray  # float16 [N, K / 32]
-    bits: int  # 4 or 8
+    bits: int  # 4 (held two to a byte), 5 or 8 (a byte each)
 
     def dequantize(self) -> torch.Tensor:
         u = self.u.astype(np.float32).reshape(self.u.shape[0], -1, GROUP)
         w = u * self.d[:, :, None].astype(np.float32) + self.m[:, :, None].astype(np.float32)
         return torch.from_numpy(w.reshape(self.u.shape))
 
-    def widened(self) -> BlockWeights:
-        """The same blocks held one u per byte: to fuse with 8-bit blocks."""
-        return BlockWeights(self.u, self.d, self.m, 8)
+    def widened(self, bits: int) -> BlockWeights:
+        """The same blocks as codes of `bits` >= self.bits: to fuse with wider blocks."""
+        return BlockWeights(self.u, self.d, self.m, bits)
 
     def rows(self, order: np.ndarray) -> BlockWeights:
         return BlockWeights(self.u[order], self.d[order], self.m[order], self.bits)
@@ -142,9 +142,9 @@ KEPT: dict[str, tuple[int, Callable[[np.ndarray], Unpacked]]] = {
     "Q4_0": (4, _q4_0),
     "Q4_1": (4, _q4_1),
     "Q4_K": (4, _q4_k),
-    "Q5_0": (8, _q5_0),  # 5-bit u, held one to a byte
-    "Q5_1": (8, _q5_1),
-    "Q5_K": (8, _q5_k),
+    "Q5_0": (5, _q5_0),
+    "Q5_1": (5, _q5_1),
+    "Q5_K": (5, _q5_k),
     "Q8_0": (8, _q8_0),
 }
 
@@ -167,16 +167,16 @@ def requantized(weights: np.ndarray) -> BlockWeights:
 
 
 def concat(parts: list[BlockWeights]) -> BlockWeights:
-    """Layers fused along their outputs; mixed widths all become 8-bit."""
+    """Layers fused along their outputs; mixed widths all take the widest."""
     if len(parts) == 1:
         return parts[0]
-    if len({p.bits for p in parts}) > 1:
-        parts = [p.widened() for p in parts]
+    bits = max(p.bits for p in parts)
+    parts = [p.widened(bits) for p in parts]
     return BlockWeights(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("u", "d", "m")), parts[0].bits)
 
 
 def pack(blocks: BlockWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gpu/csrc/gguf_matmul.cpp's layout: u as [N/64][K*bits/32][64][4] (4-bit: the low nibble from
+    """gpu/csrc/gguf_matmul.cpp's layout: u as [N/64][K/8 or K/4][64][4] (4-bit: the low nibble from
     one group of four inputs, the high from the next), d and m as [N/64][K/32][64]."""
     rows, cols = blocks.u.shape
     padded = -(-rows // BLOCK_ROWS) * BLOCK_ROWS
@@ -237,7 +237,7 @@ class GgufLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return torch.ops.actorserve.gguf_matmul(x.contiguous(), self.weight, self.scale, self.minimum, self.bias, self.out_features)
+            return torch.ops.actorserve.gguf_matmul(x.contiguous(), self.weight, self.scale, self.minimum, self.bias, self.out_features, self.bits)
         y = quantize_blocks_torch(x) @ self.weight.T
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 

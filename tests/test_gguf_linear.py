@@ -49,7 +49,7 @@ def _quantized(rows: int, cols: int, type_name: str, seed: int) -> tuple[np.ndar
 def test_blocks_are_the_values_gguf_dequantizes(type_name: str) -> None:
     raw, want = _quantized(70, 96, type_name, seed=1)
     blocks = blocks_from_gguf(raw, type_name, (70, 96))
-    assert blocks.bits == (4 if type_name.startswith("Q4") else 8)
+    assert blocks.bits == {"Q4": 4, "Q5": 5, "Q8": 8}[type_name[:2]]
     assert torch.equal(blocks.dequantize(), torch.from_numpy(want))
 
 
@@ -60,7 +60,7 @@ def test_k_quant_blocks_keep_their_weights(type_name: str) -> None:
     dmin * m_j lose only their rounding to float16."""
     raw, want = _quantized(6, 512, type_name, seed=2)
     blocks = blocks_from_gguf(raw, type_name, (6, 512))
-    assert blocks.bits == (4 if type_name == "Q4_K" else 8)
+    assert blocks.bits == (4 if type_name == "Q4_K" else 5)
     unit = raw.reshape(6, 2, -1).copy()
     unit[:, :, 0:2], unit[:, :, 2:4] = np.frombuffer(np.float16(1).tobytes(), np.uint8), 0
     unit[:, :, 4:16] = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1], np.uint8)
@@ -92,12 +92,15 @@ def test_a_float_tensor_has_no_blocks() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("types", [("Q4_0",), ("Q4_1",), ("Q8_0",), ("Q4_1", "Q8_0"), ("Q4_K", "Q6_K")])
+@pytest.mark.parametrize(
+    "types", [("Q4_0",), ("Q4_1",), ("Q5_0",), ("Q8_0",), ("Q4_1", "Q8_0"), ("Q4_1", "Q5_1"), ("Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q5_K",)]
+)
 def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.dtype) -> None:
     """Layers fused along their outputs (mixed widths included), 70-130 outputs (a short last
     block of 64), 1-37 rows (512-bit: whole blocks one and two rows a pass, from 32 rows half
     blocks five rows a pass and the last 2 or 4; 256-bit: a row a pass, from 8 rows widened half
-    blocks two rows a pass and the last 1), with a bias on one part. K-quants come in 256 inputs."""
+    blocks two rows a pass and the last 1), with a bias on one part; weights of 4, 5 and 8 bits,
+    fused ones taking the widest. K-quants come in 256 inputs."""
     cols = 256 if types[0].endswith("K") else 96
     sizes = [(70, cols), (130, cols)][: len(types)]
     parts = [_quantized(n, k, t, seed=i) for i, ((n, k), t) in enumerate(zip(sizes, types))]
@@ -126,7 +129,7 @@ def _widths(layer: GgufLinear) -> list[int | None]:
 def _at_width(layer: GgufLinear, x: torch.Tensor, width: int | None) -> torch.Tensor:
     if width is None:
         return layer(x)
-    return torch.ops.actorserve.gguf_matmul_at(x.contiguous(), layer.weight, layer.scale, layer.minimum, layer.bias, layer.out_features, width)
+    return torch.ops.actorserve.gguf_matmul_at(x.contiguous(), layer.weight, layer.scale, layer.minimum, layer.bias, layer.out_features, layer.bits, width)
 
 
 def test_torch_fallback_computes_what_the_kernel_does(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,12 +26,13 @@ using actorserve::kZeroPoint;
 // One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
 // `bias`. An Int8Linear: `scale` per output row and either `kernel` and `offsets` in int8_matmul's
 // layout (CPUs with AVX512-VNNI) or oneDNN's prepacked int8 `onednn` weight with its `zero_point`s.
-// A GgufLinear: `kernel` its packed blocks, `offsets` and `scale` their float16 scales and minimums.
+// A GgufLinear: `kernel` its packed blocks, `offsets` and `scale` their float16 scales and minimums,
+// `code_bits` the bits of its weights' codes.
 struct LinearWeights {
   at::Tensor kernel, offsets, scale;
   c10::optional<at::Tensor> bias;
   at::Tensor onednn, zero_point;
-  int64_t out_features;
+  int64_t out_features, code_bits;
 };
 
 struct LayerWeights {
@@ -68,7 +69,7 @@ using Rope = void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::T
 using Quantize = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&);
 using Dequantize = at::Tensor(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&, at::ScalarType);
 using GgufMatmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              const c10::optional<at::Tensor>&, int64_t);
+                              const c10::optional<at::Tensor>&, int64_t, int64_t);
 using Int8Matmul = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const c10::optional<at::Tensor>&, int64_t);
 using WriteKV = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
@@ -84,16 +85,18 @@ enum class LinearKind : int64_t { kPacked = 0, kInt8 = 1, kGguf = 2 };
 
 class DecodeLayers : public torch::CustomClassHolder {
  public:
-  // weights: kPerLayer tensors per layer; out_features: qkv, o, gate_up, down per layer.
-  // dims: num_heads, num_kv_heads, head_dim; numbers: rms eps, attention scale. kind: a LinearKind.
-  DecodeLayers(int64_t kind, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> dims,
-               std::vector<double> numbers, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
+  // weights: kPerLayer tensors per layer; out_features: qkv, o, gate_up, down per layer; code_bits:
+  // the same for gguf layers (empty for the other kinds). dims: num_heads, num_kv_heads, head_dim;
+  // numbers: rms eps, attention scale. kind: a LinearKind.
+  DecodeLayers(int64_t kind, std::vector<at::Tensor> weights, std::vector<int64_t> out_features, std::vector<int64_t> code_bits,
+               std::vector<int64_t> dims, std::vector<double> numbers, at::Tensor cos, at::Tensor sin, std::vector<at::Tensor> k_pools,
                std::vector<at::Tensor> v_pools)
       : kind_(static_cast<LinearKind>(kind)), cos_(std::move(cos)), sin_(std::move(sin)), k_pools_(std::move(k_pools)), v_pools_(std::move(v_pools)) {
     TORCH_CHECK(kind >= 0 && kind <= 2, "kind must be 0 (packed), 1 (int8) or 2 (gguf)");
     TORCH_CHECK(dims.size() == 3 && numbers.size() == 2, "dims: heads, kv heads, head dim; numbers: eps, scale");
     TORCH_CHECK(weights.size() % kPerLayer == 0 && out_features.size() == 4 * (weights.size() / kPerLayer),
                 "weights and out_features do not describe whole layers");
+    TORCH_CHECK(code_bits.size() == (kind == 2 ? out_features.size() : 0), "code_bits: one per gguf linear layer");
     const size_t layers = weights.size() / kPerLayer;
     TORCH_CHECK(k_pools_.size() == layers && v_pools_.size() == layers, "one K and one V pool per layer");
     heads_ = dims[0], kv_heads_ = dims[1], head_dim_ = dims[2];
@@ -103,7 +106,8 @@ class DecodeLayers : public torch::CustomClassHolder {
       const int64_t* out = out_features.data() + l * 4;
       auto linear = [&](int64_t i) {
         const at::Tensor* t = w + 2 + i * kPerLinear;
-        return LinearWeights{t[0], t[1], t[2], t[3].numel() == 0 ? c10::nullopt : c10::optional<at::Tensor>(t[3]), t[4], t[5], out[i]};
+        const int64_t bits = code_bits.empty() ? 0 : code_bits[l * 4 + i];
+        return LinearWeights{t[0], t[1], t[2], t[3].numel() == 0 ? c10::nullopt : c10::optional<at::Tensor>(t[3]), t[4], t[5], out[i], bits};
       };
       layers_.push_back(LayerWeights{w[0], w[1], linear(0), linear(1), linear(2), linear(3)});
     }
@@ -131,7 +135,7 @@ class DecodeLayers : public torch::CustomClassHolder {
     const c10::List<c10::optional<at::Scalar>> no_args;
     auto linear = [&](const at::Tensor& x, const LinearWeights& w) {
       if (kind_ == LinearKind::kPacked) return call_boxed(onednn, {x, w.onednn, w.bias, "none", no_args, ""});
-      if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.kernel, w.offsets, w.scale, w.bias, w.out_features);
+      if (kind_ == LinearKind::kGguf) return gguf_matmul.call(x, w.kernel, w.offsets, w.scale, w.bias, w.out_features, w.code_bits);
       if (w.kernel.numel() > 0) return matmul.call(x, w.kernel, w.offsets, w.scale, w.bias, w.out_features);
       // Int8Linear.forward's oneDNN path: the padding rows are the zero point, and integer dot
       // products are exact, so no row's result depends on them.
@@ -172,7 +176,7 @@ class DecodeLayers : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.class_<DecodeLayers>("DecodeLayers")
-      .def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>, at::Tensor,
-                       at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def(torch::init<int64_t, std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<double>,
+                       at::Tensor, at::Tensor, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("run", &DecodeLayers::run);
 }

@@ -1,9 +1,10 @@
-// Linear layers on GGUF's block-quantized weights as they are stored (Q4_0, Q4_1, Q8_0), on a CPU
-// with AVX512-VNNI or AVX2: y = x W^T with W never widened past 4 or 8 bits.
+// Linear layers on GGUF's block-quantized weights as they are stored (Q4_0, Q4_1, Q4_K, Q5_*, Q8_0),
+// on a CPU with AVX512-VNNI or AVX2: y = x W^T with W never widened past 4 or 8 bits.
 //
 // A GGUF block is 32 consecutive weights of one output row with a scale d and, in effect, a
 // minimum m: w = d * u + m, u unsigned (Q4_1: u in 0..15 as stored; Q4_0: u = q, m = -8d;
-// Q8_0: u = q + 128, m = -128d). gpu/gguf_linear.py repacks them once: 64 output rows per weight
+// Q8_0: u = q + 128, m = -128d). `Bits` is how many bits u takes: 4 (held two to a byte), 5 (Q5_*:
+// a byte each) or 8 (a byte each). gpu/gguf_linear.py repacks them once: 64 output rows per weight
 // block, four inputs per 32-bit lane so that one 64-byte load feeds one `vpdpbusd` (16 rows x 4
 // products); 4-bit weights keep two inputs per byte (the low nibble from one group of four inputs,
 // the high from the next), which halves what a decode step reads. Activations are quantized per
@@ -47,6 +48,10 @@ namespace {
 
 constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane (VNNI) or eight 8-lane (AVX2) vectors
 constexpr int64_t kGroup = 32;  // inputs per GGUF block (one scale and minimum per row)
+
+// Bits of a weight's byte layout: 4-bit weights two to a byte, wider ones a byte each.
+template <int Bits>
+constexpr int kStoredBits = Bits == 4 ? 4 : 8;
 
 // Vector widths in bits of the paths compiled here, widest first: 512 (AVX512-VNNI), 256 (AVX2).
 // Built once: every linear layer's call reads it.
@@ -119,7 +124,7 @@ struct Activations {
 };
 
 struct WeightBlock {
-  const uint8_t* u;   // the 64 rows' weights, in the layout of `Bits`
+  const uint8_t* u;   // the 64 rows' weights, in the layout of `kStoredBits<Bits>`
   const uint16_t* d;  // float16 [dim / 32][64]
   const uint16_t* m;  // float16 [dim / 32][64]
   const float* bias;  // the block's first output, or nullptr
@@ -234,9 +239,10 @@ inline void rows_against(const Activations& act, int64_t rows, const WeightBlock
 // 8 outputs per vector, one activation row and half a weight block (32 outputs) a pass: AVX2 has 16
 // vector registers. `vpmaddubsw` multiplies u8 x s8 into pairs summed as int16, `vpmaddwd` with
 // ones sums those into int32. 4-bit weights: a pair is at most 2 * 15 * 127, so a block's 8 pairs
-// per lane add up in int16 before one widening. 8-bit weights: u up to 255 would overflow a pair,
-// so they go in as u - 128 (signed), their magnitude as the unsigned operand and their sign moved
-// onto the activations (the minimum then gains 128 d).
+// per lane add up in int16 before one widening; 5-bit: 2 * 31 * 127, 4 pairs (half a block) before
+// each widening. 8-bit weights: u up to 255 would overflow a pair, so they go in as u - 128
+// (signed), their magnitude as the unsigned operand and their sign moved onto the activations (the
+// minimum then gains 128 d).
 namespace avx2 {
 
 inline __m256 load_half8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -259,6 +265,19 @@ inline void dot_block(const uint8_t* u, const int8_t* q, __m256i (&dot)[4]) {
       }
     }
     for (int v = 0; v < 4; ++v) dot[v] = _mm256_madd_epi16(pairs[v], ones);
+  } else if constexpr (Bits == 5) {
+    for (int v = 0; v < 4; ++v) dot[v] = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      __m256i pairs[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+      for (int i = 4 * half; i < 4 * half + 4; ++i) {
+        const __m256i x = broadcast4(q + 4 * i);
+        for (int v = 0; v < 4; ++v) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i * kBlock * 4 + 32 * v));
+          pairs[v] = _mm256_add_epi16(pairs[v], _mm256_maddubs_epi16(w, x));
+        }
+      }
+      for (int v = 0; v < 4; ++v) dot[v] = _mm256_add_epi32(dot[v], _mm256_madd_epi16(pairs[v], ones));
+    }
   } else {
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     for (int v = 0; v < 4; ++v) dot[v] = _mm256_setzero_si256();
@@ -310,7 +329,7 @@ inline void store_half(const float* y, const WeightBlock& w, int64_t first, T* o
 // Row `row` of `act` against outputs first .. first + 31 of one 64-row weight block.
 template <int Bits, typename T>
 inline void half_block_row(const Activations& act, int64_t row, const WeightBlock& w, int64_t first, T* out) {
-  const int64_t groups = act.dim / kGroup, bytes_per_group = kBlock * kGroup * Bits / 8;
+  const int64_t groups = act.dim / kGroup, bytes_per_group = kBlock * kGroup * kStoredBits<Bits> / 8;
   const int8_t* q = act.q + row * act.dim;
   __m256 y[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
@@ -338,7 +357,7 @@ inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T*
 
 // From kWidenedRows rows on the work is compute-bound, and unpacking the weights for every row cost
 // about as much as the products: a half block's weights are widened once to a byte each (8-bit:
-// u - 128, signed), [groups][8 groups of four inputs][32 outputs][4], and each widened vector feeds
+// u - 128, signed; 5-bit: copied), [groups][8 groups of four inputs][32 outputs][4], and each widened vector feeds
 // two rows. Below that, widening costs more than it saves (bench.gguf_matmul, BENCHMARKS.md).
 constexpr int64_t kWidenedRows = 8;
 constexpr int kPairRows = 2;
@@ -346,7 +365,7 @@ constexpr int64_t kWideGroupBytes = kGroup * kBlock / 2;  // one 32-input block 
 
 template <int Bits>
 inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint8_t* wide) {
-  const int64_t bytes_per_group = kBlock * kGroup * Bits / 8;
+  const int64_t bytes_per_group = kBlock * kGroup * kStoredBits<Bits> / 8;
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* u = w.u + g * bytes_per_group + first * 4;
@@ -359,16 +378,17 @@ inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint
           _mm256_storeu_si256(to + 8 * p + 4 + v, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
         }
       } else {
+        const __m256i change = Bits == 8 ? flip : _mm256_setzero_si256();
         for (int i = 0; i < kGroup / 4; ++i) {
-          _mm256_storeu_si256(to + 4 * i + v, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i * kBlock * 4 + 32 * v)), flip));
+          _mm256_storeu_si256(to + 4 * i + v, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i * kBlock * 4 + 32 * v)), change));
         }
       }
     }
   }
 }
 
-// acc[r][v] += maddubs(wide[v], x[r]) (int16 pairs) for one group of four inputs: 4 widened 4-bit
-// weight vectors against two rows. Written out because GCC 12 copied each sum through a second
+// acc[r][v] += maddubs(wide[v], x[r]) (int16 pairs) for one group of four inputs: 4 widened 4- or
+// 5-bit weight vectors against two rows. Written out because GCC 12 copied each sum through a second
 // register and loaded two of the weight vectors twice: 37 instructions a step where these 25 do, and
 // the widened pass of 512 rows ran 1.13x as fast in cache with these (BENCHMARKS.md).
 inline void nibble_pair_step(const __m256i* wide, __m256i x0, __m256i x1, __m256i (&acc)[2][4]) {
@@ -397,20 +417,27 @@ inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wid
   alignas(32) float y[R][32] = {};
   for (int64_t g = 0; g < groups; ++g) {
     const auto* wg = reinterpret_cast<const __m256i*>(wide + g * kWideGroupBytes);
-    __m256i acc[R][4];  // 4-bit: int16 pairs (8 x 2 x 15 x 127 fits); 8-bit: int32
+    __m256i acc[R][4];  // 4-bit: int16 pairs (8 x 2 x 15 x 127 fits); 5-bit: the same, per half block; 8-bit: int32
+    __m256i first_half[R][4];  // 5-bit: the first half block's sums, widened to int32
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_si256();
     // Unrolled whole, GCC computed all 64 products first and spilled them to the stack.
     #pragma GCC unroll 1
     for (int i = 0; i < kGroup / 4; ++i) {
+      if constexpr (Bits == 5) {
+        if (i == kGroup / 8) {
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < 4; ++v) first_half[r][v] = _mm256_madd_epi16(acc[r][v], ones), acc[r][v] = _mm256_setzero_si256();
+        }
+      }
       __m256i x[R];
       for (int r = 0; r < R; ++r) x[r] = broadcast4(act.q + (row + r) * act.dim + g * kGroup + 4 * i);
-      if constexpr (Bits == 4 && R == 2) {
+      if constexpr (Bits != 8 && R == 2) {
         nibble_pair_step(wg + 4 * i, x[0], x[1], acc);
       } else {
         for (int v = 0; v < 4; ++v) {
           const __m256i wv = _mm256_loadu_si256(wg + 4 * i + v);
-          if constexpr (Bits == 4) {
+          if constexpr (Bits != 8) {
             for (int r = 0; r < R; ++r) acc[r][v] = _mm256_add_epi16(acc[r][v], _mm256_maddubs_epi16(wv, x[r]));
           } else {
             const __m256i magnitude = _mm256_abs_epi8(wv);
@@ -426,7 +453,9 @@ inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wid
       block_scales<Bits>(w, g, first + 8 * v, d, m);
       for (int r = 0; r < R; ++r) {
         const int64_t at = (row + r) * groups + g;
-        const __m256i dot = Bits == 4 ? _mm256_madd_epi16(acc[r][v], ones) : acc[r][v];
+        __m256i dot = acc[r][v];
+        if constexpr (Bits == 4) dot = _mm256_madd_epi16(dot, ones);
+        if constexpr (Bits == 5) dot = _mm256_add_epi32(first_half[r][v], _mm256_madd_epi16(dot, ones));
         const __m256 yv = add_block(_mm256_load_ps(y[r] + 8 * v), dot, d, m, _mm256_set1_ps(act.a[at]), _mm256_set1_ps(act.s[at]));
         _mm256_store_ps(y[r] + 8 * v, yv);
       }
@@ -471,7 +500,7 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
   const uint8_t* ud = weight.data_ptr<uint8_t>();
   const auto* dd = reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>());
   const auto* md = reinterpret_cast<const uint16_t*>(minimum.data_ptr<at::Half>());
-  const int64_t block_bytes = kBlock * dim * Bits / 8;
+  const int64_t block_bytes = kBlock * dim * kStoredBits<Bits> / 8;
   T* out_d = out.data_ptr<T>();
   const int64_t blocks = weight.size(0);
   auto weight_block = [&](int64_t b) {
@@ -485,9 +514,9 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       const WeightBlock w = weight_block(b);
       const uint8_t* next = fetch_next ? ud + (b + 1) * block_bytes : nullptr;
       if (half == 0) {
-        vnni::rows_against<Bits, 2, 0, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        vnni::rows_against<kStoredBits<Bits>, 2, 0, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       } else if (w.count > kBlock / 2) {
-        vnni::rows_against<Bits, 2, 2, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
+        vnni::rows_against<kStoredBits<Bits>, 2, 2, vnni::kHalfRows>(act, rows, w, out_d + b * kBlock, n, next, block_bytes);
       }
     });
     return;
@@ -508,7 +537,7 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       const WeightBlock w = weight_block(b);
 #ifdef ACTORSERVE_GGUF_VNNI
       if (width == 512) {
-        vnni::rows_against<Bits, 4, 0, vnni::kBlockRows>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr,
+        vnni::rows_against<kStoredBits<Bits>, 4, 0, vnni::kBlockRows>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr,
                                                         block_bytes);
         continue;
       }
@@ -521,20 +550,22 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
 }
 #endif
 
-// x [rows, K] float32/bfloat16/float16; weight [ceil(N/64), K*Bits/32, 64, 4] uint8 (Bits 4 or 8,
-// told apart by its second size); scale and minimum [ceil(N/64), K/32, 64] float16, as GGUF stores
-// them. width: the path, one of `widths()` (the tests and benchmarks compare them).
+// x [rows, K] float32/bfloat16/float16; weight [ceil(N/64), K*S/32, 64, 4] uint8, S = 4 bits a
+// weight where code_bits (u < 2^code_bits) is 4, else 8 (code_bits 5 or 8); scale and minimum
+// [ceil(N/64), K/32, 64] float16, as GGUF stores them. width: the path, one of `widths()` (the
+// tests and benchmarks compare them).
 at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
-                          const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t width) {
+                          const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t code_bits, int64_t width) {
   const auto& compiled = compiled_widths();
   TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "gguf_matmul has no ", width,
               "-bit path here (AVX512-VNNI: 512, AVX2: 256; see gguf_matmul_widths)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous() && x.size(1) % kGroup == 0,
               "x must be a contiguous [rows, features] CPU tensor with a multiple of 32 features");
   const int64_t dim = x.size(1);
+  TORCH_CHECK(code_bits == 4 || code_bits == 5 || code_bits == 8, "code_bits must be 4, 5 or 8");
   TORCH_CHECK(weight.dim() == 4 && weight.scalar_type() == at::kByte && weight.size(2) == kBlock && weight.size(3) == 4 &&
-                  weight.is_contiguous() && (weight.size(1) * 4 == dim || weight.size(1) * 8 == dim),
-              "weight must come from gpu/gguf_linear.py's packing, for x's features");
+                  weight.is_contiguous() && weight.size(1) * (code_bits == 4 ? 8 : 4) == dim,
+              "weight must come from gpu/gguf_linear.py's packing, for x's features and code_bits");
   TORCH_CHECK(out_features > (weight.size(0) - 1) * kBlock && out_features <= weight.size(0) * kBlock,
               "out_features does not match the packed weight");
   for (const at::Tensor* t : {&scale, &minimum}) {
@@ -545,10 +576,11 @@ at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const a
   const float* bias_data = actorserve::bias_data(bias, out_features);
   auto out = at::empty({x.size(0), out_features}, x.options());
 #ifdef ACTORSERVE_GGUF_KERNEL
-  const bool nibbles = weight.size(1) * 8 == dim;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gguf_matmul", [&] {
-    if (nibbles) {
+    if (code_bits == 4) {
       matmul_impl<4, scalar_t>(x, weight, scale, minimum, bias_data, width, out);
+    } else if (code_bits == 5) {
+      matmul_impl<5, scalar_t>(x, weight, scale, minimum, bias_data, width, out);
     } else {
       matmul_impl<8, scalar_t>(x, weight, scale, minimum, bias_data, width, out);
     }
@@ -559,9 +591,9 @@ at::Tensor gguf_matmul_at(const at::Tensor& x, const at::Tensor& weight, const a
 
 // gguf_matmul_at on the widest path compiled.
 at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+                       const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t code_bits) {
   TORCH_CHECK(gguf_matmul_available(), "gguf_matmul needs AVX2 or AVX512-VNNI (see gguf_matmul_available)");
-  return gguf_matmul_at(x, weight, scale, minimum, bias, out_features, compiled_widths().front());
+  return gguf_matmul_at(x, weight, scale, minimum, bias, out_features, code_bits, compiled_widths().front());
 }
 
 }  // namespace
@@ -569,8 +601,9 @@ at::Tensor gguf_matmul(const at::Tensor& x, const at::Tensor& weight, const at::
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.def("gguf_matmul_available() -> bool", &gguf_matmul_available);
   m.def("gguf_matmul_widths() -> int[]", &widths);
-  m.def("gguf_matmul(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features) -> Tensor");
-  m.def("gguf_matmul_at(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features, int width) -> Tensor");
+  m.def("gguf_matmul(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features, int code_bits) -> Tensor");
+  m.def("gguf_matmul_at(Tensor x, Tensor weight, Tensor scale, Tensor minimum, Tensor? bias, int out_features, int code_bits, "
+        "int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
