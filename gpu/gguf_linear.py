@@ -21,11 +21,10 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-import gguf.quants
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 from torch import nn
 
 log = logging.getLogger(__name__)
@@ -119,7 +118,7 @@ def _q8_0(raw: np.ndarray) -> Unpacked:
 def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Q4_K/Q5_K: eight sub-blocks of 32 per 256, w = d sc_j q - dmin m_j with 6-bit sc_j and m_j."""
     rows, blocks = raw.shape[:2]
-    sc, mins = (v.reshape(rows, blocks, 8) for v in gguf.quants.Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12)))
+    sc, mins = (v.reshape(rows, blocks, 8) for v in Q4_K.get_scale_min(raw[..., 4:16].reshape(-1, 12)))
     d, dmin = (_float16(raw, at).astype(np.float32)[..., None] for at in (0, 2))
     return (d * sc).astype(np.float16), (-dmin * mins).astype(np.float16)
 
