@@ -55,16 +55,20 @@ class BlockWeights:
         return BlockWeights(self.u[order], self.d[order], self.m[order], self.bits)
 
 
-def blocks_from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> BlockWeights:
-    """A GGUF tensor's raw bytes ([N, bytes per row] uint8, as gguf's reader gives them) as blocks.
+def blocks_from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, int], name: str = "the tensor") -> BlockWeights:
+    """A GGUF tensor's raw bytes ([N, bytes per row] uint8, as gguf's reader gives them) as blocks;
+    `name` says which tensor in the error for a float one.
 
     The types in KEPT are kept: the same u, and the same d and m but that a K-quant's d * sc_j and
     dmin * m_j are rounded to float16. Other block types (Q6_K and Q3_K with 16-weight sub-blocks,
     Q2_K, the IQ types, ...) are requantized from gguf's dequantization to 8-bit blocks with their
     own minimum, whose step is a 255th of each 32 weights' range."""
-    if not is_block_type(type_name):
-        raise ValueError(f"GGUF {type_name} is not a quantized type: there are no blocks to keep")
     quant = GGMLQuantizationType[type_name]
+    if GGML_QUANT_SIZES[quant][0] == 1:  # F32, F16, BF16 and the integer types: a value per element
+        raise ValueError(
+            f"--quantization gguf keeps a GGUF file's quantized blocks; {name} is {type_name}, not quantized "
+            "(load it without --quantization, or with --quantization int8)"
+        )
     rows, cols = shape
     if type_name not in KEPT:
         return requantized(np.asarray(dequantize(data, quant), np.float32).reshape(rows, cols))
@@ -148,19 +152,15 @@ KEPT: dict[str, tuple[int, Callable[[np.ndarray], Unpacked]]] = {
 }
 
 
-def is_block_type(type_name: str) -> bool:
-    """F32, F16, BF16 and the integer types hold one value per element, not blocks."""
-    return GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0] > 1
-
-
 def requantized(weights: np.ndarray) -> BlockWeights:
     """[N, K] float weights as 8-bit blocks: per 32, m = min, d = (max - min) / 255 (both float16)."""
     rows, cols = weights.shape
     w = weights.reshape(rows, cols // GROUP, GROUP)
     low = w.min(axis=2).astype(np.float16)
-    scale = ((w.max(axis=2) - low.astype(np.float32)) / 255).astype(np.float16)
+    low32 = low.astype(np.float32)
+    scale = ((w.max(axis=2) - low32) / 255).astype(np.float16)
     step = scale.astype(np.float32)[:, :, None]
-    codes = np.divide(w - low.astype(np.float32)[:, :, None], step, out=np.zeros_like(w), where=step > 0)
+    codes = np.divide(w - low32[:, :, None], step, out=np.zeros_like(w), where=step > 0)
     u = np.clip(np.rint(codes), 0, 255).astype(np.uint8)
     return BlockWeights(u.reshape(rows, cols), scale, low, 8)
 
@@ -273,14 +273,9 @@ class GgufBlockSource:
         tensor = self._tensors[name]
         rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the fastest dimension first
         type_name = tensor.tensor_type.name
-        if not is_block_type(type_name):
-            raise ValueError(
-                f"--quantization gguf keeps a GGUF file's quantized blocks; {self.path.name}'s {tensor.name} is {type_name}, "
-                "not quantized (load it without --quantization, or with --quantization int8)"
-            )
+        blocks = blocks_from_gguf(tensor.data, type_name, (rows, cols), f"{self.path.name}'s {tensor.name}")
         if type_name not in KEPT and type_name not in self._requantized_types:
             self._requantized_types.add(type_name)
             log.info("%s: %s tensors requantized to 8-bit blocks (only %s are kept as stored)", self.path.name, type_name, ", ".join(KEPT))
-        blocks = blocks_from_gguf(tensor.data, type_name, (rows, cols))
         heads = next((n for leaf, n in self._permuted_heads.items() if f".{leaf}." in tensor.name), None)
         return blocks if heads is None else blocks.rows(unpermute_rows(np.arange(rows), heads))

@@ -87,7 +87,7 @@ def test_other_block_types_are_requantized_to_8_bit_blocks(type_name: str) -> No
 
 
 def test_a_float_tensor_has_no_blocks() -> None:
-    with pytest.raises(ValueError, match="F16 is not a quantized type"):
+    with pytest.raises(ValueError, match=r"quantized blocks; the tensor is F16, not quantized \(load it without"):
         blocks_from_gguf(np.zeros((2, 64), np.uint8), "F16", (2, 32))
 
 
