@@ -15,6 +15,7 @@ error.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -243,25 +244,24 @@ class GgufLinear(nn.Module):
 
 class GgufBlockSource:
     """A GGUF file's linear weights as blocks, by their Hugging Face names (rows in the checkpoint
-    directory's order: llama's q/k rows un-permuted as gpu/gguf_loader.py does)."""
+    directory's order: llama's q/k rows un-permuted as gpu/gguf_loader.py does). Where the blocks
+    lie comes from the tensor index that the file's conversion wrote beside its checkpoint."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        from gpu.gguf_loader import ARCHITECTURES, gguf_to_hf_dir, hf_tensor_name, read_tensor_index
 
-        from gpu.gguf_loader import ARCHITECTURES, hf_tensor_name, read_metadata, uniform
-
-        reader = GGUFReader(path)
-        meta = read_metadata(reader)
+        hf_dir = gguf_to_hf_dir(path)
+        index = read_tensor_index(hf_dir)
+        config = json.loads((hf_dir / "config.json").read_text())
         self.path = path
-        arch = meta["general.architecture"]
-        heads = meta[f"{arch}.attention.head_count"]
+        self._file = np.memmap(path, np.uint8, mode="r")
         # llama.cpp's llama converter permutes q/k rows per head; the blocks come back in HF's order.
         self._permuted_heads = (
-            {"attn_q": heads, "attn_k": uniform(meta.get(f"{arch}.attention.head_count_kv", heads), "attention.head_count_kv")}
-            if ARCHITECTURES[arch].permuted_qk
+            {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+            if ARCHITECTURES[index.architecture].permuted_qk
             else {}
         )
-        self._tensors = {hf_tensor_name(t.name): t for t in reader.tensors}
+        self._tensors = {hf_tensor_name(t.name): t for t in index.tensors}
         self._requantized_types: set[str] = set()
 
     def names(self) -> list[str]:
@@ -271,11 +271,11 @@ class GgufBlockSource:
         from gpu.gguf_loader import unpermute_rows
 
         tensor = self._tensors[name]
-        rows, cols = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists the fastest dimension first
-        type_name = tensor.tensor_type.name
-        blocks = blocks_from_gguf(tensor.data, type_name, (rows, cols), f"{self.path.name}'s {tensor.name}")
-        if type_name not in KEPT and type_name not in self._requantized_types:
-            self._requantized_types.add(type_name)
-            log.info("%s: %s tensors requantized to 8-bit blocks (only %s are kept as stored)", self.path.name, type_name, ", ".join(KEPT))
+        cols, rows = tensor.shape  # GGUF lists the fastest dimension first
+        data = self._file[tensor.offset : tensor.offset + tensor.nbytes].reshape(rows, -1)
+        blocks = blocks_from_gguf(data, tensor.type, (rows, cols), f"{self.path.name}'s {tensor.name}")
+        if tensor.type not in KEPT and tensor.type not in self._requantized_types:
+            self._requantized_types.add(tensor.type)
+            log.info("%s: %s tensors requantized to 8-bit blocks (only %s are kept as stored)", self.path.name, tensor.type, ", ".join(KEPT))
         heads = next((n for leaf, n in self._permuted_heads.items() if f".{leaf}." in tensor.name), None)
         return blocks if heads is None else blocks.rows(unpermute_rows(np.arange(rows), heads))

