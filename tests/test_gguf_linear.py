@@ -121,6 +121,25 @@ def test_matmul_is_the_dequantized_product(types: tuple[str, ...], dtype: torch.
             assert torch.equal(_at_width(layer, x[:rows], width), got[:rows]), (width, rows)
 
 
+@pytest.mark.parametrize("threads", [3, 5])
+def test_matmul_does_not_depend_on_the_thread_count(threads: int) -> None:
+    """gpu/csrc/parallel.h cuts the work into pieces the threads take as they come: for odd thread
+    counts and a layer of 11 blocks (a short last one), every output is computed once, as one thread
+    computes it."""
+    raw, _ = _quantized(700, 96, "Q4_1", seed=3)
+    layer = GgufLinear([blocks_from_gguf(raw, "Q4_1", (700, 96))], [None])
+    x = torch.randn(20, 96)
+    before = torch.get_num_threads()
+    try:
+        for width in _widths(layer):
+            torch.set_num_threads(1)
+            want = [_at_width(layer, x[:rows], width) for rows in (1, 20)]
+            torch.set_num_threads(threads)
+            assert all(torch.equal(_at_width(layer, x[:rows], width), w) for rows, w in zip((1, 20), want)), width
+    finally:
+        torch.set_num_threads(before)
+
+
 def _widths(layer: GgufLinear) -> list[int | None]:
     """The kernel's paths compiled here (AVX512-VNNI 512, AVX2 256), or None: the torch fallback."""
     return torch.ops.actorserve.gguf_matmul_widths() if layer.kernel else [None]
