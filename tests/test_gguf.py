@@ -171,6 +171,7 @@ def test_cached_call_returns_same_dir_without_converting(
         "tokenizer_config.json",
         "chat_template.jinja",
         "gguf_tensors.json",
+        "gguf_source.json",
     }
 
 
@@ -337,6 +338,28 @@ def test_stale_temporary_dirs_are_removed(tmp_path: Path) -> None:
     os.utime(stale, (0, 0))
     out_dir = gguf_to_hf_dir(path, cache)
     assert list(cache.iterdir()) == [out_dir]
+
+
+def test_conversions_no_load_can_reach_are_removed(tmp_path: Path) -> None:
+    """A conversion is a whole float copy of its model: the next conversion removes those of a file
+    changed since (as a reinstalled package's is), of a file gone (a test's temporary file) and of
+    an older converter, and keeps the current ones of every file and dtype."""
+    cache = tmp_path / "cache"
+    kept_file = write_tiny_gguf(tmp_path / "kept.gguf", "llama")
+    kept = {gguf_to_hf_dir(kept_file, cache), gguf_to_hf_dir(kept_file, cache, dtype=torch.bfloat16)}
+    changed_file = write_tiny_gguf(tmp_path / "changed.gguf", "qwen2")
+    before_change = gguf_to_hf_dir(changed_file, cache)
+    gone_file = write_tiny_gguf(tmp_path / "gone.gguf", "llama")
+    gone = gguf_to_hf_dir(gone_file, cache)
+    older_converter = cache / "model-0123456789abcdef"  # what converter version 1 wrote: no record
+    older_converter.mkdir()
+    (older_converter / "config.json").write_text("{}")
+    assert {before_change, gone, older_converter} < set(cache.iterdir())
+
+    gone_file.unlink()
+    os.utime(changed_file, ns=(0, changed_file.stat().st_mtime_ns + 1_000_000_000))
+    after_change = gguf_to_hf_dir(changed_file, cache)
+    assert set(cache.iterdir()) == kept | {after_change}
 
 
 def test_missing_file_names_the_path(tmp_path: Path) -> None:
