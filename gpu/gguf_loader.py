@@ -166,7 +166,6 @@ def gguf_to_hf_dir(gguf_path: Path | str, cache_dir: Path | None = None, dtype: 
     started = time.perf_counter()
     convert_atomically(gguf_path, out_dir, dtype)
     logger.info("converted %s to %s in %.1f s", gguf_path, out_dir, time.perf_counter() - started)
-    remove_unreachable_conversions(out_dir.parent)
     return out_dir
 
 
@@ -188,6 +187,8 @@ def check_gguf_magic(gguf_path: Path) -> None:
 def convert_atomically(gguf_path: Path, out_dir: Path, dtype: torch.dtype) -> None:
     """Write into a temporary sibling, then rename: a crash never leaves a half-written cache."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Before the new copy is written: a changed file's old copy no longer takes room beside it.
+    remove_unreachable_conversions(out_dir.parent)
     remove_stale_tmp_dirs(out_dir)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
