@@ -1,7 +1,13 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from gpu.kv_pool import KVBuffers, ReqToTokenPool, TokenSlotAllocator
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_page_aligned_allocation_and_reserved_page():
@@ -72,3 +78,29 @@ def test_kv_buffers_write_by_slot():
     assert torch.equal(kv.k[1][5], k[1]) and torch.equal(kv.v[1][7], -k[2])
     assert kv.k[0].abs().sum() == 0
     assert kv.bytes() == 2 * 2 * 10 * 2 * 4 * 4
+
+
+def test_free_takes_each_page_once_in_any_order():
+    alloc = TokenSlotAllocator(32, page_size=4)
+    slots = alloc.alloc(13)  # four pages, the last partly used
+    shuffled = slots[torch.randperm(len(slots), generator=torch.Generator().manual_seed(0))]
+    alloc.free(torch.cat([shuffled[:5], shuffled[5:]]))
+    assert alloc.available_size() == 32
+    again = torch.cat([alloc.alloc(4) for _ in range(8)])
+    assert sorted(again.tolist()) == list(range(4, 36))  # every page back exactly once (page 0 reserved)
+
+
+def test_free_does_not_import_numpy_ma():
+    # np.unique's first call imports numpy.ma (17-20 ms): the first request after a server start
+    # that freed a KV slot (a repeated prompt's recomputed last token) waited for it.
+    code = (
+        "import sys, torch\n"
+        "from gpu.kv_pool import TokenSlotAllocator\n"
+        "alloc = TokenSlotAllocator(16, page_size=2)\n"
+        "alloc.free(alloc.alloc(5))\n"
+        "assert alloc.available_size() == 16\n"
+        "print('numpy.ma' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
