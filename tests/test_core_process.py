@@ -180,11 +180,35 @@ async def test_kill_9_of_the_core_mid_stream_fails_every_request_at_once(model_p
         assert held_when_failed == [0] * len(streams)
         assert all(isinstance(r, EngineError) and "exited with code -9" in str(r) for r in results), results
         assert "exited" in engine.stats()["failure"]
+        assert not sockets.exists()  # at once: a server killed while it shuts down leaves none
         with pytest.raises(EngineError):
             await engine.generate(input_ids=[1, 2])
     finally:
         await engine.close()
     assert not process_alive(pid) and not sockets.exists()
+
+
+async def test_a_core_that_fails_removes_its_socket_files(model_path, monkeypatch):
+    """A server exits when its core fails; killed during that shutdown (before it saw the core
+    exit), it left the socket files behind: the failed core removes them itself."""
+    from api.core.engine_core import CoreSetup
+
+    engine = Engine(model_path=model_path, inline_core=False, core_setup=CoreSetup(step_runner="tests.test_engine_behaviour:failing_device"))
+    await engine.start()
+    pid, sockets = engine.client.pid, engine.client._sockets
+    monkeypatch.setattr(CoreSockets, "remove", lambda self: None)  # in this process, the frontend's
+    try:
+        with pytest.raises(EngineError, match="simulated device failure"):
+            await asyncio.wait_for(engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY), timeout=30)
+        deadline = time.monotonic() + 10
+        while process_alive(pid):
+            assert time.monotonic() < deadline, "the failed core did not exit"
+            await asyncio.sleep(0.05)
+        assert not sockets.exists()
+    finally:
+        monkeypatch.undo()
+        await engine.close()
+    assert not sockets.exists()
 
 
 @pytest.fixture

@@ -98,8 +98,7 @@ async def _run(sockets: CoreSockets, parent_pid: int) -> CoreConfig | None:
             return config
         runner = core.runner
         outbox.send(encoder.encode(CoreReady(core.config, runner.vocab_size, list(runner.model_config.eos_token_ids))))
-        orphaned = await CoreServer(core, inbox, outbox, encoder, outputs).run(parent_pid)
-        if orphaned:
+        if await CoreServer(core, inbox, outbox, encoder, outputs).run(parent_pid):
             sockets.remove()
         return config
     finally:
@@ -148,7 +147,9 @@ class CoreServer:
         self._failure: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def run(self, parent_pid: int) -> bool:
-        """Serve until told to stop, an actor crashes or the frontend is gone (then True)."""
+        """Serve until told to stop, an actor crashes or the frontend is gone. True when no one
+        uses the sockets again: the frontend is gone, or this core failed (a frontend killed before
+        it saw this process exit would leave them behind)."""
         for actor in self.core.actors:
             actor.start(self._actor_exited)
         parent_gone = asyncio.create_task(_parent_gone(parent_pid))
@@ -176,7 +177,7 @@ class CoreServer:
             if self._failure.done():
                 self.outputs.flush()
                 self._send(CoreFailed(self._failure.result()))
-        return parent_gone.done() and not parent_gone.cancelled()
+        return (parent_gone.done() and not parent_gone.cancelled()) or self._failure.done()
 
     # --- frontend -> core -------------------------------------------------------------------
     async def _read(self) -> None:

@@ -347,6 +347,10 @@ class CoreClient:
     def _process_exited(self) -> None:
         assert self._process is not None
         asyncio.get_running_loop().remove_reader(self._process.exit_fd)
+        # Nothing connects to these sockets again. Removed now, not in close(): a server that
+        # exits on the failure can be killed during its shutdown, and an orphaned core that would
+        # have removed them is gone.
+        self._sockets.remove()
         if not self._closing:
             self._fail(f"the engine core process {self._process.exit_message()}")
 
