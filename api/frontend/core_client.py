@@ -347,9 +347,9 @@ class CoreClient:
     def _process_exited(self) -> None:
         assert self._process is not None
         asyncio.get_running_loop().remove_reader(self._process.exit_fd)
-        # Nothing connects to these sockets again. Removed now, not in close(): a server that
-        # exits on the failure can be killed during its shutdown, and an orphaned core that would
-        # have removed them is gone.
+        # Nothing connects to these sockets again. Removed now, not only in close(): a server
+        # that exits on the failure can be killed during its shutdown, and the core that would
+        # then have removed them (as an orphan) is gone.
         self._sockets.remove()
         if not self._closing:
             self._fail(f"the engine core process {self._process.exit_message()}")
