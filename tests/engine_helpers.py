@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -81,3 +82,11 @@ def process_alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"
+
+
+async def wait_gone(pid: int, timeout: float, what: str) -> None:
+    """Until the process has exited (or is a zombie); fails naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        assert time.monotonic() < deadline, f"{what} {pid} is still running"
+        await asyncio.sleep(0.02)

@@ -20,7 +20,7 @@ import pytest
 from api.frontend.engine import Engine, EngineError, InvalidRequest
 from runtime.ipc import CoreSockets
 from runtime.req import Admission, SchedState
-from tests.engine_helpers import assert_idle_invariants, decoding, process_alive
+from tests.engine_helpers import assert_idle_invariants, decoding, process_alive, wait_gone
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
 PROMPTS = [[5, 6, 7], [9] * 40, [11, 12, 13, 14, 15, 16], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -200,10 +200,7 @@ async def test_a_core_that_fails_removes_its_socket_files(model_path, monkeypatc
     try:
         with pytest.raises(EngineError, match="simulated device failure"):
             await asyncio.wait_for(engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY), timeout=30)
-        deadline = time.monotonic() + 10
-        while process_alive(pid):
-            assert time.monotonic() < deadline, "the failed core did not exit"
-            await asyncio.sleep(0.05)
+        await wait_gone(pid, 10, "the failed core")
         assert not sockets.exists()
     finally:
         monkeypatch.undo()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from api import Engine
 from api.frontend.engine import EngineError
-from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive, wait_gone
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
 SYSTEM = list(range(40, 104))  # a 64-token shared prefix
@@ -129,7 +128,7 @@ async def test_kill_9_of_one_replica_ends_its_requests_and_the_other_keeps_servi
         # New requests all go to the live replica.
         outs = await asyncio.gather(*[engine.generate(input_ids=[9, i], sampling_params=GREEDY) for i in range(4)])
         assert all(o.finish_reason == "length" for o in outs)
-        await _wait_reaped(pids[0])
+        await wait_gone(pids[0], 5, "replica")
     finally:
         await close_and_check_tasks(engine)
     assert not any(process_alive(pid) for pid in pids)
@@ -161,13 +160,6 @@ async def test_dp_needs_the_core_process(model_path):
 async def _refreshed(engine: Engine) -> Engine:
     await engine.current_stats()  # every replica's counters as of now
     return engine
-
-
-async def _wait_reaped(pid: int) -> None:
-    deadline = time.monotonic() + 5
-    while process_alive(pid):
-        assert time.monotonic() < deadline, f"replica {pid} was not reaped"
-        await asyncio.sleep(0.02)
 
 
 def test_server_shows_each_replica_and_the_sum(model_path):

@@ -31,7 +31,7 @@ from gpu.model_config import ModelConfig
 from gpu.tensor_parallel import SliceReader, TPLayout
 from gpu.tp_ranks import Rendezvous
 from gpu.tp_batch import BatchChannel
-from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive
+from tests.engine_helpers import assert_idle_invariants, close_and_check_tasks, decoding, drain, process_alive, wait_gone
 
 GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 12}
 PROMPTS = [[5, 7, 9, 11], list(range(40, 100)), [3] * 17, [300, 2, 77, 5, 6, 8, 13]]
@@ -387,10 +387,7 @@ def test_a_rank_that_never_takes_the_next_header_fails_rank_0_after_the_timeout(
 async def test_kill_9_of_the_core_takes_its_ranks_with_it(tiny_model_factory):
     async with _started_with_its_rank(tiny_model_factory("llama")) as (engine, core, rank):
         os.kill(core, signal.SIGKILL)
-        deadline = time.monotonic() + 5
-        while process_alive(rank) and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        assert not process_alive(rank)
+        await wait_gone(rank, 5, "rank")
 
 
 async def test_close_frees_the_rendezvous_port_and_dp_replicas_each_get_their_ranks(tiny_model_factory):
