@@ -195,8 +195,8 @@ async def test_decode_scenarios_run_on_a_device_model(micro_model: Path) -> None
     """Inline and through a core process (the model travels there by name): decode steps of 8
     requests last the model's decode step (8 rows, 16-token prompts: the weight read dominates)."""
     model = DEVICE_MODELS["a10g-qwen3-0.6b"]
-    inline = await run_decode(8, step_ms=100.0, steps=3, warmup=1, prompt_len=16, model_dir=micro_model, device_model=model)
-    split = await run_decode_split(8, step_ms=100.0, steps=3, warmup=1, prompt_len=16, device_model=model)
+    inline = await run_decode(8, step_ms=100.0, steps=8, warmup=1, prompt_len=16, model_dir=micro_model, device_model=model)
+    split = await run_decode_split(8, step_ms=100.0, steps=8, warmup=1, prompt_len=16, device_model=model)
     floor = model.launch_s + model.weight_read_s
     for r in (inline, split):
         assert r.finished == 8
