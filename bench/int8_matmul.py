@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpu.packed_linear import Int8Kernels, Int8Linear, int8_kernels
+from gpu.packed_linear import WEIGHT_MAX, Int8Kernels, Int8Linear, int8_kernels
 
 SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152))  # SmolLM2-135M's, K x N
 
@@ -43,7 +43,8 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     for k, n in SHAPES:
         weight = torch.randn(n, k) * 0.05
-        ours, reference = Int8Linear([weight], [None], kernels), Int8Linear([weight], [None], onednn)
+        # 8-bit weights on both: with VNNI, oneDNN's kernel sums in int32 without saturating.
+        ours, reference = Int8Linear([weight], [None], kernels), Int8Linear([weight], [None], onednn, weight_max=WEIGHT_MAX)
         for rows in args.rows:
             x = torch.randn(rows, k).bfloat16()
             if not torch.equal(ours(x), reference(x)):

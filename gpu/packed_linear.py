@@ -100,14 +100,16 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 (a scale per output row) and x quantized per row at each call;
     the concatenation of one or more layers'. The weight is held in one layout: the VNNI kernel's
     where `kernels` has it, else oneDNN's. `kernels` quantize and scale back in one pass each;
-    without them the same arithmetic runs as torch ops."""
+    without them the same arithmetic runs as torch ops. `weight_max` overrides the weights' range
+    (7 bits on oneDNN's path, whose kernel may lack VNNI; 8 with our kernel, which needs it)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None):
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None,
+                 weight_max: int | None = None):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.kernels = kernels
         self.vnni = kernels.vnni if kernels is not None else None
-        self.weight_max = WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX
+        self.weight_max = weight_max or (WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX)
         q, scale = quantize_weight(weight, self.weight_max)
         self.register_buffer("weight_scale", scale, persistent=False)
         bias = _concat_biases(weight, weights, biases)

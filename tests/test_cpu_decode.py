@@ -14,7 +14,7 @@ from gpu.forward_batch import ForwardBatch
 from gpu.kv_quant import SCALE_BYTES, quantize_rows
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu import packed_linear
-from gpu.packed_linear import Int8Kernels, Int8Linear, can_pack
+from gpu.packed_linear import WEIGHT_MAX, Int8Kernels, Int8Linear, can_pack
 
 LARGE_BATCH = 18  # requests: many rows per pass of the int8 kernel, and a batch past oneDNN's 16-row bucket
 
@@ -36,7 +36,8 @@ def test_vnni_kernel_gives_onednns_bits(vnni: Int8Kernels, dtype: torch.dtype, o
     bias = torch.randn(out_features)
     onednn = Int8Kernels(vnni.quantize_rows, vnni.dequantize_rows, vnni=None)
     for b in (None, bias):
-        kernel, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn)
+        # 8-bit weights on both: this CPU has VNNI, so oneDNN's kernel sums in int32 without saturating.
+        kernel, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn, weight_max=WEIGHT_MAX)
         assert kernel.vnni is not None and reference.vnni is None
         for rows in (1, 3, 4, 6, 7, 8, 9, 16, 64):
             x = (torch.randn(rows, in_features) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)
