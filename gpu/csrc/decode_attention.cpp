@@ -318,6 +318,16 @@ inline void finish(const float* acc, const float* state, int64_t group, int64_t 
 }  // namespace quad
 #endif
 
+// The rows of keys `begin` to `end` (at most a block) of `span` elements each from both pools into the cache.
+template <typename Row>
+inline void prefetch_first_block(const Row* k_pool, const Row* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin,
+                                 int64_t end, int64_t span) {
+  for (int64_t t = begin; t < std::min(end, begin + BLOCK); ++t) {
+    prefetch_elems(k_pool + slots[t] * slot_stride, span);
+    prefetch_elems(v_pool + slots[t] * slot_stride, span);
+  }
+}
+
 // Walks one task's keys (`begin` to `end` of its slots) a block at a time, for `task_heads` K/V heads
 // whose rows follow each other in a slot (the pools offset to the first): the block's key rows of
 // head h (past n, the last row again) go to score(h, keys, n), head by head, then its value rows
@@ -1056,6 +1066,13 @@ void run(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool
       const P* v_head = v_data + first * row;
       const int32_t* slots = table + rows[b] * table_stride;
       float* lse_out = lse_data + b * heads + first * group;
+      // for_each_block fetches each block's successor; a task's first block would come cold. Tasks
+      // cost about the same, so a thread's next one is likely `threads` on: fetch its first block.
+      if (task + threads < num_tasks) {
+        const int64_t next_b = (task + threads) / tasks_per_request, next_first = ((task + threads) % tasks_per_request) * per_task;
+        prefetch_first_block(k_data + next_first * row, v_data + next_first * row, slot_stride, table + rows[next_b] * table_stride,
+                             begins[next_b], ends[next_b], std::min(per_task, kv_heads - next_first) * row);
+      }
 #ifdef ACTORSERVE_QUAD_SCORES
       auto attend_f32 = [&](auto& scratch) {
         using W = typename std::remove_reference_t<decltype(scratch[0])>::Lanes;
