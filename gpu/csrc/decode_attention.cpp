@@ -335,20 +335,15 @@ inline void prefetch_first_block(const Row* k_pool, const Row* v_pool, int64_t s
 // lines, where a task per K/V head read a piece of each run and left the rest to other tasks (AVX2,
 // SmolLM2's three heads, int8 rows in contiguous slots, out of cache: 1.38x as long). Rows may be
 // scattered over the pool, so the next block's keys are fetched while this one's are scored, its
-// values while this one's are summed (two smaller bursts: fewer dropped prefetches).
+// values while this one's are summed, a share before each head: bursts of a whole block's lines
+// stalled on the cache's misses in flight (AVX-512 EPYC, batch 64 x 256 keys out of cache: a
+// bfloat16 layer 1.21x as long in one burst per pool as in three, an int8 one 1.13x).
 template <typename Row, typename Score, typename Accumulate>
 inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_stride, const int32_t* slots, int64_t begin, int64_t end,
                            int64_t dim, int64_t task_heads, Score score, Accumulate accumulate) {
   const int64_t row = row_elems<Row>(dim), span = task_heads * row;
   const Row* keys[BLOCK];
   const Row* values[BLOCK];
-  auto each_head = [&](const Row* const* first, int64_t n, auto call) {
-    const Row* rows[BLOCK];
-    for (int64_t h = 0; h < task_heads; ++h) {
-      for (int64_t t = 0; t < BLOCK; ++t) rows[t] = first[t] + h * row;
-      call(h, rows, n);
-    }
-  };
   for (int64_t start = begin; start < end; start += BLOCK) {
     const int64_t n = std::min(BLOCK, end - start);
     for (int64_t t = 0; t < BLOCK; ++t) {
@@ -356,11 +351,18 @@ inline void for_each_block(const Row* k_pool, const Row* v_pool, int64_t slot_st
       keys[t] = k_pool + slot * slot_stride;
       values[t] = v_pool + slot * slot_stride;
     }
-    const int64_t next_end = std::min(end, start + 2 * BLOCK);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_elems(k_pool + slots[t] * slot_stride, span);
-    each_head(keys, n, score);
-    for (int64_t t = start + BLOCK; t < next_end; ++t) prefetch_elems(v_pool + slots[t] * slot_stride, span);
-    each_head(values, n, accumulate);
+    const int64_t next = start + BLOCK, ahead = std::max<int64_t>(0, std::min(end, next + BLOCK) - next);
+    auto each_head = [&](const Row* pool, const Row* const* first, auto call) {
+      const Row* rows[BLOCK];
+      for (int64_t h = 0; h < task_heads; ++h) {
+        for (int64_t t = next + h * ahead / task_heads; t < next + (h + 1) * ahead / task_heads; ++t)
+          prefetch_elems(pool + slots[t] * slot_stride, span);
+        for (int64_t t = 0; t < BLOCK; ++t) rows[t] = first[t] + h * row;
+        call(h, rows, n);
+      }
+    };
+    each_head(k_pool, keys, score);
+    each_head(v_pool, values, accumulate);
   }
 }
 
