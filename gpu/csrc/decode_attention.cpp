@@ -56,7 +56,11 @@ using actorserve::exp_nonpositive;
 using actorserve::load_row;
 using actorserve::row_elems;
 
-constexpr int64_t BLOCK = 32;
+// Keys per block: scores, softmax update and P.V run a block at a time, and the next block's rows
+// are fetched meanwhile. 16 rather than 32: smaller bursts of prefetches (AVX-512 EPYC, batch 64 x
+// 256 keys out of cache: a bfloat16 layer 1.29x faster, its decode step 1.16x; int8 K/V 1.02x; the
+// same in cache).
+constexpr int64_t BLOCK = 16;
 
 // Rows are scattered over the pool, so the hardware prefetcher cannot see the next one coming.
 constexpr int64_t PREFETCH_AHEAD = 16;
