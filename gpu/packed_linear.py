@@ -109,7 +109,9 @@ class Int8Linear(nn.Module):
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.kernels = kernels
         self.vnni = kernels.vnni if kernels is not None else None
-        self.weight_max = weight_max or (WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX)
+        if weight_max is None:
+            weight_max = WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX
+        self.weight_max = weight_max
         q, scale = quantize_weight(weight, self.weight_max)
         self.register_buffer("weight_scale", scale, persistent=False)
         bias = _concat_biases(weight, weights, biases)
