@@ -56,7 +56,9 @@ def test_host_to_device_loads_are_charged_at_the_host_link_rate():
 
 async def test_a_prefix_pushed_out_of_the_pool_is_served_from_the_host_tier(tiny_model_factory: Any):
     model = tiny_model_factory("llama", vocab_size=VOCAB, max_position_embeddings=4096)
-    trace = [TraceRequest(0, 2 * BLOCK, 2, [1, 2]), TraceRequest(10, 2 * BLOCK, 2, [3, 4]), TraceRequest(20, 2 * BLOCK, 2, [1, 2])]
+    # Two seconds apart (0.1 s here): one request at a time. Arriving together, the third would wait
+    # beside the second, and a prefix-aware policy would run it first, while its prefix is still on device.
+    trace = [TraceRequest(2000 * i, 2 * BLOCK, 2, ids) for i, ids in enumerate([[1, 2], [3, 4], [1, 2]])]
     pool = {"max_total_tokens": 3 * BLOCK}  # request 1 pushes most of request 0's blocks out
     radix = await serve(trace, "radix", H100, pool, sim_speed=20, model_dir=model)
     host = await serve(trace, "host", H100, {**pool, "enable_hierarchical_cache": True, "hicache_ratio": 2}, sim_speed=20, model_dir=model)
