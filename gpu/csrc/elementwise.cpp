@@ -191,6 +191,15 @@ void write_kv_(at::Tensor& k_pool, at::Tensor& v_pool, const at::Tensor& slots, 
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(s[t] >= 0 && s[t] < k_pool.size(0), "slots[", t, "] = ", s[t], " is not a slot of the pool");
   }
+  // Slots lie anywhere in the pool, and each row written misses the cache: asked for all at once,
+  // the misses overlap, where row by row each write waited for its line.
+  for (const auto* pool : {&k_pool, &v_pool}) {
+    const auto* base = static_cast<const char*>(pool->data_ptr());
+    for (int64_t t = 0; t < slots.numel(); ++t) {
+      const char* row = base + s[t] * heads * row_bytes;
+      for (int64_t line = 0; line < heads * row_bytes; line += 64) __builtin_prefetch(row + line, 1, 3);
+    }
+  }
   for (const auto& [pool, x] : {std::pair<at::Tensor*, const at::Tensor*>{&k_pool, &k}, {&v_pool, &v}}) {
     auto* dst = static_cast<char*>(pool->data_ptr());
     const auto* src = static_cast<const char*>(x->data_ptr());
