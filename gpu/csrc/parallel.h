@@ -30,10 +30,11 @@ constexpr int64_t kPiecesPerThread = 1;
 constexpr int64_t kPiecesPerThread = 4;
 #endif
 
-// f(first, last) over [0, n) in pieces of at least `grain` (or one per thread where n is shorter),
-// which the threads take in order from a shared counter. The serving threads share these cores: a
-// thread the OS preempts then holds up only the piece it is in, where an equal split per thread
-// left the others waiting at the region's end for all of its share.
+// f(first, last) over [0, n) in kPiecesPerThread pieces a thread of at least `grain` (or one per
+// thread where n is shorter), which the threads take in order from a shared counter. The serving
+// threads share these cores: with several pieces a thread, one the OS preempts holds up only the
+// piece it is in, where an equal split per thread (one piece each) left the others waiting at the
+// region's end for all of its share.
 template <typename F>
 void parallel_for(int64_t n, int64_t grain, const F& f) {
   if (n <= 0) {
