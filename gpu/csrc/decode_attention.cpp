@@ -395,14 +395,16 @@ inline __m512bh as_bh(__m512i x) {
 }
 
 // Four heads' partial sums against one key row: lane 4h + i sums the products of elements
-// 8c + 2i, 8c + 2i + 1 over the row's pieces c. q4: [DIM / 8] vectors (see pack_queries).
+// 8c + 2i, 8c + 2i + 1 over the row's pieces c. q4: the packed queries (see pack_queries), held in
+// registers across a block's keys rather than loaded again for each key (loads, not dots, bound
+// this kernel in cache).
 template <int64_t CHUNKS>
-inline __m512 quad_partials(const uint32_t* q4, const uint16_t* key) {
+inline __m512 quad_partials(const __m512bh* q4, const uint16_t* key) {
   auto piece = [&](int64_t c) { return as_bh(_mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(key + 8 * c)))); };
   __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  // two chains: half the latency
   for (int64_t c = 0; c < 4 * CHUNKS; c += 2) {
-    even = _mm512_dpbf16_ps(even, as_bh(_mm512_loadu_si512(q4 + 16 * c)), piece(c));
-    odd = _mm512_dpbf16_ps(odd, as_bh(_mm512_loadu_si512(q4 + 16 * (c + 1))), piece(c + 1));
+    even = _mm512_dpbf16_ps(even, q4[c], piece(c));
+    odd = _mm512_dpbf16_ps(odd, q4[c + 1], piece(c + 1));
   }
   return _mm512_add_ps(even, odd);
 }
@@ -424,61 +426,60 @@ struct Scratch {
   std::vector<uint32_t> q4;  // [quads][dim / 8][16]
   std::vector<uint16_t> probs;  // [quads][VECS][16] bf16 probabilities in score-vector layout
   std::vector<float> state;  // [quads][3][16]: running max, running sum, this block's rescale
-  std::vector<uint16_t> values;  // [BLOCK / 2][dim * 2] interleaved value-row pairs
   std::vector<float> acc;  // [group][dim], lanes permuted as the interleave leaves them
   Scratch(int64_t group, int64_t dim)
-      : q4(quads(group) * dim / 8 * 16), probs(quads(group) * VECS * 16), state(quads(group) * 48), values(BLOCK * dim),
-        acc(group * dim) {}
+      : q4(quads(group) * dim / 8 * 16), probs(quads(group) * VECS * 16), state(quads(group) * 48), acc(group * dim) {}
   static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
 };
 
-// Value rows t and t + 1 interleaved element by element, for t = 0, 2, ... < n (a missing row
-// n repeats row n - 1; its probability is 0).
+// Query heads whose accumulators P.V keeps in registers at once: 16 vectors of them.
 template <int64_t CHUNKS>
-inline void interleave_values(const uint16_t* const* rows, int64_t n, uint16_t* out) {
+constexpr int64_t pv_heads() { return std::max<int64_t>(1, 8 / CHUNKS); }
+
+// acc = acc * rescale + P.V over the block's key pairs, for G query heads from `first` on (their
+// probabilities and rescales in s). Each pair of value rows is loaded once and interleaved element
+// by element in registers, and serves all G heads: a pass per head loaded the rows again for each.
+// Key t's probability is at probs[16 * (t / 4) + t % 4] past the head's quarter; past n the rows
+// repeat the block's last (for_each_block) and the probabilities are 0.
+template <int64_t CHUNKS, int64_t G>
+inline void accumulate_heads(Scratch& s, int64_t first, const uint16_t* const* rows, int64_t n) {
+  constexpr int64_t V = 2 * CHUNKS, DIM = 32 * CHUNKS;
+  __m512 a[G][V];
+  const uint16_t* p[G];
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t w = (first + g) / HEADS, lane = 4 * ((first + g) % HEADS);
+    p[g] = s.probs.data() + w * VECS * 16 + lane;
+    const __m512 rescale = _mm512_set1_ps(s.state[w * 48 + 32 + lane]);
+    for (int64_t v = 0; v < V; ++v) a[g][v] = _mm512_mul_ps(_mm512_loadu_ps(s.acc.data() + (first + g) * DIM + 16 * v), rescale);
+  }
   for (int64_t t = 0; t < n; t += 2) {
-    const uint16_t* a = rows[t];
-    const uint16_t* b = rows[std::min(t + 1, n - 1)];
-    __m512i* o = reinterpret_cast<__m512i*>(out + t * 32 * CHUNKS);
+    __m512bh lo[CHUNKS], hi[CHUNKS];
     for (int64_t c = 0; c < CHUNKS; ++c) {
-      const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
-      _mm512_storeu_si512(o + 2 * c, _mm512_unpacklo_epi16(x, y));
-      _mm512_storeu_si512(o + 2 * c + 1, _mm512_unpackhi_epi16(x, y));
+      const __m512i x = _mm512_loadu_si512(rows[t] + 32 * c), y = _mm512_loadu_si512(rows[t + 1] + 32 * c);
+      lo[c] = as_bh(_mm512_unpacklo_epi16(x, y));
+      hi[c] = as_bh(_mm512_unpackhi_epi16(x, y));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      uint32_t pair;
+      std::memcpy(&pair, p[g] + 16 * (t / 4) + t % 4, sizeof pair);
+      const __m512bh probs = as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair)));
+      for (int64_t c = 0; c < CHUNKS; ++c) {
+        a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], probs, lo[c]);
+        a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], probs, hi[c]);
+      }
     }
   }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(s.acc.data() + (first + g) * DIM + 16 * v, a[g][v]);
 }
 
-// acc = acc * rescale + P.V over the block's key pairs, for one head; p: the head's probabilities,
-// key t at p[16 * (t / 4) + t % 4] (the head's quarter offset applied by the caller).
-template <int64_t CHUNKS>
-inline void accumulate_values(const uint16_t* p, float rescale, const uint16_t* values, int64_t n, float* acc) {
-  constexpr int64_t V = 2 * CHUNKS;
-  __m512 a[V], b[V];  // even and odd key pairs: twice the independent chains
-  const __m512 r = _mm512_set1_ps(rescale);
-  for (int64_t v = 0; v < V; ++v) {
-    a[v] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * v), r);
-    b[v] = _mm512_setzero_ps();
+// accumulate_heads for `count` heads from `first` on, G at most (G known at compile time).
+template <int64_t CHUNKS, int64_t G = pv_heads<CHUNKS>()>
+inline void accumulate_group(Scratch& s, int64_t first, int64_t count, const uint16_t* const* rows, int64_t n) {
+  if constexpr (G > 1) {
+    if (count < G) return accumulate_group<CHUNKS, G - 1>(s, first, count, rows, n);
   }
-  auto pair_at = [&](int64_t t) {
-    uint32_t pair;
-    std::memcpy(&pair, p + 16 * (t / 4) + t % 4, sizeof pair);
-    return as_bh(_mm512_set1_epi32(static_cast<int32_t>(pair)));
-  };
-  int64_t t = 0;
-  for (; t + 2 < n; t += 4) {
-    const __m512bh p0 = pair_at(t), p1 = pair_at(t + 2);
-    const __m512i* v = reinterpret_cast<const __m512i*>(values + t * 32 * CHUNKS);
-    for (int64_t c = 0; c < V; ++c) {
-      a[c] = _mm512_dpbf16_ps(a[c], p0, as_bh(_mm512_loadu_si512(v + c)));
-      b[c] = _mm512_dpbf16_ps(b[c], p1, as_bh(_mm512_loadu_si512(v + V + c)));
-    }
-  }
-  if (t < n) {
-    const __m512bh p0 = pair_at(t);
-    const __m512i* v = reinterpret_cast<const __m512i*>(values + t * 32 * CHUNKS);
-    for (int64_t c = 0; c < V; ++c) a[c] = _mm512_dpbf16_ps(a[c], p0, as_bh(_mm512_loadu_si512(v + c)));
-  }
-  for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc + 16 * v, _mm512_add_ps(a[v], b[v]));
+  accumulate_heads<CHUNKS, G>(s, first, rows, n);
 }
 
 // Element d of the output from the interleaved accumulator: vector 2c holds elements 32c + 8L + i
@@ -508,7 +509,8 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
   auto score = [&](int64_t h, const uint16_t* const* keys, int64_t n) {
     Scratch& s = scratch[h];
     for (int64_t w = 0; w < quads; ++w) {
-      const uint32_t* q4 = s.q4.data() + w * DIM / 8 * 16;
+      __m512bh q4[4 * CHUNKS];
+      for (int64_t c = 0; c < 4 * CHUNKS; ++c) q4[c] = as_bh(_mm512_loadu_si512(s.q4.data() + w * DIM / 8 * 16 + 16 * c));
       uint16_t* probs = s.probs.data() + w * VECS * 16;
       score_block<W>([&](int64_t t) { return quad_partials<CHUNKS>(q4, keys[t]); }, n, [&](int64_t) { return W::set1(scale); },
                   [&](int64_t j, __m512 p) {
@@ -519,13 +521,8 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     }
   };
   auto accumulate = [&](int64_t h, const uint16_t* const* values, int64_t n) {
-    Scratch& s = scratch[h];
-    interleave_values<CHUNKS>(values, n, s.values.data());
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t w = g / HEADS, lane = 4 * (g % HEADS);
-      accumulate_values<CHUNKS>(s.probs.data() + w * VECS * 16 + lane, s.state[w * 48 + 32 + lane], s.values.data(), n,
-                                s.acc.data() + g * DIM);
-    }
+    for (int64_t g = 0; g < group; g += pv_heads<CHUNKS>())
+      accumulate_group<CHUNKS>(scratch[h], g, std::min(pv_heads<CHUNKS>(), group - g), values, n);
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
