@@ -686,12 +686,10 @@ struct Scratch {
   std::vector<float> state;  // [vectors][STATE]
   std::vector<float> acc;  // [group][dim]
   std::vector<float> q;  // [group][dim] the queries as float
-  std::vector<float> rows;  // [BLOCK][dim] a block's value rows as float32, unscaled
-  const float* row_ptrs[BLOCK];
   float key_scale[BLOCK], value_scale[BLOCK];
   Scratch(int64_t group, int64_t dim)
       : q2(vectors(group) * dim * 2), q_scale(vectors(group) * W::N), probs(vectors(group) * VECS * W::N), state(vectors(group) * STATE),
-        acc(group * dim), q(group * dim), rows(BLOCK * dim) {}
+        acc(group * dim), q(group * dim) {}
   static int64_t vectors(int64_t group) { return (group + HEADS - 1) / HEADS; }
 };
 
@@ -723,13 +721,57 @@ inline __m256 pair_partials(const int8_t* q2, const int8_t* key) {
   return _mm256_cvtepi32_ps(sum);  // exact: below 2^24
 }
 
-// One int8 row's dim values as float32, unscaled.
-template <int64_t DIM>
-inline void widen_row(const int8_t* row, float* out) {
-  for (int64_t v = 0; v < DIM / 8; ++v) {
-    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + 8 * v)));
-    _mm256_storeu_ps(out + 8 * v, _mm256_cvtepi32_ps(x));
+// Query heads whose accumulators P.V keeps in registers at once.
+constexpr int64_t PV_HEADS = 4;
+
+// 8-float vectors of a row that P.V takes at once for G heads: G accumulators each, the G heads'
+// probabilities and one row vector within AVX2's 16 registers (a power of 2, at most the row's V).
+template <int64_t G, int64_t V>
+constexpr int64_t pv_slice() {
+  int64_t s = 1;
+  while (2 * s <= V && G * 2 * s + G + 1 <= 14) s *= 2;
+  return s;
+}
+
+// acc = acc * rescale + P.V over the block's first n value rows for the G query heads from `first`
+// on (their probabilities, already times the rows' scales, and rescales in s). Each int8 row is
+// converted to float once, in slices of the row, and weighs in for every head of the pass: a
+// widened copy of the block read again head by head cost loads and stores that outnumbered the
+// FMAs. Each accumulator takes its keys in order, one FMA each, as before: the same bits.
+template <int64_t CHUNKS, int64_t G>
+inline void accumulate_heads(Scratch& s, int64_t first, const int8_t* const* rows, int64_t n) {
+  constexpr int64_t DIM = 32 * CHUNKS, V = DIM / W::N, S = pv_slice<G, V>(), STATE = Scratch::STATE;
+  const float* p[G];
+  float rescale[G];
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t w = (first + g) / HEADS, lane = 4 * ((first + g) % HEADS);
+    p[g] = s.probs.data() + w * VECS * W::N + lane;
+    rescale[g] = s.state[w * STATE + 2 * W::N + lane];
   }
+  for (int64_t col = 0; col < V; col += S) {
+    __m256 a[G][S];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < S; ++v) a[g][v] = W::mul(W::load(s.acc.data() + (first + g) * DIM + W::N * (col + v)), W::set1(rescale[g]));
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t at = W::N * (t / 4) + t % 4;
+      for (int64_t v = 0; v < S; ++v) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows[t] + W::N * (col + v)));
+        const __m256 x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+        for (int64_t g = 0; g < G; ++g) a[g][v] = W::fmadd(W::set1(p[g][at]), x, a[g][v]);
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t v = 0; v < S; ++v) W::store(s.acc.data() + (first + g) * DIM + W::N * (col + v), a[g][v]);
+  }
+}
+
+// accumulate_heads for `count` heads from `first` on, G at most (G known at compile time).
+template <int64_t CHUNKS, int64_t G = PV_HEADS>
+inline void accumulate_group(Scratch& s, int64_t first, int64_t count, const int8_t* const* rows, int64_t n) {
+  if constexpr (G > 1) {
+    if (count < G) return accumulate_group<CHUNKS, G - 1>(s, first, count, rows, n);
+  }
+  accumulate_heads<CHUNKS, G>(s, first, rows, n);
 }
 
 // Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
@@ -765,16 +807,7 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     Scratch& s = scratch[h];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), vectors, s.value_scale);
-    for (int64_t t = 0; t < n; ++t) {
-      widen_row<DIM>(values[t], s.rows.data() + t * DIM);
-      s.row_ptrs[t] = s.rows.data() + t * DIM;
-    }
-    std::fill(s.row_ptrs + n, s.row_ptrs + BLOCK, s.row_ptrs[n - 1]);
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t w = g / HEADS, lane = 4 * (g % HEADS);
-      f32::accumulate_values<W, CHUNKS>(s.probs.data() + w * VECS * W::N + lane, s.state[w * STATE + 2 * W::N + lane], s.row_ptrs, n,
-                                        s.acc.data() + g * DIM);
-    }
+    for (int64_t g = 0; g < group; g += PV_HEADS) accumulate_group<CHUNKS>(s, g, std::min(PV_HEADS, group - g), values, n);
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
