@@ -724,8 +724,9 @@ inline __m256 pair_partials(const int8_t* q2, const int8_t* key) {
 // Query heads whose accumulators P.V keeps in registers at once.
 constexpr int64_t PV_HEADS = 4;
 
-// 8-float vectors of a row that P.V takes at once for G heads: G accumulators each, the G heads'
-// probabilities and one row vector within AVX2's 16 registers (a power of 2, at most the row's V).
+// 8-float vectors of a row that P.V takes at once for G heads (a power of 2, at most the row's V):
+// G accumulators each, the G heads' probabilities and one row vector in 14 of AVX2's 16 registers
+// (with all 16 so planned, GCC kept one accumulator on the stack, a store and a load every key).
 template <int64_t G, int64_t V>
 constexpr int64_t pv_slice() {
   int64_t s = 1;
@@ -737,7 +738,8 @@ constexpr int64_t pv_slice() {
 // on (their probabilities, already times the rows' scales, and rescales in s). Each int8 row is
 // converted to float once, in slices of the row, and weighs in for every head of the pass: a
 // widened copy of the block read again head by head cost loads and stores that outnumbered the
-// FMAs. Each accumulator takes its keys in order, one FMA each, as before: the same bits.
+// FMAs. Each accumulator takes its keys in order, one FMA each, as that copy's per-head pass did:
+// the same bits.
 template <int64_t CHUNKS, int64_t G>
 inline void accumulate_heads(Scratch& s, int64_t first, const int8_t* const* rows, int64_t n) {
   constexpr int64_t DIM = 32 * CHUNKS, V = DIM / W::N, S = pv_slice<G, V>(), STATE = Scratch::STATE;
