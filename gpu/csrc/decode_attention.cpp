@@ -88,6 +88,21 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// Query heads a P.V pass of the 512-bit paths takes at once, for rows of 32 * CHUNKS elements: 2 *
+// CHUNKS accumulator vectors a head, sixteen in all.
+template <int64_t CHUNKS>
+constexpr int heads_per_pass() { return static_cast<int>(8 / CHUNKS); }
+
+// call(std::integral_constant<int, h>) for 1 <= h <= Max: a pass's head count as a compile-time
+// constant, so that its accumulators are an array of registers.
+template <int Max, typename Call>
+inline void with_count(int64_t h, Call call) {
+  if constexpr (Max > 1) {
+    if (h < Max) return with_count<Max - 1>(h, call);
+  }
+  call(std::integral_constant<int, Max>{});
+}
+
 // Attention of `group` query heads (q: [group, dim] floats, already scaled) over keys `begin` to
 // `end` of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and
 // lse[group]. FIXED_DIM, when not 0, is `dim` known at compile time (unrolled loops).
@@ -432,10 +447,6 @@ struct Scratch {
   static int64_t quads(int64_t group) { return (group + HEADS - 1) / HEADS; }
 };
 
-// Query heads whose accumulators P.V keeps in registers at once: 16 vectors of them.
-template <int64_t CHUNKS>
-constexpr int64_t pv_heads() { return std::max<int64_t>(1, 8 / CHUNKS); }
-
 // acc = acc * rescale + P.V over the block's key pairs, for G query heads from `first` on (their
 // probabilities and rescales in s). Each pair of value rows is loaded once and interleaved element
 // by element in registers, and serves all G heads: a pass per head loaded the rows again for each.
@@ -471,15 +482,6 @@ inline void accumulate_heads(Scratch& s, int64_t first, const uint16_t* const* r
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(s.acc.data() + (first + g) * DIM + 16 * v, a[g][v]);
-}
-
-// accumulate_heads for `count` heads from `first` on, G at most (G known at compile time).
-template <int64_t CHUNKS, int64_t G = pv_heads<CHUNKS>()>
-inline void accumulate_group(Scratch& s, int64_t first, int64_t count, const uint16_t* const* rows, int64_t n) {
-  if constexpr (G > 1) {
-    if (count < G) return accumulate_group<CHUNKS, G - 1>(s, first, count, rows, n);
-  }
-  accumulate_heads<CHUNKS, G>(s, first, rows, n);
 }
 
 // Element d of the output from the interleaved accumulator: vector 2c holds elements 32c + 8L + i
@@ -521,8 +523,10 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     }
   };
   auto accumulate = [&](int64_t h, const uint16_t* const* values, int64_t n) {
-    for (int64_t g = 0; g < group; g += pv_heads<CHUNKS>())
-      accumulate_group<CHUNKS>(scratch[h], g, std::min(pv_heads<CHUNKS>(), group - g), values, n);
+    constexpr int PASS = heads_per_pass<CHUNKS>();
+    for (int64_t g = 0; g < group; g += PASS)
+      with_count<PASS>(std::min<int64_t>(PASS, group - g),
+                       [&](auto count) { accumulate_heads<CHUNKS, decltype(count)::value>(scratch[h], g, values, n); });
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
@@ -722,7 +726,7 @@ inline __m256 pair_partials(const int8_t* q2, const int8_t* key) {
 }
 
 // Query heads whose accumulators P.V keeps in registers at once.
-constexpr int64_t PV_HEADS = 4;
+constexpr int PV_HEADS = 4;
 
 // 8-float vectors of a row that P.V takes at once for G heads (a power of 2, at most the row's V):
 // G accumulators each, the G heads' probabilities and one row vector in 14 of AVX2's 16 registers
@@ -767,15 +771,6 @@ inline void accumulate_heads(Scratch& s, int64_t first, const int8_t* const* row
   }
 }
 
-// accumulate_heads for `count` heads from `first` on, G at most (G known at compile time).
-template <int64_t CHUNKS, int64_t G = PV_HEADS>
-inline void accumulate_group(Scratch& s, int64_t first, int64_t count, const int8_t* const* rows, int64_t n) {
-  if constexpr (G > 1) {
-    if (count < G) return accumulate_group<CHUNKS, G - 1>(s, first, count, rows, n);
-  }
-  accumulate_heads<CHUNKS, G>(s, first, rows, n);
-}
-
 // Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
 // keys `begin` to `end` of one request, for `task_heads` K/V heads (the int8 pools offset to the first;
 // scratch[h] for head h). Writes out[task_heads][group, dim] and lse[task_heads][group].
@@ -809,7 +804,9 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     Scratch& s = scratch[h];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), vectors, s.value_scale);
-    for (int64_t g = 0; g < group; g += PV_HEADS) accumulate_group<CHUNKS>(s, g, std::min(PV_HEADS, group - g), values, n);
+    for (int64_t g = 0; g < group; g += PV_HEADS)
+      with_count<PV_HEADS>(std::min<int64_t>(PV_HEADS, group - g),
+                           [&](auto count) { accumulate_heads<CHUNKS, decltype(count)::value>(s, g, values, n); });
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
@@ -906,19 +903,6 @@ inline void accumulate_values(const float* const* p, const float* rescale, const
   }
   for (int h = 0; h < H; ++h)
     for (int64_t v = 0; v < V; ++v) _mm512_storeu_ps(acc[h] + 16 * v, a[h][v]);
-}
-
-// Heads per pass of accumulate_values: sixteen accumulators.
-template <int64_t CHUNKS>
-constexpr int heads_per_pass() { return static_cast<int>(8 / CHUNKS); }
-
-// call(std::integral_constant<int, h>) for 1 <= h <= Max.
-template <int Max, typename Call>
-inline void with_count(int64_t h, Call call) {
-  if constexpr (Max > 1) {
-    if (h < Max) return with_count<Max - 1>(h, call);
-  }
-  call(std::integral_constant<int, Max>{});
 }
 
 // Attention of `group` query heads per K/V head (q: [task_heads][group, 32 * CHUNKS], unscaled) over
