@@ -27,6 +27,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ACTORSERVE_INT8_VNNI 1
@@ -159,10 +160,12 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                  const float* bias, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1);
   const int64_t blocks = packed.size(0), k4 = packed.size(1), stride = k4 * 4;
-  auto q = at::empty({rows, stride}, x.options().dtype(at::kByte));
-  auto row_scale = at::empty({rows}, x.options().dtype(at::kFloat));
-  uint8_t* qd = q.data_ptr<uint8_t>();
-  float* sd = row_scale.data_ptr<float>();
+  thread_local std::vector<uint8_t> q;  // kept across calls, as gguf_matmul's
+  thread_local std::vector<float> row_scale;
+  q.resize(rows * stride);
+  row_scale.resize(rows);
+  uint8_t* qd = q.data();
+  float* sd = row_scale.data();
   const T* xd = x.data_ptr<T>();
   actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
     quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
