@@ -28,15 +28,22 @@ STARTUP_TIMEOUT_S = 300.0
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("bfloat16", "float32", *QUANTIZATIONS)
 KV_INT8 = "+kv-int8"  # a mode's suffix: `--kv-cache-dtype int8`
+ACTIVATIONS = "@"  # a quantization mode's last suffix: `@float32` sets its activations' dtype
 
 
 def mode_settings(mode: str) -> tuple[str, str | None, str]:
     """(dtype, quantization, kv_cache_dtype) of an actorserve mode: a dtype, or a quantization with
-    the CPU's default activations (bfloat16 where it is native, else float32); either with KV_INT8
-    after it for an int8 KV cache."""
+    the CPU's default activations (bfloat16 where it is native, else float32) or those named after
+    ACTIVATIONS (`gguf@float32`: what a CPU without native bfloat16 runs); either with KV_INT8 for an
+    int8 KV cache."""
+    mode, _, activations = mode.partition(ACTIVATIONS)
     base = mode.removesuffix(KV_INT8)
     kv_cache_dtype = "int8" if mode.endswith(KV_INT8) else "auto"
-    return ("auto", base, kv_cache_dtype) if base in QUANTIZATIONS else (base, None, kv_cache_dtype)
+    if base not in QUANTIZATIONS:
+        if activations:
+            raise ValueError(f"mode {mode}{ACTIVATIONS}{activations}: only a quantization mode takes {ACTIVATIONS}dtype")
+        return base, None, kv_cache_dtype
+    return activations or "auto", base, kv_cache_dtype
 
 
 @dataclass(frozen=True, slots=True)

