@@ -24,6 +24,7 @@
 #include "linear_bias.h"
 #include "half_blocks.h"
 #include "parallel.h"
+#include "thread_buffer.h"
 
 #include <algorithm>
 #include <cmath>
@@ -486,17 +487,13 @@ template <int Bits, typename T>
 void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const at::Tensor& minimum,
                  const float* bias, int64_t width, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1), groups = dim / kGroup;
-  // The quantized activations live in buffers of the calling thread kept across calls: three
-  // allocations a call were a tenth of a one-token decode step's serial work.
-  thread_local std::vector<int8_t> q;
-  thread_local std::vector<float> a, s;
-  q.resize(rows * dim);
-  a.resize(rows * groups);
-  s.resize(rows * groups);
+  // The quantized activations live in buffers of the calling thread (thread_buffer.h).
+  thread_local actorserve::ThreadBuffer<int8_t> q;
+  thread_local actorserve::ThreadBuffer<float> a, s;
   const T* xd = x.data_ptr<T>();
-  int8_t* qd = q.data();
-  float* ad = a.data();
-  float* sd = s.data();
+  int8_t* qd = q.get(rows * dim);
+  float* ad = a.get(rows * groups);
+  float* sd = s.get(rows * groups);
   actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) quantize_blocks(xd + r * dim, dim, qd + r * dim, ad + r * groups, sd + r * groups);
   });

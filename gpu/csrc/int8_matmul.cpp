@@ -24,10 +24,10 @@
 #include "half_blocks.h"
 #include "parallel.h"
 #include "quantize_row.h"
+#include "thread_buffer.h"
 
 #include <algorithm>
 #include <cstring>
-#include <vector>
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ACTORSERVE_INT8_VNNI 1
@@ -160,12 +160,10 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
                  const float* bias, at::Tensor& out) {
   const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1);
   const int64_t blocks = packed.size(0), k4 = packed.size(1), stride = k4 * 4;
-  thread_local std::vector<uint8_t> q;  // kept across calls, as gguf_matmul's
-  thread_local std::vector<float> row_scale;
-  q.resize(rows * stride);
-  row_scale.resize(rows);
-  uint8_t* qd = q.data();
-  float* sd = row_scale.data();
+  thread_local actorserve::ThreadBuffer<uint8_t> q;  // thread_buffer.h
+  thread_local actorserve::ThreadBuffer<float> row_scale;
+  uint8_t* qd = q.get(rows * stride);
+  float* sd = row_scale.get(rows);
   const T* xd = x.data_ptr<T>();
   actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
     quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
