@@ -364,14 +364,22 @@ constexpr int64_t kWidenedRows = 8;
 constexpr int kPairRows = 2;
 constexpr int64_t kWideGroupBytes = kGroup * kBlock / 2;  // one 32-input block of a half: 1 KiB
 
+// The half's scales and minimums as float32 (block_scales' values), [groups][d: 32, m: 32],
+// converted once with its weights instead of once per pass of kPairRows rows.
+constexpr int64_t kHalfScales = kBlock;
+
 template <int Bits>
-inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint8_t* wide) {
+inline void widen_half(const WeightBlock& w, int64_t groups, int64_t first, uint8_t* wide, float* scales) {
   const int64_t bytes_per_group = kBlock * kGroup * kStoredBits<Bits> / 8;
   const __m256i low = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(static_cast<char>(0x80));
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* u = w.u + g * bytes_per_group + first * 4;
     auto* to = reinterpret_cast<__m256i*>(wide + g * kWideGroupBytes);
     for (int v = 0; v < 4; ++v) {
+      __m256 d, m;
+      block_scales<Bits>(w, g, first + 8 * v, d, m);
+      _mm256_storeu_ps(scales + g * kHalfScales + 8 * v, d);
+      _mm256_storeu_ps(scales + g * kHalfScales + kBlock / 2 + 8 * v, m);
       if constexpr (Bits == 4) {
         for (int p = 0; p < kGroup / 8; ++p) {
           const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + p * kBlock * 4 + 32 * v));
@@ -411,8 +419,8 @@ inline void nibble_pair_step(const __m256i* wide, __m256i x0, __m256i x1, __m256
 // products half_block_row takes, and its float side (add_block). y lives in memory: the 8
 // accumulators, two broadcasts and a weight vector take the registers.
 template <int Bits, int R, typename T>
-inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wide, const WeightBlock& w, int64_t first, T* out,
-                         int64_t out_stride) {
+inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wide, const float* scales, const WeightBlock& w,
+                         int64_t first, T* out, int64_t out_stride) {
   const int64_t groups = act.dim / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   alignas(32) float y[R][32] = {};
@@ -449,16 +457,16 @@ inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wid
         }
       }
     }
-    for (int v = 0; v < 4; ++v) {
-      __m256 d, m;
-      block_scales<Bits>(w, g, first + 8 * v, d, m);
-      for (int r = 0; r < R; ++r) {
-        const int64_t at = (row + r) * groups + g;
+    const float* dm = scales + g * kHalfScales;
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = (row + r) * groups + g;
+      const __m256 a = _mm256_set1_ps(act.a[at]), s = _mm256_set1_ps(act.s[at]);
+      for (int v = 0; v < 4; ++v) {
         __m256i dot = acc[r][v];
         if constexpr (Bits == 4) dot = _mm256_madd_epi16(dot, ones);
         if constexpr (Bits == 5) dot = _mm256_add_epi32(first_half[r][v], _mm256_madd_epi16(dot, ones));
-        const __m256 yv = add_block(_mm256_load_ps(y[r] + 8 * v), dot, d, m, _mm256_set1_ps(act.a[at]), _mm256_set1_ps(act.s[at]));
-        _mm256_store_ps(y[r] + 8 * v, yv);
+        const __m256 d = _mm256_loadu_ps(dm + 8 * v), m = _mm256_loadu_ps(dm + kBlock / 2 + 8 * v);
+        _mm256_store_ps(y[r] + 8 * v, add_block(_mm256_load_ps(y[r] + 8 * v), dot, d, m, a, s));
       }
     }
   }
@@ -471,11 +479,13 @@ template <int Bits, typename T>
 inline void rows_against_half(const Activations& act, int64_t rows, const WeightBlock& w, int64_t half, T* out, int64_t out_stride,
                               const uint8_t* next, int64_t next_bytes) {
   const int64_t groups = act.dim / kGroup, first = half * kBlock / 2;
-  thread_local std::vector<uint8_t> wide;
-  wide.resize(groups * kWideGroupBytes);
-  widen_half<Bits>(w, groups, first, wide.data());
+  thread_local actorserve::ThreadBuffer<uint8_t> wide_buffer;
+  thread_local actorserve::ThreadBuffer<float> scales_buffer;
+  uint8_t* wide = wide_buffer.get(groups * kWideGroupBytes);
+  float* scales = scales_buffer.get(groups * kHalfScales);
+  widen_half<Bits>(w, groups, first, wide, scales);
   actorserve::row_passes<kPairRows>(rows, next, next_bytes, [&]<int R>(int64_t r) {
-    widened_rows<Bits, R>(act, r, wide.data(), w, first, out, out_stride);
+    widened_rows<Bits, R>(act, r, wide, scales, w, first, out, out_stride);
   });
 }
 
