@@ -1,5 +1,7 @@
 // Scratch memory a thread keeps across kernel calls, 64-byte aligned as torch's allocations are:
-// an allocation per call cost a one-token decode step more than the kernels' own setup.
+// made anew per call (three at::empty a gguf_matmul call) it cost a one-token decode step 2-7%,
+// and at std::vector's 16-byte alignment half of the AVX2 kernel's 32-byte loads crossed a cache
+// line (BENCHMARKS.md).
 #pragma once
 
 #include <cstdint>
