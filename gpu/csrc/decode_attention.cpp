@@ -103,6 +103,14 @@ inline void with_count(int64_t h, Call call) {
   call(std::integral_constant<int, Max>{});
 }
 
+// call(count, first) for `group` query heads in passes of at most Max from head `first` on, count
+// (the pass's heads) a with_count constant.
+template <int Max, typename Call>
+inline void for_each_head_pass(int64_t group, Call call) {
+  for (int64_t first = 0; first < group; first += Max)
+    with_count<Max>(std::min<int64_t>(Max, group - first), [&](auto count) { call(count, first); });
+}
+
 // Attention of `group` query heads (q: [group, dim] floats, already scaled) over keys `begin` to
 // `end` of one request, for one K/V head (the pools offset to it). Writes out[group, dim] and
 // lse[group]. FIXED_DIM, when not 0, is `dim` known at compile time (unrolled loops).
@@ -523,10 +531,8 @@ void attend(const uint16_t* q, const uint16_t* k_pool, const uint16_t* v_pool, i
     }
   };
   auto accumulate = [&](int64_t h, const uint16_t* const* values, int64_t n) {
-    constexpr int PASS = heads_per_pass<CHUNKS>();
-    for (int64_t g = 0; g < group; g += PASS)
-      with_count<PASS>(std::min<int64_t>(PASS, group - g),
-                       [&](auto count) { accumulate_heads<CHUNKS, decltype(count)::value>(scratch[h], g, values, n); });
+    for_each_head_pass<heads_per_pass<CHUNKS>()>(
+        group, [&](auto count, int64_t first) { accumulate_heads<CHUNKS, decltype(count)::value>(scratch[h], first, values, n); });
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
@@ -804,9 +810,8 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     Scratch& s = scratch[h];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), vectors, s.value_scale);
-    for (int64_t g = 0; g < group; g += PV_HEADS)
-      with_count<PV_HEADS>(std::min<int64_t>(PV_HEADS, group - g),
-                           [&](auto count) { accumulate_heads<CHUNKS, decltype(count)::value>(s, g, values, n); });
+    for_each_head_pass<PV_HEADS>(
+        group, [&](auto count, int64_t first) { accumulate_heads<CHUNKS, decltype(count)::value>(s, first, values, n); });
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
@@ -940,21 +945,19 @@ void attend(const T* q, const int8_t* k_pool, const int8_t* v_pool, int64_t slot
     Scratch& s = scratch[head];
     for (int64_t t = 0; t < BLOCK; ++t) s.value_scale[t] = actorserve::row_scale(values[t], DIM);
     scale_by_rows<W>(s.probs.data(), quads, s.value_scale);
-    for (int64_t first = 0; first < group; first += PASS) {
-      with_count<PASS>(std::min<int64_t>(PASS, group - first), [&](auto count) {
-        constexpr int H = decltype(count)::value;
-        const float* p[H];
-        float rescale[H];
-        float* acc[H];
-        for (int h = 0; h < H; ++h) {
-          const int64_t g = first + h, w = g / HEADS, lane = 4 * (g % HEADS);
-          p[h] = s.probs.data() + w * VECS * 16 + lane;
-          rescale[h] = s.state[w * 48 + 32 + lane];
-          acc[h] = s.acc.data() + g * DIM;
-        }
-        accumulate_values<CHUNKS, H>(p, rescale, values, n, acc);
-      });
-    }
+    for_each_head_pass<PASS>(group, [&](auto count, int64_t first) {
+      constexpr int H = decltype(count)::value;
+      const float* p[H];
+      float rescale[H];
+      float* acc[H];
+      for (int h = 0; h < H; ++h) {
+        const int64_t g = first + h, w = g / HEADS, lane = 4 * (g % HEADS);
+        p[h] = s.probs.data() + w * VECS * 16 + lane;
+        rescale[h] = s.state[w * 48 + 32 + lane];
+        acc[h] = s.acc.data() + g * DIM;
+      }
+      accumulate_values<CHUNKS, H>(p, rescale, values, n, acc);
+    });
   };
   for_each_block(k_pool, v_pool, slot_stride, slots, begin, end, DIM, task_heads, score, accumulate);
   for (int64_t h = 0; h < task_heads; ++h)
