@@ -158,9 +158,11 @@ inline __m512 load_half16(const uint16_t* p) {
 
 inline __m512i broadcast4(const int8_t* q) { return _mm512_set1_epi32(four_bytes(q)); }
 
-// R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight block.
+// R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight block,
+// fetching the pass's share of the next block a group of inputs at a time.
 template <int Bits, int R, int V, int T0, typename T>
-inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, T* out, int64_t out_stride) {
+inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, T* out, int64_t out_stride,
+                       const actorserve::NextBlock& fetch) {
   const int64_t groups = x.dim / kGroup, bytes_per_group = kBlock * kGroup * Bits / 8;
   const int8_t* q[R];
   __m512 y[R][V];
@@ -169,6 +171,7 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
     for (int t = 0; t < V; ++t) y[r][t] = _mm512_setzero_ps();
   }
   for (int64_t g = 0; g < groups; ++g) {
+    fetch.step(g, groups);
     __m512i acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
@@ -228,8 +231,8 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
 template <int Bits, int V, int T0, int MaxRows, typename T>
 inline void rows_against(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next,
                          int64_t next_bytes) {
-  actorserve::row_passes<MaxRows>(rows, next, next_bytes, [&]<int R>(int64_t r) {
-    block_rows<Bits, R, V, T0>(act, r, w, out + r * out_stride, out_stride);
+  actorserve::row_passes<MaxRows>(rows, next, next_bytes, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
+    block_rows<Bits, R, V, T0>(act, r, w, out + r * out_stride, out_stride, fetch);
   });
 }
 
@@ -327,13 +330,16 @@ inline void store_half(const float* y, const WeightBlock& w, int64_t first, T* o
   for (int64_t j = 0; j < count; ++j) actorserve::store_f32(out + first + j, w.bias == nullptr ? y[j] : y[j] + w.bias[first + j]);
 }
 
-// Row `row` of `act` against outputs first .. first + 31 of one 64-row weight block.
+// Row `row` of `act` against outputs first .. first + 31 of one 64-row weight block, fetching its
+// share of the next block meanwhile.
 template <int Bits, typename T>
-inline void half_block_row(const Activations& act, int64_t row, const WeightBlock& w, int64_t first, T* out) {
+inline void half_block_row(const Activations& act, int64_t row, const WeightBlock& w, int64_t first, T* out,
+                           const actorserve::NextBlock& fetch) {
   const int64_t groups = act.dim / kGroup, bytes_per_group = kBlock * kGroup * kStoredBits<Bits> / 8;
   const int8_t* q = act.q + row * act.dim;
   __m256 y[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t g = 0; g < groups; ++g) {
+    fetch.step(g, groups);
     __m256i dot[4];
     // The half's weights: bytes first * 4 .. of each 256-byte row of four inputs.
     dot_block<Bits>(w.u + g * bytes_per_group + first * 4, q + g * kGroup, dot);
@@ -349,10 +355,17 @@ inline void half_block_row(const Activations& act, int64_t row, const WeightBloc
   store_half(lanes, w, first, out);
 }
 
+// Every row of `act` against one block, a row and a half block a pass; `next`: the block to
+// prefetch meanwhile (or nullptr).
 template <int Bits, typename T>
-inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride) {
+inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T* out, int64_t out_stride, const uint8_t* next,
+                  int64_t next_bytes) {
+  const int64_t halves = (w.count + kBlock / 2 - 1) / (kBlock / 2);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t first = 0; first < w.count; first += kBlock / 2) half_block_row<Bits>(act, r, w, first, out + r * out_stride);
+    for (int64_t h = 0; h < halves; ++h) {
+      const actorserve::NextBlock fetch{next, next_bytes, r * halves + h, rows * halves};
+      half_block_row<Bits>(act, r, w, h * kBlock / 2, out + r * out_stride, fetch);
+    }
   }
 }
 
@@ -420,11 +433,12 @@ inline void nibble_pair_step(const __m256i* wide, __m256i x0, __m256i x1, __m256
 // accumulators, two broadcasts and a weight vector take the registers.
 template <int Bits, int R, typename T>
 inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wide, const float* scales, const WeightBlock& w,
-                         int64_t first, T* out, int64_t out_stride) {
+                         int64_t first, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
   const int64_t groups = act.dim / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   alignas(32) float y[R][32] = {};
   for (int64_t g = 0; g < groups; ++g) {
+    fetch.step(g, groups);
     const auto* wg = reinterpret_cast<const __m256i*>(wide + g * kWideGroupBytes);
     __m256i acc[R][4];  // 4-bit: int16 pairs (8 x 2 x 15 x 127 fits); 5-bit: the same, per half block; 8-bit: int32
     __m256i first_half[R][4];  // 5-bit: the first half block's sums, widened to int32
@@ -484,8 +498,8 @@ inline void rows_against_half(const Activations& act, int64_t rows, const Weight
   uint8_t* wide = wide_buffer.get(groups * kWideGroupBytes);
   float* scales = scales_buffer.get(groups * kHalfScales);
   widen_half<Bits>(w, groups, first, wide, scales);
-  actorserve::row_passes<kPairRows>(rows, next, next_bytes, [&]<int R>(int64_t r) {
-    widened_rows<Bits, R>(act, r, wide, scales, w, first, out, out_stride);
+  actorserve::row_passes<kPairRows>(rows, next, next_bytes, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
+    widened_rows<Bits, R>(act, r, wide, scales, w, first, out, out_stride, fetch);
   });
 }
 
@@ -554,7 +568,7 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& weight, const at::Tensor
       }
 #endif
 #ifdef ACTORSERVE_GGUF_AVX2
-      avx2::block<Bits>(act, rows, w, out_d + b * kBlock, n);
+      avx2::block<Bits>(act, rows, w, out_d + b * kBlock, n, b + 1 < last ? ud + (b + 1) * block_bytes : nullptr, block_bytes);
 #endif
     }
   });

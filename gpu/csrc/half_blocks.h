@@ -23,36 +23,41 @@ void for_each_half_block(int64_t blocks, const F& f) {
   });
 }
 
-// The share `pass` of `passes` of `bytes` at `next` (or nothing where next is null) fetched into
-// the cache, spread over a block's passes so the loads do not come in one burst.
-inline void prefetch_share(const void* next, int64_t bytes, int64_t pass, int64_t passes) {
-  if (next == nullptr) return;
-  const char* p = static_cast<const char*>(next);
-  const int64_t lines = (bytes + 63) / 64;
-  for (int64_t i = pass * lines / passes; i < (pass + 1) * lines / passes; ++i) __builtin_prefetch(p + 64 * i, 0, 2);
-}
+// What one pass of rows over a weight block fetches of the next block: share `pass` of `passes`,
+// spread over the pass's own steps (`step(i, steps)` at each of its `steps` groups of inputs). In
+// one burst a pass over few rows asked for hundreds of lines at once, more than a core keeps in
+// flight: spread, a batch-1 gguf decode step ran 1.17x as fast (BENCHMARKS.md).
+struct NextBlock {
+  const void* next = nullptr;  // nothing to fetch where null
+  int64_t bytes = 0, pass = 0, passes = 1;
+  void step(int64_t i, int64_t steps) const {
+    if (next == nullptr) return;
+    const char* p = static_cast<const char*>(next);
+    const int64_t lines = (bytes + 63) / 64, part = pass * steps + i, parts = passes * steps;
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) __builtin_prefetch(p + 64 * line, 0, 2);
+  }
+};
 
-// pass.template operator()<R>(row) for one pass of the R = n rows from `row` (1 <= n <= MaxRows):
-// the pass's row count is a template argument, so its accumulators stay in registers.
+// pass.template operator()<R>(row, fetch) for one pass of the R = n rows from `row` (1 <= n <=
+// MaxRows): the pass's row count is a template argument, so its accumulators stay in registers.
 template <int MaxRows, typename Pass>
-inline void pass_of(int64_t n, int64_t row, const Pass& pass) {
+inline void pass_of(int64_t n, int64_t row, const NextBlock& fetch, const Pass& pass) {
   if constexpr (MaxRows == 1) {
-    pass.template operator()<1>(row);
+    pass.template operator()<1>(row, fetch);
   } else if (n == MaxRows) {
-    pass.template operator()<MaxRows>(row);
+    pass.template operator()<MaxRows>(row, fetch);
   } else {
-    pass_of<MaxRows - 1>(n, row, pass);
+    pass_of<MaxRows - 1>(n, row, fetch, pass);
   }
 }
 
 // `rows` activation rows against one weight block in passes of MaxRows (the last takes what is
-// left), fetching a share of `next_bytes` at `next` (or nothing where next is null) before each.
+// left), each fetching its share of `next_bytes` at `next` (or nothing where next is null).
 template <int MaxRows, typename Pass>
 inline void row_passes(int64_t rows, const void* next, int64_t next_bytes, const Pass& pass) {
   const int64_t passes = (rows + MaxRows - 1) / MaxRows;
   for (int64_t row = 0, i = 0; row < rows; row += MaxRows, ++i) {
-    prefetch_share(next, next_bytes, i, passes);
-    pass_of<MaxRows>(std::min<int64_t>(MaxRows, rows - row), row, pass);
+    pass_of<MaxRows>(std::min<int64_t>(MaxRows, rows - row), row, NextBlock{next, next_bytes, i, passes}, pass);
   }
 }
 

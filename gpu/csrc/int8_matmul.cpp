@@ -115,15 +115,16 @@ struct Epilogue {
 };
 
 // R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
-// block, written out dequantized.
+// block, written out dequantized; the pass's share of the next block is fetched every 32 inputs.
 template <int R, int V, int T0, typename T>
 inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
-                       const Epilogue& e, T* out, int64_t out_stride) {
+                       const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
   __m512i acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
   }
   for (int64_t i = 0; i < k4; ++i) {
+    if (i % 8 == 0) fetch.step(i / 8, (k4 + 7) / 8);
     const int8_t* wi = w + i * kBlock * 4 + 64 * T0;
     __m512i wv[V];
     for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(wi + 64 * t);
@@ -150,8 +151,8 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
 template <int V, int T0, int MaxRows, typename T>
 inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
                          const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
-  actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r) {
-    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride);
+  actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
+    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride, fetch);
   });
 }
 
