@@ -5,9 +5,11 @@
 For each of SmolLM2-135M's linear layers (K x N: q/k/v fused, o, gate/up fused, down, the output
 layer) an Int8Linear on random weights is called `--calls` times in a row with the same `rows`
 activations (so its weights sit in the cache: this times the arithmetic, not the memory), through
-the AVX512-VNNI kernel and through oneDNN's path (the same layer built without the kernel, as on a
-CPU without VNNI). Their results are the same bits; the table gives microseconds a call (medians of
---repeats, the two alternating) and the kernel's speedup.
+each path of our kernel compiled here (512: AVX512-VNNI, 256: AVX2, so one machine times the path
+another CPU takes) and through oneDNN's path (the same layer built without the kernel, with the
+7-bit weights it gets there unless the CPU has VNNI). Our paths give the same bits (checked, and
+oneDNN's too where it sums in int32); the table gives microseconds a call (medians of --repeats,
+the columns alternating) and each path's speedup over oneDNN.
 """
 
 from __future__ import annotations
@@ -34,27 +36,41 @@ def call_us(layer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, call
 def main() -> None:
     args = _args()
     kernels = int8_kernels()
-    if kernels is None or kernels.vnni is None:
-        raise SystemExit("this CPU has no AVX512-VNNI int8 kernel (or the extension did not build): nothing to compare")
-    onednn = Int8Kernels(kernels.quantize_rows, kernels.dequantize_rows, vnni=None)
+    if kernels is None or kernels.matmul is None:
+        raise SystemExit("this CPU has neither AVX512-VNNI nor AVX2 (or the extension did not build): nothing to compare")
+    onednn = Int8Kernels(kernels.quantize_rows, kernels.dequantize_rows, matmul=None)
+    widths = torch.ops.actorserve.int8_matmul_widths()
+    # With VNNI oneDNN's kernel sums in int32 and takes our 8-bit weights; without, 7-bit ones.
+    onednn_exact = 512 in widths
+    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     torch.manual_seed(0)
-    print(f"{torch.get_num_threads()} threads, bfloat16 activations, us per call (median of {args.repeats} x {args.calls} calls)\n")
-    print("| K x N | rows | oneDNN us | ours us | speedup |")
-    print("| --- | --- | --- | --- | --- |")
+    print(f"{torch.get_num_threads()} threads, {dtype} activations, us per call (median of {args.repeats} x {args.calls} calls)\n")
+    header = ["oneDNN us"] + [f"ours {w}-bit us" for w in widths] + [f"speedup {w}-bit" for w in widths]
+    print("| K x N | rows | " + " | ".join(header) + " |")
+    print("|" + " --- |" * (len(header) + 2))
     for k, n in SHAPES:
         weight = torch.randn(n, k) * 0.05
-        # 8-bit weights on both: with VNNI, oneDNN's kernel sums in int32 without saturating.
-        ours, reference = Int8Linear([weight], [None], kernels), Int8Linear([weight], [None], onednn, weight_max=WEIGHT_MAX)
+        ours = Int8Linear([weight], [None], kernels)
+        reference = Int8Linear([weight], [None], onednn, weight_max=WEIGHT_MAX if onednn_exact else None)
         for rows in args.rows:
-            x = torch.randn(rows, k).bfloat16()
-            if not torch.equal(ours(x), reference(x)):
+            x = torch.randn(rows, k).to(dtype)
+            paths: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"onednn": reference}
+            for w in widths:
+                paths[str(w)] = lambda x, w=w: torch.ops.actorserve.int8_matmul_at(
+                    x, ours.kernel_weight, ours.kernel_offsets, ours.weight_scale, None, n, w)
+            results = {name: path(x) for name, path in paths.items()}
+            for name in paths:
+                if name != "onednn" and not torch.equal(results[name], results[str(widths[0])]):
+                    raise SystemExit(f"{k} x {n} at {rows} rows: the {name}-bit path's result is not the {widths[0]}-bit one's")
+            if onednn_exact and not torch.equal(results["onednn"], results[str(widths[0])]):
                 raise SystemExit(f"{k} x {n} at {rows} rows: the kernel's result is not oneDNN's")
-            times: dict[str, list[float]] = {"onednn": [], "ours": []}
+            times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(args.repeats):
-                times["onednn"].append(call_us(reference, x, args.calls))
-                times["ours"].append(call_us(ours, x, args.calls))
-            a, b = statistics.median(times["onednn"]), statistics.median(times["ours"])
-            print(f"| {k} x {n} | {rows} | {a:.0f} | {b:.0f} | {a / b:.2f}x |")
+                for name, path in paths.items():
+                    times[name].append(call_us(path, x, args.calls))
+            us = {name: statistics.median(t) for name, t in times.items()}
+            cells = [f"{us['onednn']:.0f}"] + [f"{us[str(w)]:.0f}" for w in widths] + [f"{us['onednn'] / us[str(w)]:.2f}x" for w in widths]
+            print(f"| {k} x {n} | {rows} | " + " | ".join(cells) + " |")
 
 
 def _args() -> argparse.Namespace:

@@ -9,8 +9,8 @@ that `inputs` accepts and runs its modules for any other.
 It covers the compiled CPU kernels with one tensor-parallel rank and no per-head q/k norm
 (Qwen3's), decode batches whose attention is the plain paged decode (no shared prefix to merge, no
 host-tier loads to wait for layer by layer), and linear layers (gpu/packed_linear.py) that are
-either all PackedLinears (oneDNN, float32 or bfloat16), all Int8Linears (the AVX512-VNNI kernel
-where the CPU has it, else oneDNN's int8 kernel) or all GgufLinears on their kernel
+either all PackedLinears (oneDNN, float32 or bfloat16), all Int8Linears (our int8 kernel where
+the CPU has AVX512-VNNI or AVX2, else oneDNN's) or all GgufLinears on their kernel
 (gpu/gguf_linear.py), at any batch size.
 """
 
@@ -112,6 +112,6 @@ def _linear_weights(m: CpuLinear) -> list[torch.Tensor]:
         return [none, none, none, bias, m.weight, none]
     if isinstance(m, GgufLinear):
         return [m.weight, m.scale, m.minimum, bias, none, none]
-    if m.vnni is None:
+    if m.kernel is None:
         return [none, none, m.weight_scale, bias, m.weight, m.weight_zero_point]
-    return [m.vnni_weight, m.vnni_offsets, m.weight_scale, bias, none, none]
+    return [m.kernel_weight, m.kernel_offsets, m.weight_scale, bias, none, none]

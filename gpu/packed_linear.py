@@ -11,9 +11,9 @@ wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU fo
 
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
 per output channel) and activations quantized per row (per token) at every call. On a CPU with
-AVX512-VNNI gpu/csrc/int8_matmul.cpp multiplies them at every batch size (faster than oneDNN's u8 x
-s8 kernel from 1 to 512 rows on SmolLM2's shapes, and bit for bit its result); elsewhere oneDNN's
-kernel does. Each token's scale is its own, so a request's output does not depend on what else is
+AVX512-VNNI or AVX2 gpu/csrc/int8_matmul.cpp multiplies them at every batch size (faster than
+oneDNN's u8 x s8 kernel from 1 to 512 rows on SmolLM2's shapes, and bit for bit the result its
+arithmetic defines); elsewhere oneDNN's kernel does. Each token's scale is its own, so a request's output does not depend on what else is
 in the batch; SmoothQuant scales folded in first (gpu/int8_smoothing.py) keep a few large input
 channels from setting that scale. The output layer is quantized too: it is the largest matmul of a
 decode step. See BENCHMARKS.md for its speed and its error against the unquantized model.
@@ -64,23 +64,23 @@ class PackedLinear(nn.Module):
 
 
 @dataclass(frozen=True, slots=True)
-class VnniMatmul:
-    """gpu/csrc/int8_matmul.cpp (AVX512-VNNI): quantize, multiply and scale back in one call.
-    `pack(q)` -> (weight in the kernel's layout, zero-point offsets);
-    `matmul(x, packed, offsets, weight_scale, bias, out_features)`."""
+class Int8Matmul:
+    """gpu/csrc/int8_matmul.cpp (AVX512-VNNI or AVX2): quantize, multiply and scale back in one
+    call. `pack(q)` -> (weight in the kernel's layout, zero-point offsets);
+    `multiply(x, packed, offsets, weight_scale, bias, out_features)`."""
 
     pack: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-    matmul: Callable[..., torch.Tensor]
+    multiply: Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class Int8Kernels:
     """gpu/csrc/quantize.cpp: one pass each for what quantize_rows_torch / dequantize_rows_torch do
-    (oneDNN's path); and the VNNI kernel where the CPU has AVX512-VNNI."""
+    (oneDNN's path); and our matmul kernel where the CPU has AVX512-VNNI or AVX2."""
 
     quantize_rows: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     dequantize_rows: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.dtype], torch.Tensor]
-    vnni: VnniMatmul | None = None
+    matmul: Int8Matmul | None = None
 
 
 @cache
@@ -92,42 +92,42 @@ def int8_kernels() -> Int8Kernels | None:
         log.warning("int8 quantization kernels unavailable, using torch ops: %s", exc)
         return None
     ops = torch.ops.actorserve
-    vnni = VnniMatmul(ops.int8_pack_weight, ops.int8_matmul) if ops.int8_matmul_available() else None
-    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows, vnni)
+    matmul = Int8Matmul(ops.int8_pack_weight, ops.int8_matmul) if ops.int8_matmul_available() else None
+    return Int8Kernels(ops.quantize_rows, ops.dequantize_rows, matmul)
 
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 (a scale per output row) and x quantized per row at each call;
-    the concatenation of one or more layers'. The weight is held in one layout: the VNNI kernel's
-    where `kernels` has it, else oneDNN's. `kernels` quantize and scale back in one pass each;
-    without them the same arithmetic runs as torch ops. `weight_max` overrides the weights' range
-    (7 bits on oneDNN's path, whose kernel may lack VNNI; 8 with our kernel, which needs it)."""
+    the concatenation of one or more layers'. The weight is held in one layout: our kernel's where
+    `kernels` has it, else oneDNN's. `kernels` quantize and scale back in one pass each; without
+    them the same arithmetic runs as torch ops. `weight_max` overrides the weights' range (7 bits
+    on oneDNN's path, whose kernel may lack VNNI; 8 with our kernel, exact on either of its paths)."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None], kernels: Int8Kernels | None,
                  weight_max: int | None = None):
         super().__init__()
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         self.kernels = kernels
-        self.vnni = kernels.vnni if kernels is not None else None
+        self.kernel = kernels.matmul if kernels is not None else None
         if weight_max is None:
-            weight_max = WEIGHT_MAX if self.vnni is not None else ONEDNN_WEIGHT_MAX
+            weight_max = WEIGHT_MAX if self.kernel is not None else ONEDNN_WEIGHT_MAX
         self.weight_max = weight_max
         q, scale = quantize_weight(weight, self.weight_max)
         self.register_buffer("weight_scale", scale, persistent=False)
         bias = _concat_biases(weight, weights, biases)
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
         self.out_features = q.shape[0]
-        if self.vnni is not None:
-            packed, offsets = self.vnni.pack(q)
-            self.register_buffer("vnni_weight", packed, persistent=False)
-            self.register_buffer("vnni_offsets", offsets, persistent=False)
+        if self.kernel is not None:
+            packed, offsets = self.kernel.pack(q)
+            self.register_buffer("kernel_weight", packed, persistent=False)
+            self.register_buffer("kernel_offsets", offsets, persistent=False)
         else:
             self.register_buffer("weight", torch.ops.onednn.qlinear_prepack(q, None), persistent=False)
             self.register_buffer("weight_zero_point", torch.zeros(q.shape[0], dtype=torch.long), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None:
-            return self.vnni.matmul(x.contiguous(), self.vnni_weight, self.vnni_offsets, self.weight_scale, self.bias, self.out_features)
+        if self.kernel is not None:
+            return self.kernel.multiply(x.contiguous(), self.kernel_weight, self.kernel_offsets, self.weight_scale, self.bias, self.out_features)
         quantize = self.kernels.quantize_rows if self.kernels is not None else quantize_rows_torch
         dequantize = self.kernels.dequantize_rows if self.kernels is not None else dequantize_rows_torch
         q, row_scale = quantize(x.contiguous())
@@ -172,7 +172,8 @@ WEIGHT_MAX = 127
 # oneDNN's int8 kernel on a CPU without VNNI (vpmaddubsw) sums two u8 x s8 products into int16 with
 # saturation: activations up to 255 against weights up to 127 overflow it (logits off by up to 10
 # on SmolLM2, one greedy step in eight changed). Weights of 7 bits keep every pair in range, as
-# PyTorch's reduce_range does for the activations.
+# PyTorch's reduce_range does for the activations; our kernel's AVX2 path moves the weights' sign
+# onto the activations instead, and keeps 8 bits.
 ONEDNN_WEIGHT_MAX = 63
 
 
@@ -258,5 +259,9 @@ def _drop_weight(module: nn.Module) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
     kernels = int8_kernels()  # what `make setup` runs: the build, ahead of the first int8 model
-    vnni = "with" if kernels is not None and kernels.vnni is not None else "without"
-    print(f"int8 kernels: {'built, ' + vnni + ' the AVX512-VNNI kernel' if kernels else 'unavailable (torch ops)'}")
+    if kernels is None:
+        print("int8 kernels: unavailable (torch ops)")
+    elif kernels.matmul is None:
+        print("int8 kernels: built, without the int8 matmul kernel (no AVX2): oneDNN's")
+    else:
+        print(f"int8 kernels: built, the int8 matmul kernel's paths {torch.ops.actorserve.int8_matmul_widths()} bits")

@@ -1,8 +1,9 @@
-"""Decode batches on a CPU: the AVX512-VNNI matmul (gpu/csrc/int8_matmul.cpp) against oneDNN's
-int8 path, and every decoder layer in one call (gpu/cpu_decode.py, gpu/csrc/decode_layers.cpp)
-against the modules, with int8 and with oneDNN's packed float32 / bfloat16 linear layers. Both are
-meant to give the same bits as the path they shortcut, so the tests compare with torch.equal. On a
-CPU without AVX512-VNNI there is no VNNI kernel and the int8 tests that need it skip."""
+"""Decode batches on a CPU: our int8 matmul (gpu/csrc/int8_matmul.cpp, each path compiled:
+AVX512-VNNI and AVX2) against the arithmetic it defines and against oneDNN's int8 path, and every
+decoder layer in one call (gpu/cpu_decode.py, gpu/csrc/decode_layers.cpp) against the modules,
+with int8 and with oneDNN's packed float32 / bfloat16 linear layers. Each is meant to give the same
+bits as the path it shortcuts, so the tests compare with torch.equal. On a CPU with neither
+AVX512-VNNI nor AVX2 there is no int8 kernel and the tests that need it skip."""
 
 from __future__ import annotations
 
@@ -14,46 +15,88 @@ from gpu.forward_batch import ForwardBatch
 from gpu.kv_quant import SCALE_BYTES, quantize_rows
 from gpu.model_runner import ModelRunner, RunnerConfig
 from gpu import packed_linear
-from gpu.packed_linear import WEIGHT_MAX, Int8Kernels, Int8Linear, can_pack
+from gpu.packed_linear import WEIGHT_MAX, ZERO_POINT, Int8Kernels, Int8Linear, can_pack, dequantize_rows_torch, quantize_rows_torch, quantize_weight
 
 LARGE_BATCH = 18  # requests: many rows per pass of the int8 kernel, and a batch past oneDNN's 16-row bucket
 
 
 @pytest.fixture(scope="module")
-def vnni(int8_ops: Int8Kernels) -> Int8Kernels:
-    if int8_ops.vnni is None:
-        pytest.skip("this CPU has no AVX512-VNNI: int8 layers take oneDNN's path at every batch size")
+def int8_kernel(int8_ops: Int8Kernels) -> Int8Kernels:
+    if int8_ops.matmul is None:
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2: int8 layers take oneDNN's path at every batch size")
     return int8_ops
 
 
+def _widths() -> list[int]:
+    from gpu.packed_linear import int8_kernels
+
+    kernels = int8_kernels()
+    return torch.ops.actorserve.int8_matmul_widths() if kernels is not None and kernels.matmul is not None else []
+
+
+def _int8_linear_arithmetic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What Int8Linear computes, exactly, in torch: activations quantized per row, the integer dot
+    product with the 8-bit weights in int64, times the weight's scale in float32 (as oneDNN's
+    output), then times the row's scale and plus the bias, each rounded."""
+    qx, sx = quantize_rows_torch(x)
+    qw, sw = quantize_weight(weight, WEIGHT_MAX)
+    dot = (qx.long() - ZERO_POINT) @ qw.long().T
+    return dequantize_rows_torch(dot.float() * sw, sx, bias, x.dtype)
+
+
+@pytest.mark.parametrize("width", _widths())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(100, 70), (192, 96), (64, 576)])
-def test_vnni_kernel_gives_onednns_bits(vnni: Int8Kernels, dtype: torch.dtype, out_features: int, in_features: int) -> None:
-    """Shapes that are not whole 64-row blocks or 4-feature groups included; with and without bias;
-    whole blocks (1-3 rows) and half blocks five rows a pass with every tail (4 rows and more)."""
+def test_each_int8_kernel_path_gives_int8_linears_bits(
+    int8_kernel: Int8Kernels, width: int, dtype: torch.dtype, out_features: int, in_features: int
+) -> None:
+    """Every path compiled here (an AVX-512 machine runs the AVX2 one too), on shapes that are not
+    whole 64-row blocks or 4-feature groups; with and without bias; whole blocks (few rows) and
+    half blocks with every tail of a pass. Weights at full range, so the AVX2 path's int16 pairs
+    are at their largest."""
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features) * 0.05
-    bias = torch.randn(out_features)
-    onednn = Int8Kernels(vnni.quantize_rows, vnni.dequantize_rows, vnni=None)
-    for b in (None, bias):
-        # 8-bit weights on both: this CPU has VNNI, so oneDNN's kernel sums in int32 without saturating.
-        kernel, reference = Int8Linear([weight], [b], vnni), Int8Linear([weight], [b], onednn, weight_max=WEIGHT_MAX)
-        assert kernel.vnni is not None and reference.vnni is None
-        for rows in (1, 3, 4, 6, 7, 8, 9, 16, 64):
+    weight[:, 0] = 0.5  # every row's largest weight: 127 after quantization, against activations up to 127
+    layer = Int8Linear([weight], [None], int8_kernel)
+    for b in (None, torch.randn(out_features)):
+        for rows in (1, 2, 3, 4, 6, 7, 8, 9, 16, 64):
             x = (torch.randn(rows, in_features) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)
-            got, want = kernel(x), reference(x)
+            x[:, 0] = x.float().abs().amax(dim=1).neg().to(dtype)  # q = -127 at the largest weight
+            got = torch.ops.actorserve.int8_matmul_at(x, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, b, out_features, width)
+            want = _int8_linear_arithmetic(x, weight, b)
             assert got.dtype == dtype and torch.equal(got, want), (rows, b is None, (got.float() - want.float()).abs().max())
 
 
-def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(vnni: Int8Kernels) -> None:
-    """Alone a row takes whole weight blocks, in a batch half blocks five rows at a time: a
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_kernel_gives_onednns_bits(int8_kernel: Int8Kernels, dtype: torch.dtype) -> None:
+    """Where oneDNN's kernel sums in int32 (with VNNI), it takes the same 8-bit weights and gives
+    the same bits as ours; without VNNI it needs 7-bit weights (gpu/packed_linear.py)."""
+    if 512 not in torch.ops.actorserve.int8_matmul_widths():
+        pytest.skip("no AVX512-VNNI: oneDNN's kernel saturates int16 sums of 8-bit weights here")
+    torch.manual_seed(0)
+    weight, bias = torch.randn(192, 96) * 0.05, torch.randn(192)
+    onednn = Int8Kernels(int8_kernel.quantize_rows, int8_kernel.dequantize_rows, matmul=None)
+    kernel, reference = Int8Linear([weight], [bias], int8_kernel), Int8Linear([weight], [bias], onednn, weight_max=WEIGHT_MAX)
+    assert kernel.kernel is not None and reference.kernel is None
+    for rows in (1, 3, 4, 9, 64):
+        x = torch.randn(rows, 96).to(dtype)
+        assert torch.equal(kernel(x), reference(x)), rows
+
+
+@pytest.mark.parametrize("width", _widths())
+def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(int8_kernel: Int8Kernels, width: int) -> None:
+    """Alone a row takes whole weight blocks, in a batch half blocks several rows at a time: a
     request's output must not depend on which."""
     torch.manual_seed(1)
-    layer = Int8Linear([torch.randn(160, 96) * 0.05], [torch.randn(160)], vnni)
+    layer = Int8Linear([torch.randn(160, 96) * 0.05], [torch.randn(160)], int8_kernel)
     x = torch.randn(LARGE_BATCH + 4, 96).to(torch.bfloat16)
-    batched = layer(x)
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.actorserve.int8_matmul_at(rows, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, layer.bias, 160, width)
+
+    batched = run(x)
     for i in range(x.shape[0]):
-        assert torch.equal(layer(x[i : i + 1]), batched[i : i + 1]), i
+        assert torch.equal(run(x[i : i + 1]), batched[i : i + 1]), i
 
 
 def _runner(path, dtype: str, quantization: str | None = "int8", kv_cache_dtype: str = "auto") -> ModelRunner:
@@ -102,10 +145,10 @@ def test_one_call_for_all_layers_gives_the_modules_bits(
 
 
 def test_one_call_with_onednns_int8_kernel(int8_ops: Int8Kernels, tiny_llama, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the CPU has no AVX512-VNNI, int8 layers take oneDNN's kernel on rows padded to a bucket."""
-    monkeypatch.setattr(packed_linear, "int8_kernels", lambda: Int8Kernels(int8_ops.quantize_rows, int8_ops.dequantize_rows, vnni=None))
+    """Where the CPU has neither AVX512-VNNI nor AVX2, int8 layers take oneDNN's kernel on rows padded to a bucket."""
+    monkeypatch.setattr(packed_linear, "int8_kernels", lambda: Int8Kernels(int8_ops.quantize_rows, int8_ops.dequantize_rows, matmul=None))
     runner = _runner(tiny_llama, "bfloat16")
-    assert runner.model.model.layers[0].mlp.gate_up.vnni is None
+    assert runner.model.model.layers[0].mlp.gate_up.kernel is None
     _check_one_call(runner)
 
 

@@ -25,7 +25,7 @@ using actorserve::kZeroPoint;
 
 // One linear layer of gpu/packed_linear.py. A PackedLinear: `onednn` (oneDNN's packed weight) and
 // `bias`. An Int8Linear: `scale` per output row and either `kernel` and `offsets` in int8_matmul's
-// layout (CPUs with AVX512-VNNI) or oneDNN's prepacked int8 `onednn` weight with its `zero_point`s.
+// layout (CPUs with AVX512-VNNI or AVX2) or oneDNN's prepacked int8 `onednn` weight with its `zero_point`s.
 // A GgufLinear: `kernel` its packed blocks, `offsets` and `scale` their float16 scales and minimums,
 // `code_bits` the bits of its weights' codes.
 struct LinearWeights {

@@ -1,4 +1,4 @@
-// int8 linear layers with AVX512-VNNI, on a CPU: y = dequantize(quantize_rows(x) . W^T).
+// int8 linear layers on a CPU with AVX512-VNNI or AVX2: y = dequantize(quantize_rows(x) . W^T).
 //
 // gpu/packed_linear.py's Int8Linear quantizes each activation row with its own scale and
 // multiplies by int8 weights with one scale per output row. oneDNN's u8 x s8 kernel does the
@@ -8,13 +8,16 @@
 // block of 64 output rows is contiguous, four input features at a time ([N/64][K/4][64][4]), so
 // one 64-byte load feeds one VNNI instruction (`vpdpbusd`: 16 lanes of four u8 x s8 products)
 // and each lane accumulates one output row; no horizontal sums. Several activation rows share
-// each weight load (see kHalfRows).
+// each weight load (see kHalfRows). CPUs with AVX2 but not AVX512-VNNI take a 256-bit path on the
+// same layout (`vpmaddubsw`, see namespace avx2): there oneDNN's kernel saturates int16 sums of
+// 8-bit weights, so without this path int8 layers need 7-bit weights (gpu/packed_linear.py).
 //
 // The arithmetic is Int8Linear's exactly: activations quantized as quantize_rows does (q + 128 as
-// u8), the zero point taken out with the weights' row sums (the integer dot product is exact),
-// then float(dot) * weight_scale, * row_scale, + bias, each rounded as the oneDNN path rounds.
-// Built into the int8 extension (gpu/packed_linear.py's int8_kernels); on a CPU without
-// AVX512-VNNI `int8_matmul_available()` is false and Int8Linear keeps oneDNN's path.
+// u8), the integer dot product with the weights exact (VNNI takes the zero point out with the
+// weights' row sums), then float(dot) * weight_scale, * row_scale, + bias, each rounded as the
+// oneDNN path rounds. Built into the int8 extension (gpu/packed_linear.py's int8_kernels);
+// `int8_matmul_widths()` lists the paths compiled, and where there is none
+// `int8_matmul_available()` is false and Int8Linear keeps oneDNN's path.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -29,23 +32,38 @@
 #include <algorithm>
 #include <cstring>
 
+#include <vector>
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define ACTORSERVE_INT8_VNNI 1
 #include "store_lanes.h"
+#endif
+#if defined(__AVX2__)
+#define ACTORSERVE_INT8_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace {
 
 using actorserve::kZeroPoint;
-constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane accumulators
+constexpr int64_t kBlock = 64;  // output rows per weight block: four 16-lane (VNNI) or eight 8-lane (AVX2) vectors
 
-bool int8_matmul_available() {
+// Vector widths in bits of the paths compiled here, widest first: 512 (AVX512-VNNI), 256 (AVX2).
+const std::vector<int64_t>& compiled_widths() {
+  static const std::vector<int64_t> widths = {
 #ifdef ACTORSERVE_INT8_VNNI
-  return true;
-#else
-  return false;
+      512,
 #endif
+#ifdef ACTORSERVE_INT8_AVX2
+      256,
+#endif
+  };
+  return widths;
 }
+
+std::vector<int64_t> widths() { return compiled_widths(); }
+
+bool int8_matmul_available() { return !compiled_widths().empty(); }
 
 // W [N, K] int8 -> [ceil(N/64)][ceil(K/4)][64][4], zero-padded; and each output row's sum of
 // weights times the zero point, which the u8 activations add to every dot product.
@@ -86,7 +104,16 @@ void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_
   }
 }
 
+struct Epilogue {
+  const int32_t* offset;  // the block's first output
+  const float* w_scale;
+  const float* bias;  // or nullptr
+  int64_t count;      // outputs of the block that exist (the last block may be short)
+};
+
 #ifdef ACTORSERVE_INT8_VNNI
+namespace vnni {
+
 using actorserve::store16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 // Rows a pass. Whole blocks (4 vectors of 16 outputs) take up to two, for few rows, where the
@@ -106,13 +133,6 @@ inline __m512 dequantize16(__m512i dot, const int32_t* offset, const float* w_sc
   __m512 y = _mm512_mul_round_ps(_mm512_mul_round_ps(exact, _mm512_maskz_loadu_ps(lanes, w_scale), kRound), row_scale, kRound);
   return bias == nullptr ? y : _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias), kRound);
 }
-
-struct Epilogue {
-  const int32_t* offset;  // the block's first output
-  const float* w_scale;
-  const float* bias;  // or nullptr
-  int64_t count;      // outputs of the block that exist (the last block may be short)
-};
 
 // R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
 // block, written out dequantized; the pass's share of the next block is fetched every 32 inputs.
@@ -156,28 +176,12 @@ inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const f
   });
 }
 
-template <typename T>
-void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
-                 const float* bias, at::Tensor& out) {
-  const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1);
-  const int64_t blocks = packed.size(0), k4 = packed.size(1), stride = k4 * 4;
-  thread_local actorserve::ThreadBuffer<uint8_t> q;  // thread_buffer.h
-  thread_local actorserve::ThreadBuffer<float> row_scale;
-  uint8_t* qd = q.get(rows * stride);
-  float* sd = row_scale.get(rows);
-  const T* xd = x.data_ptr<T>();
-  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
-    quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
-  });
-  const int8_t* wd = packed.data_ptr<int8_t>();
-  const int32_t* od = offsets.data_ptr<int32_t>();
-  const float* scale = w_scale.data_ptr<float>();
-  T* out_d = out.data_ptr<T>();
+// Every row of the quantized activations (`rows` of `stride` bytes, their scales `sd`) against
+// every block of the packed weights `wd`, written to out_d (n outputs a row).
+template <typename T, typename Blocks>
+void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, const int8_t* wd, int64_t blocks, int64_t k4,
+              const Blocks& epilogue, T* out_d, int64_t n) {
   const int64_t block_bytes = k4 * kBlock * 4;
-  auto epilogue = [&](int64_t b) {
-    const int64_t col = b * kBlock;
-    return Epilogue{od + col, scale + col, bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
-  };
   if (rows < kHalfBlockRows) {
     actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
@@ -197,11 +201,178 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
     }
   });
 }
+
+}  // namespace vnni
 #endif
 
-at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
-                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(int8_matmul_available(), "int8_matmul needs AVX512-VNNI (see int8_matmul_available)");
+#ifdef ACTORSERVE_INT8_AVX2
+// 8 outputs per vector (32 bytes of the layout: 8 outputs x 4 inputs). `vpmaddubsw` multiplies u8
+// x s8 into int16 pairs with saturation, and the activations' u8 (q + 128, up to 255) against
+// weights up to 127 would overflow a pair: here the activations go in as q (signed, |q| <= 127),
+// the weights' magnitude as the unsigned operand with their sign moved onto the activations
+// (`vpsignb`), so a pair is at most 2 * 127 * 127 and the dot product is exact without the zero
+// point; `vpmaddwd` with ones sums the pairs into int32.
+namespace avx2 {
+
+// Rows a pass: whole blocks (8 vectors) one row, for a row or two, where the weights' reads bound
+// the time; from kHalfBlockRows rows half blocks two rows a pass (8 accumulators, a weight
+// vector, its magnitude and two broadcasts within AVX2's 16 registers).
+constexpr int kBlockRows = 1, kHalfRows = 2;
+constexpr int64_t kHalfBlockRows = 2;
+
+// Four activations of a row as s8 (q + 128 with its top bit flipped is q), in every lane.
+inline __m256i broadcast4(const uint8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, sizeof four);
+  return _mm256_xor_si256(_mm256_set1_epi32(four), _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+// The first `count` of 8 lanes (a block's last outputs may be fewer than 8).
+inline __m256i lanes_below(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 load8(const float* p, int64_t count) {
+  return count == 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below(count));
+}
+
+// float32 (what AVX2 CPUs run) 8 lanes a store; other types through store_f32's rounding.
+template <typename T>
+inline void store8(T* out, __m256 y, int64_t count) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, y);
+  for (int64_t j = 0; j < count; ++j) actorserve::store_f32(out + j, lanes[j]);
+}
+
+template <>
+inline void store8<float>(float* out, __m256 y, int64_t count) {
+  if (count == 8) {
+    _mm256_storeu_ps(out, y);
+  } else {
+    _mm256_maskstore_ps(out, lanes_below(count), y);
+  }
+}
+
+// Int8Linear's dequantize for 8 outputs: (dot * w_scale) * row_scale + bias, rounded after each
+// operation. The barrier keeps the compiler from fusing the last multiply and add into an FMA.
+template <typename T>
+inline void dequantize8(__m256i dot, const float* w_scale, float row_scale, const float* bias, int64_t count, T* out) {
+  __m256 y = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), load8(w_scale, count)), _mm256_set1_ps(row_scale));
+  if (bias != nullptr) {
+    asm("" : "+x"(y));
+    y = _mm256_add_ps(y, load8(bias, count));
+  }
+  store8(out, y, count);
+}
+
+// R activation rows against vectors T0 .. T0 + V - 1 (8 outputs each) of one 64-row weight block,
+// written out dequantized; the pass's share of the next block is fetched every 32 inputs.
+template <int R, int V, int T0, typename T>
+inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                       const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < V; ++t) acc[r][t] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < k4; ++i) {
+    if (i % 8 == 0) fetch.step(i / 8, (k4 + 7) / 8);
+    __m256i x[R];
+    for (int r = 0; r < R; ++r) x[r] = broadcast4(q + r * stride + i * 4);
+    const int8_t* wi = w + i * kBlock * 4 + 32 * T0;
+    for (int t = 0; t < V; ++t) {
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * t));
+      const __m256i magnitude = _mm256_abs_epi8(wv);
+      for (int r = 0; r < R; ++r) {
+        acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], wv)), ones));
+      }
+    }
+  }
+  for (int t = 0; t < V; ++t) {
+    const int64_t first = 8 * (T0 + t), count = std::min<int64_t>(8, e.count - first);
+    if (count <= 0) break;
+    for (int r = 0; r < R; ++r) {
+      dequantize8(acc[r][t], e.w_scale + first, row_scale[r], e.bias == nullptr ? nullptr : e.bias + first, count,
+                  out + r * out_stride + first);
+    }
+  }
+}
+
+template <int V, int T0, int MaxRows, typename T>
+inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                         const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
+  actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
+    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride, fetch);
+  });
+}
+
+// vnni::multiply's walk with 8-lane vectors: whole blocks for few rows, else halves (4 vectors).
+template <typename T, typename Blocks>
+void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, const int8_t* wd, int64_t blocks, int64_t k4,
+              const Blocks& epilogue, T* out_d, int64_t n) {
+  const int64_t block_bytes = k4 * kBlock * 4;
+  if (rows < kHalfBlockRows) {
+    actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t b = first; b < last; ++b) {
+        rows_against<8, 0, kBlockRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, epilogue(b), out_d + b * kBlock, n,
+                                       b + 1 < last ? wd + (b + 1) * block_bytes : nullptr);
+      }
+    });
+    return;
+  }
+  actorserve::for_each_half_block(blocks, [&](int64_t b, int64_t half, bool fetch_next) {
+    const Epilogue e = epilogue(b);
+    const int8_t* next = fetch_next ? wd + (b + 1) * block_bytes : nullptr;
+    if (half == 0) {
+      rows_against<4, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+    } else if (e.count > kBlock / 2) {
+      rows_against<4, 4, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+    }
+  });
+}
+
+}  // namespace avx2
+#endif
+
+#if defined(ACTORSERVE_INT8_VNNI) || defined(ACTORSERVE_INT8_AVX2)
+template <typename T>
+void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
+                 const float* bias, int64_t width, at::Tensor& out) {
+  const int64_t rows = x.size(0), dim = x.size(1), n = out.size(1);
+  const int64_t blocks = packed.size(0), k4 = packed.size(1), stride = k4 * 4;
+  thread_local actorserve::ThreadBuffer<uint8_t> q;  // thread_buffer.h
+  thread_local actorserve::ThreadBuffer<float> row_scale;
+  uint8_t* qd = q.get(rows * stride);
+  float* sd = row_scale.get(rows);
+  const T* xd = x.data_ptr<T>();
+  actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
+    quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
+  });
+  const int8_t* wd = packed.data_ptr<int8_t>();
+  const int32_t* od = offsets.data_ptr<int32_t>();
+  const float* scale = w_scale.data_ptr<float>();
+  T* out_d = out.data_ptr<T>();
+  auto epilogue = [&](int64_t b) {
+    const int64_t col = b * kBlock;
+    return Epilogue{od + col, scale + col, bias == nullptr ? nullptr : bias + col, std::min(kBlock, n - col)};
+  };
+#ifdef ACTORSERVE_INT8_VNNI
+  if (width == 512) {
+    vnni::multiply(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
+    return;
+  }
+#endif
+#ifdef ACTORSERVE_INT8_AVX2
+  avx2::multiply(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
+#endif
+}
+#endif
+
+// width: the path, one of `widths()` (the tests and benchmarks compare them).
+at::Tensor int8_matmul_at(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
+                          const c10::optional<at::Tensor>& bias, int64_t out_features, int64_t width) {
+  const auto& compiled = compiled_widths();
+  TORCH_CHECK(std::find(compiled.begin(), compiled.end(), width) != compiled.end(), "int8_matmul has no ", width,
+              "-bit path here (AVX512-VNNI: 512, AVX2: 256; see int8_matmul_widths)");
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [rows, features] CPU tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.size(2) == kBlock && packed.size(3) == 4,
               "packed must come from int8_pack_weight");
@@ -213,22 +384,33 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   TORCH_CHECK(offsets.scalar_type() == at::kInt && offsets.numel() == packed.size(0) * kBlock, "offsets must come from int8_pack_weight");
   const float* bias_data = actorserve::bias_data(bias, out_features);
   auto out = at::empty({x.size(0), out_features}, x.options());
-#ifdef ACTORSERVE_INT8_VNNI
+#if defined(ACTORSERVE_INT8_VNNI) || defined(ACTORSERVE_INT8_AVX2)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_matmul",
-                                  [&] { matmul_impl<scalar_t>(x, packed, offsets, w_scale, bias_data, out); });
+                                  [&] { matmul_impl<scalar_t>(x, packed, offsets, w_scale, bias_data, width, out); });
 #endif
   return out;
+}
+
+// int8_matmul_at on the widest path compiled.
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
+                       const c10::optional<at::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(int8_matmul_available(), "int8_matmul needs AVX512-VNNI or AVX2 (see int8_matmul_available)");
+  return int8_matmul_at(x, packed, offsets, w_scale, bias, out_features, compiled_widths().front());
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(actorserve, m) {
   m.def("int8_matmul_available() -> bool", &int8_matmul_available);
+  m.def("int8_matmul_widths() -> int[]", &widths);
   m.def("int8_pack_weight(Tensor weight) -> (Tensor, Tensor)");
   m.def("int8_matmul(Tensor x, Tensor packed, Tensor offsets, Tensor weight_scale, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_matmul_at(Tensor x, Tensor packed, Tensor offsets, Tensor weight_scale, Tensor? bias, int out_features, "
+        "int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(actorserve, CPU, m) {
   m.impl("int8_pack_weight", &int8_pack_weight);
   m.impl("int8_matmul", &int8_matmul);
+  m.impl("int8_matmul_at", &int8_matmul_at);
 }
