@@ -93,14 +93,18 @@ std::tuple<at::Tensor, at::Tensor> int8_pack_weight(const at::Tensor& weight) {
   return {packed, offsets};
 }
 
-// quantize_row (quantize_row.h) into rows padded to `stride` bytes with the zero point, so the
-// padding adds nothing once the offsets are taken out.
-template <typename T>
+// quantize_row (quantize_row.h) into rows padded to `stride` bytes with q = 0: q + Offset as u8
+// (VNNI: the zero point, which the offsets take out) or as int8 (AVX2, Offset 0).
+template <int Offset, typename T>
 void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_t* q, float* scale) {
   for (int64_t r = 0; r < rows; ++r) {
     uint8_t* dst = q + r * stride;
-    scale[r] = actorserve::quantize_row(x + r * dim, dim, dst);
-    std::fill(dst + dim, dst + stride, static_cast<uint8_t>(kZeroPoint));
+    if constexpr (Offset == 0) {
+      scale[r] = actorserve::quantize_row<0>(x + r * dim, dim, reinterpret_cast<int8_t*>(dst));
+    } else {
+      scale[r] = actorserve::quantize_row<Offset>(x + r * dim, dim, dst);
+    }
+    std::fill(dst + dim, dst + stride, static_cast<uint8_t>(Offset));
   }
 }
 
@@ -208,7 +212,7 @@ void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, 
 #ifdef ACTORSERVE_INT8_AVX2
 // 8 outputs per vector (32 bytes of the layout: 8 outputs x 4 inputs). `vpmaddubsw` multiplies u8
 // x s8 into int16 pairs with saturation, and the activations' u8 (q + 128, up to 255) against
-// weights up to 127 would overflow a pair: here the activations go in as q (signed, |q| <= 127),
+// weights up to 127 would overflow a pair: here the activations are quantized as q (int8, |q| <= 127),
 // the weights' magnitude as the unsigned operand with their sign moved onto the activations
 // (`vpsignb`), so a pair is at most 2 * 127 * 127 and the dot product is exact without the zero
 // point; `vpmaddwd` with ones sums the pairs into int32.
@@ -220,11 +224,11 @@ namespace avx2 {
 constexpr int kBlockRows = 1, kHalfRows = 2;
 constexpr int64_t kHalfBlockRows = 2;
 
-// Four activations of a row as s8 (q + 128 with its top bit flipped is q), in every lane.
+// Four activations of a row (int8), in every lane.
 inline __m256i broadcast4(const uint8_t* q) {
   int32_t four;
   std::memcpy(&four, q, sizeof four);
-  return _mm256_xor_si256(_mm256_set1_epi32(four), _mm256_set1_epi8(static_cast<char>(0x80)));
+  return _mm256_set1_epi32(four);
 }
 
 // The first `count` of 8 lanes (a block's last outputs may be fewer than 8).
@@ -345,7 +349,11 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   float* sd = row_scale.get(rows);
   const T* xd = x.data_ptr<T>();
   actorserve::parallel_for(rows, 16, [&](int64_t first, int64_t last) {
-    quantize_into(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
+    if (width == 512) {
+      quantize_into<kZeroPoint>(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
+    } else {
+      quantize_into<0>(xd + first * dim, last - first, dim, stride, qd + first * stride, sd + first);
+    }
   });
   const int8_t* wd = packed.data_ptr<int8_t>();
   const int32_t* od = offsets.data_ptr<int32_t>();
