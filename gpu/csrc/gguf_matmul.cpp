@@ -170,8 +170,9 @@ inline void block_rows(const Activations& x, int64_t row, const WeightBlock& w, 
     q[r] = x.q + (row + r) * x.dim;
     for (int t = 0; t < V; ++t) y[r][t] = _mm512_setzero_ps();
   }
+  const int64_t fetch_per_group = fetch.per_step(groups);
   for (int64_t g = 0; g < groups; ++g) {
-    fetch.step(g, groups);
+    fetch.step(g, fetch_per_group);
     __m512i acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
@@ -338,8 +339,9 @@ inline void half_block_row(const Activations& act, int64_t row, const WeightBloc
   const int64_t groups = act.dim / kGroup, bytes_per_group = kBlock * kGroup * kStoredBits<Bits> / 8;
   const int8_t* q = act.q + row * act.dim;
   __m256 y[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int64_t fetch_per_group = fetch.per_step(groups);
   for (int64_t g = 0; g < groups; ++g) {
-    fetch.step(g, groups);
+    fetch.step(g, fetch_per_group);
     __m256i dot[4];
     // The half's weights: bytes first * 4 .. of each 256-byte row of four inputs.
     dot_block<Bits>(w.u + g * bytes_per_group + first * 4, q + g * kGroup, dot);
@@ -363,7 +365,7 @@ inline void block(const Activations& act, int64_t rows, const WeightBlock& w, T*
   const int64_t halves = (w.count + kBlock / 2 - 1) / (kBlock / 2);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < halves; ++h) {
-      const actorserve::NextBlock fetch{next, next_bytes, r * halves + h, rows * halves};
+      const actorserve::NextBlock fetch(next, next_bytes, r * halves + h, rows * halves);
       half_block_row<Bits>(act, r, w, h * kBlock / 2, out + r * out_stride, fetch);
     }
   }
@@ -437,8 +439,9 @@ inline void widened_rows(const Activations& act, int64_t row, const uint8_t* wid
   const int64_t groups = act.dim / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   alignas(32) float y[R][32] = {};
+  const int64_t fetch_per_group = fetch.per_step(groups);
   for (int64_t g = 0; g < groups; ++g) {
-    fetch.step(g, groups);
+    fetch.step(g, fetch_per_group);
     const auto* wg = reinterpret_cast<const __m256i*>(wide + g * kWideGroupBytes);
     __m256i acc[R][4];  // 4-bit: int16 pairs (8 x 2 x 15 x 127 fits); 5-bit: the same, per half block; 8-bit: int32
     __m256i first_half[R][4];  // 5-bit: the first half block's sums, widened to int32

@@ -24,17 +24,23 @@ void for_each_half_block(int64_t blocks, const F& f) {
 }
 
 // What one pass of rows over a weight block fetches of the next block: share `pass` of `passes`,
-// spread over the pass's own steps (`step(i, steps)` at each of its `steps` groups of inputs). In
-// one burst a pass over few rows asked for hundreds of lines at once, more than a core keeps in
-// flight: spread, a batch-1 gguf decode step ran 1.17x as fast (BENCHMARKS.md).
+// spread over the pass's own steps: `per_step(steps)` lines at each of its `steps` groups of inputs
+// (`step(i, per)`). In one burst a pass over few rows asked for hundreds of lines at once, more
+// than a core keeps in flight: spread, a batch-1 gguf decode step ran 1.17x as fast (BENCHMARKS.md).
 struct NextBlock {
-  const void* next = nullptr;  // nothing to fetch where null
-  int64_t bytes = 0, pass = 0, passes = 1;
-  void step(int64_t i, int64_t steps) const {
+  const char* next = nullptr;  // nothing to fetch where null
+  int64_t first = 0, last = 0;  // the share's lines
+
+  NextBlock(const void* block, int64_t bytes, int64_t pass, int64_t passes) : next(static_cast<const char*>(block)) {
+    const int64_t lines = (bytes + 63) / 64;
+    first = pass * lines / passes, last = (pass + 1) * lines / passes;
+  }
+
+  int64_t per_step(int64_t steps) const { return (last - first + steps - 1) / steps; }
+
+  void step(int64_t i, int64_t per) const {
     if (next == nullptr) return;
-    const char* p = static_cast<const char*>(next);
-    const int64_t lines = (bytes + 63) / 64, part = pass * steps + i, parts = passes * steps;
-    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) __builtin_prefetch(p + 64 * line, 0, 2);
+    for (int64_t line = first + i * per, end = std::min(last, line + per); line < end; ++line) __builtin_prefetch(next + 64 * line, 0, 2);
   }
 };
 
@@ -57,7 +63,7 @@ template <int MaxRows, typename Pass>
 inline void row_passes(int64_t rows, const void* next, int64_t next_bytes, const Pass& pass) {
   const int64_t passes = (rows + MaxRows - 1) / MaxRows;
   for (int64_t row = 0, i = 0; row < rows; row += MaxRows, ++i) {
-    pass_of<MaxRows>(std::min<int64_t>(MaxRows, rows - row), row, NextBlock{next, next_bytes, i, passes}, pass);
+    pass_of<MaxRows>(std::min<int64_t>(MaxRows, rows - row), row, NextBlock(next, next_bytes, i, passes), pass);
   }
 }
 

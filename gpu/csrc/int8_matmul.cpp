@@ -147,8 +147,9 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
   for (int r = 0; r < R; ++r) {
     for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
   }
+  const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
   for (int64_t i = 0; i < k4; ++i) {
-    if (i % 8 == 0) fetch.step(i / 8, (k4 + 7) / 8);
+    if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
     const int8_t* wi = w + i * kBlock * 4 + 64 * T0;
     __m512i wv[V];
     for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(wi + 64 * t);
@@ -278,8 +279,9 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
   __m256i acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < V; ++t) acc[r][t] = _mm256_setzero_si256();
+  const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
   for (int64_t i = 0; i < k4; ++i) {
-    if (i % 8 == 0) fetch.step(i / 8, (k4 + 7) / 8);
+    if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
     __m256i x[R];
     for (int r = 0; r < R; ++r) x[r] = broadcast4(q + r * stride + i * 4);
     const int8_t* wi = w + i * kBlock * 4 + 32 * T0;
