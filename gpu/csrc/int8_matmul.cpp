@@ -109,7 +109,7 @@ void quantize_into(const T* x, int64_t rows, int64_t dim, int64_t stride, uint8_
 }
 
 struct Epilogue {
-  const int32_t* offset;  // the block's first output
+  const int32_t* offset;  // the block's first output (VNNI: the zero point's share of each dot product)
   const float* w_scale;
   const float* bias;  // or nullptr
   int64_t count;      // outputs of the block that exist (the last block may be short)
@@ -219,8 +219,8 @@ void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, 
 // point; `vpmaddwd` with ones sums the pairs into int32.
 namespace avx2 {
 
-// Rows a pass: whole blocks (8 vectors) one row, for a row or two, where the weights' reads bound
-// the time; from kHalfBlockRows rows half blocks two rows a pass (8 accumulators, a weight
+// Rows a pass: a single row takes whole blocks (8 vectors), where the weights' reads bound the
+// time; from kHalfBlockRows rows half blocks take two rows a pass (8 accumulators, a weight
 // vector, its magnitude and two broadcasts within AVX2's 16 registers).
 constexpr int kBlockRows = 1, kHalfRows = 2;
 constexpr int64_t kHalfBlockRows = 2;
