@@ -120,12 +120,6 @@ namespace vnni {
 
 using actorserve::store16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-// Rows a pass. Whole blocks (4 vectors of 16 outputs) take up to two, for few rows, where the
-// weights' reads bound the time; from kHalfBlockRows rows on, half blocks take five: 5 x 2
-// accumulators and 2 weight vectors keep `vpdpbusd` near one a cycle, where six rows
-// of whole blocks (24 accumulators) ran at half that.
-constexpr int kBlockRows = 2, kHalfRows = 5;
-constexpr int64_t kHalfBlockRows = 4;
 
 // What Int8Linear's dequantize does with oneDNN's float output, 16 outputs at a time:
 // (dot * w_scale) * row_scale + bias. The explicit-rounding forms are never fused into an FMA.
@@ -171,41 +165,19 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
   }
 }
 
-// Every row against one whole block (T0 = 0, V = 4) or one half of it (T0 = 0 or 2, V = 2), MaxRows
-// rows a pass, prefetching `next` (or nullptr) meanwhile.
-template <int V, int T0, int MaxRows, typename T>
-inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
-                         const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
-  actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
-    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride, fetch);
-  });
-}
-
-// Every row of the quantized activations (`rows` of `stride` bytes, their scales `sd`) against
-// every block of the packed weights `wd`, written to out_d (n outputs a row).
-template <typename T, typename Blocks>
-void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, const int8_t* wd, int64_t blocks, int64_t k4,
-              const Blocks& epilogue, T* out_d, int64_t n) {
-  const int64_t block_bytes = k4 * kBlock * 4;
-  if (rows < kHalfBlockRows) {
-    actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t b = first; b < last; ++b) {
-        rows_against<4, 0, kBlockRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, epilogue(b), out_d + b * kBlock, n,
-                                       b + 1 < last ? wd + (b + 1) * block_bytes : nullptr);
-      }
-    });
-    return;
+// The path for `multiply`: 4 vectors of 16 outputs a block. Rows a pass: whole blocks take up to
+// two, for few rows, where the weights' reads bound the time; from kHalfBlockRows rows on, half
+// blocks take five: 5 x 2 accumulators and 2 weight vectors keep `vpdpbusd` near one a cycle, where
+// six rows of whole blocks (24 accumulators) ran at half that.
+struct Path {
+  static constexpr int kVectors = 4, kBlockRows = 2, kHalfRows = 5;
+  static constexpr int64_t kHalfBlockRows = 4;
+  template <int R, int V, int T0, typename T>
+  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4, const Epilogue& e, T* out,
+                   int64_t out_stride, const actorserve::NextBlock& fetch) {
+    block_rows<R, V, T0>(q, stride, row_scale, w, k4, e, out, out_stride, fetch);
   }
-  actorserve::for_each_half_block(blocks, [&](int64_t b, int64_t half, bool fetch_next) {
-    const Epilogue e = epilogue(b);
-    const int8_t* next = fetch_next ? wd + (b + 1) * block_bytes : nullptr;
-    if (half == 0) {
-      rows_against<2, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
-    } else if (e.count > kBlock / 2) {
-      rows_against<2, 2, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
-    }
-  });
-}
+};
 
 }  // namespace vnni
 #endif
@@ -218,12 +190,6 @@ void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, 
 // (`vpsignb`), so a pair is at most 2 * 127 * 127 and the dot product is exact without the zero
 // point; `vpmaddwd` with ones sums the pairs into int32.
 namespace avx2 {
-
-// Rows a pass: a single row takes whole blocks (8 vectors), where the weights' reads bound the
-// time; from kHalfBlockRows rows half blocks take two rows a pass (8 accumulators, a weight
-// vector, its magnitude and two broadcasts within AVX2's 16 registers).
-constexpr int kBlockRows = 1, kHalfRows = 2;
-constexpr int64_t kHalfBlockRows = 2;
 
 // Four activations of a row (int8), in every lane.
 inline __m256i broadcast4(const uint8_t* q) {
@@ -303,24 +269,47 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
   }
 }
 
-template <int V, int T0, int MaxRows, typename T>
+// The path for `multiply`: 8 vectors of 8 outputs a block. Rows a pass: a single row takes whole
+// blocks, where the weights' reads bound the time; from kHalfBlockRows rows half blocks take two
+// rows a pass (8 accumulators, a weight vector, its magnitude and two broadcasts within AVX2's 16
+// registers).
+struct Path {
+  static constexpr int kVectors = 8, kBlockRows = 1, kHalfRows = 2;
+  static constexpr int64_t kHalfBlockRows = 2;
+  template <int R, int V, int T0, typename T>
+  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4, const Epilogue& e, T* out,
+                   int64_t out_stride, const actorserve::NextBlock& fetch) {
+    block_rows<R, V, T0>(q, stride, row_scale, w, k4, e, out, out_stride, fetch);
+  }
+};
+
+}  // namespace avx2
+#endif
+
+#if defined(ACTORSERVE_INT8_VNNI) || defined(ACTORSERVE_INT8_AVX2)
+// Every row against vectors T0 .. T0 + V - 1 of one weight block (all of them, or one half),
+// MaxRows rows a pass, prefetching `next` (or nullptr) meanwhile.
+template <typename Path, int V, int T0, int MaxRows, typename T>
 inline void rows_against(const uint8_t* q, int64_t rows, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
                          const Epilogue& e, T* out, int64_t out_stride, const int8_t* next) {
   actorserve::row_passes<MaxRows>(rows, next, k4 * kBlock * 4, [&]<int R>(int64_t r, const actorserve::NextBlock& fetch) {
-    block_rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride, fetch);
+    Path::template rows<R, V, T0>(q + r * stride, stride, row_scale + r, w, k4, e, out + r * out_stride, out_stride, fetch);
   });
 }
 
-// vnni::multiply's walk with 8-lane vectors: whole blocks for few rows, else halves (4 vectors).
-template <typename T, typename Blocks>
+// Every row of the quantized activations (`rows` of `stride` bytes, their scales `sd`) against
+// every block of the packed weights `wd`, written to out_d (n outputs a row), on a path's vectors:
+// whole blocks for few rows, else half blocks shared between threads (half_blocks.h).
+template <typename Path, typename T, typename Blocks>
 void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, const int8_t* wd, int64_t blocks, int64_t k4,
               const Blocks& epilogue, T* out_d, int64_t n) {
+  constexpr int kAll = Path::kVectors, kHalf = Path::kVectors / 2;
   const int64_t block_bytes = k4 * kBlock * 4;
-  if (rows < kHalfBlockRows) {
+  if (rows < Path::kHalfBlockRows) {
     actorserve::parallel_for(blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t b = first; b < last; ++b) {
-        rows_against<8, 0, kBlockRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, epilogue(b), out_d + b * kBlock, n,
-                                       b + 1 < last ? wd + (b + 1) * block_bytes : nullptr);
+        rows_against<Path, kAll, 0, Path::kBlockRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, epilogue(b), out_d + b * kBlock, n,
+                                                      b + 1 < last ? wd + (b + 1) * block_bytes : nullptr);
       }
     });
     return;
@@ -329,17 +318,13 @@ void multiply(const uint8_t* qd, const float* sd, int64_t rows, int64_t stride, 
     const Epilogue e = epilogue(b);
     const int8_t* next = fetch_next ? wd + (b + 1) * block_bytes : nullptr;
     if (half == 0) {
-      rows_against<4, 0, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+      rows_against<Path, kHalf, 0, Path::kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
     } else if (e.count > kBlock / 2) {
-      rows_against<4, 4, kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
+      rows_against<Path, kHalf, kHalf, Path::kHalfRows>(qd, rows, stride, sd, wd + b * block_bytes, k4, e, out_d + b * kBlock, n, next);
     }
   });
 }
 
-}  // namespace avx2
-#endif
-
-#if defined(ACTORSERVE_INT8_VNNI) || defined(ACTORSERVE_INT8_AVX2)
 template <typename T>
 void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& offsets, const at::Tensor& w_scale,
                  const float* bias, int64_t width, at::Tensor& out) {
@@ -367,12 +352,12 @@ void matmul_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor
   };
 #ifdef ACTORSERVE_INT8_VNNI
   if (width == 512) {
-    vnni::multiply(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
+    multiply<vnni::Path>(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
     return;
   }
 #endif
 #ifdef ACTORSERVE_INT8_AVX2
-  avx2::multiply(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
+  multiply<avx2::Path>(qd, sd, rows, stride, wd, blocks, k4, epilogue, out_d, n);
 #endif
 }
 #endif
