@@ -11,12 +11,14 @@ wherever a module has one. Only float32 and bfloat16 are packed (oneDNN's CPU fo
 
 With `quantization="int8"` the same layers become `Int8Linear`s instead: int8 weights (one scale
 per output channel) and activations quantized per row (per token) at every call. On a CPU with
-AVX512-VNNI or AVX2 gpu/csrc/int8_matmul.cpp multiplies them at every batch size (faster than
-oneDNN's u8 x s8 kernel from 1 to 512 rows on SmolLM2's shapes, and bit for bit the result its
-arithmetic defines); elsewhere oneDNN's kernel does. Each token's scale is its own, so a request's output does not depend on what else is
-in the batch; SmoothQuant scales folded in first (gpu/int8_smoothing.py) keep a few large input
-channels from setting that scale. The output layer is quantized too: it is the largest matmul of a
-decode step. See BENCHMARKS.md for its speed and its error against the unquantized model.
+AVX512-VNNI or AVX2 gpu/csrc/int8_matmul.cpp multiplies them at every batch size, bit for bit the
+result its arithmetic defines (faster than oneDNN's u8 x s8 kernel on SmolLM2's shapes from 1 to
+512 rows with VNNI, up to 64 rows with AVX2, where oneDNN's needs 7-bit weights); elsewhere
+oneDNN's kernel does. Each token's scale is its own, so a request's output does not depend on what
+else is in the batch; SmoothQuant scales folded in first (gpu/int8_smoothing.py) keep a few large
+input channels from setting that scale. The output layer is quantized too: it is the largest
+matmul of a decode step. See BENCHMARKS.md for its speed and its error against the unquantized
+model.
 
 With `quantization="gguf"` they become GgufLinears (gpu/gguf_linear.py), built from the blocks of
 the GGUF file the model was loaded from instead of from its dequantized weights.

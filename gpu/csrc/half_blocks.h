@@ -1,4 +1,4 @@
-// How the VNNI linear kernels (int8_matmul.cpp, gguf_matmul.cpp) walk a layer's 64-row weight
+// How the linear kernels (int8_matmul.cpp, gguf_matmul.cpp) walk a layer's 64-row weight
 // blocks: once a batch has several rows, by halves (32 outputs) shared between threads, so that a
 // layer of 9 blocks splits 9 and 9 instead of 5 and 4; within a block, a few activation rows a pass,
 // each thread fetching its next block meanwhile.
@@ -26,7 +26,7 @@ void for_each_half_block(int64_t blocks, const F& f) {
 // What one pass of rows over a weight block fetches of the next block: share `pass` of `passes`,
 // spread over the pass's own steps: `per_step(steps)` lines at each of its `steps` groups of inputs
 // (`step(i, per)`). In one burst a pass over few rows asked for hundreds of lines at once, more
-// than a core keeps in flight: spread, a batch-1 gguf decode step ran 1.17x as fast (BENCHMARKS.md).
+// than a core keeps in flight: spread, a batch-1 gguf decode step ran 1.16x as fast (BENCHMARKS.md).
 struct NextBlock {
   const char* next = nullptr;  // nothing to fetch where null
   int64_t first = 0, last = 0;  // the share's lines
