@@ -132,39 +132,6 @@ inline __m512 dequantize16(__m512i dot, const int32_t* offset, const float* w_sc
   return bias == nullptr ? y : _mm512_add_round_ps(y, _mm512_maskz_loadu_ps(lanes, bias), kRound);
 }
 
-// R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
-// block, written out dequantized; the pass's share of the next block is fetched every 32 inputs.
-template <int R, int V, int T0, typename T>
-inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
-                       const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
-  __m512i acc[R][V];
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
-  }
-  const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
-  for (int64_t i = 0; i < k4; ++i) {
-    if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
-    const int8_t* wi = w + i * kBlock * 4 + 64 * T0;
-    __m512i wv[V];
-    for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(wi + 64 * t);
-    for (int r = 0; r < R; ++r) {
-      int32_t four;
-      std::memcpy(&four, q + r * stride + i * 4, sizeof four);
-      const __m512i a = _mm512_set1_epi32(four);
-      for (int t = 0; t < V; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], a, wv[t]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    const __m512 scale = _mm512_set1_ps(row_scale[r]);
-    for (int t = 0; t < V; ++t) {
-      const int64_t first = 16 * (T0 + t), count = std::min<int64_t>(16, e.count - first);
-      if (count <= 0) break;
-      const __m512 y = dequantize16(acc[r][t], e.offset + first, e.w_scale + first, scale, e.bias == nullptr ? nullptr : e.bias + first, count);
-      store16(out + r * out_stride + first, y, count);
-    }
-  }
-}
-
 // The path for `multiply`: 4 vectors of 16 outputs a block. Rows a pass: whole blocks take up to
 // two, for few rows, where the weights' reads bound the time; from kHalfBlockRows rows on, half
 // blocks take five: 5 x 2 accumulators and 2 weight vectors keep `vpdpbusd` near one a cycle, where
@@ -172,10 +139,38 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
 struct Path {
   static constexpr int kVectors = 4, kBlockRows = 2, kHalfRows = 5;
   static constexpr int64_t kHalfBlockRows = 4;
+
+  // R activation rows against vectors T0 .. T0 + V - 1 (16 outputs each) of one 64-row weight
+  // block, written out dequantized; the pass's share of the next block is fetched every 32 inputs.
   template <int R, int V, int T0, typename T>
-  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4, const Epilogue& e, T* out,
-                   int64_t out_stride, const actorserve::NextBlock& fetch) {
-    block_rows<R, V, T0>(q, stride, row_scale, w, k4, e, out, out_stride, fetch);
+  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                   const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
+    __m512i acc[R][V];
+    for (int r = 0; r < R; ++r) {
+      for (int t = 0; t < V; ++t) acc[r][t] = _mm512_setzero_si512();
+    }
+    const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
+    for (int64_t i = 0; i < k4; ++i) {
+      if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
+      const int8_t* wi = w + i * kBlock * 4 + 64 * T0;
+      __m512i wv[V];
+      for (int t = 0; t < V; ++t) wv[t] = _mm512_loadu_si512(wi + 64 * t);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, q + r * stride + i * 4, sizeof four);
+        const __m512i a = _mm512_set1_epi32(four);
+        for (int t = 0; t < V; ++t) acc[r][t] = _mm512_dpbusd_epi32(acc[r][t], a, wv[t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 scale = _mm512_set1_ps(row_scale[r]);
+      for (int t = 0; t < V; ++t) {
+        const int64_t first = 16 * (T0 + t), count = std::min<int64_t>(16, e.count - first);
+        if (count <= 0) break;
+        const __m512 y = dequantize16(acc[r][t], e.offset + first, e.w_scale + first, scale, e.bias == nullptr ? nullptr : e.bias + first, count);
+        store16(out + r * out_stride + first, y, count);
+      }
+    }
   }
 };
 
@@ -236,39 +231,6 @@ inline void dequantize8(__m256i dot, const float* w_scale, float row_scale, cons
   store8(out, y, count);
 }
 
-// R activation rows against vectors T0 .. T0 + V - 1 (8 outputs each) of one 64-row weight block,
-// written out dequantized; the pass's share of the next block is fetched every 32 inputs.
-template <int R, int V, int T0, typename T>
-inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
-                       const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i acc[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) acc[r][t] = _mm256_setzero_si256();
-  const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
-  for (int64_t i = 0; i < k4; ++i) {
-    if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
-    __m256i x[R];
-    for (int r = 0; r < R; ++r) x[r] = broadcast4(q + r * stride + i * 4);
-    const int8_t* wi = w + i * kBlock * 4 + 32 * T0;
-    for (int t = 0; t < V; ++t) {
-      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * t));
-      const __m256i magnitude = _mm256_abs_epi8(wv);
-      for (int r = 0; r < R; ++r) {
-        acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], wv)), ones));
-      }
-    }
-  }
-  for (int t = 0; t < V; ++t) {
-    const int64_t first = 8 * (T0 + t), count = std::min<int64_t>(8, e.count - first);
-    if (count <= 0) break;
-    for (int r = 0; r < R; ++r) {
-      dequantize8(acc[r][t], e.w_scale + first, row_scale[r], e.bias == nullptr ? nullptr : e.bias + first, count,
-                  out + r * out_stride + first);
-    }
-  }
-}
-
 // The path for `multiply`: 8 vectors of 8 outputs a block. Rows a pass: a single row takes whole
 // blocks, where the weights' reads bound the time; from kHalfBlockRows rows half blocks take two
 // rows a pass (8 accumulators, a weight vector, its magnitude and two broadcasts within AVX2's 16
@@ -276,10 +238,38 @@ inline void block_rows(const uint8_t* q, int64_t stride, const float* row_scale,
 struct Path {
   static constexpr int kVectors = 8, kBlockRows = 1, kHalfRows = 2;
   static constexpr int64_t kHalfBlockRows = 2;
+
+  // R activation rows against vectors T0 .. T0 + V - 1 (8 outputs each) of one 64-row weight block,
+  // written out dequantized; the pass's share of the next block is fetched every 32 inputs.
   template <int R, int V, int T0, typename T>
-  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4, const Epilogue& e, T* out,
-                   int64_t out_stride, const actorserve::NextBlock& fetch) {
-    block_rows<R, V, T0>(q, stride, row_scale, w, k4, e, out, out_stride, fetch);
+  static void rows(const uint8_t* q, int64_t stride, const float* row_scale, const int8_t* w, int64_t k4,
+                   const Epilogue& e, T* out, int64_t out_stride, const actorserve::NextBlock& fetch) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < V; ++t) acc[r][t] = _mm256_setzero_si256();
+    const int64_t fetch_per_group = fetch.per_step((k4 + 7) / 8);
+    for (int64_t i = 0; i < k4; ++i) {
+      if (i % 8 == 0) fetch.step(i / 8, fetch_per_group);
+      __m256i x[R];
+      for (int r = 0; r < R; ++r) x[r] = broadcast4(q + r * stride + i * 4);
+      const int8_t* wi = w + i * kBlock * 4 + 32 * T0;
+      for (int t = 0; t < V; ++t) {
+        const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wi + 32 * t));
+        const __m256i magnitude = _mm256_abs_epi8(wv);
+        for (int r = 0; r < R; ++r) {
+          acc[r][t] = _mm256_add_epi32(acc[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x[r], wv)), ones));
+        }
+      }
+    }
+    for (int t = 0; t < V; ++t) {
+      const int64_t first = 8 * (T0 + t), count = std::min<int64_t>(8, e.count - first);
+      if (count <= 0) break;
+      for (int r = 0; r < R; ++r) {
+        dequantize8(acc[r][t], e.w_scale + first, row_scale[r], e.bias == nullptr ? nullptr : e.bias + first, count,
+                    out + r * out_stride + first);
+      }
+    }
   }
 };
 
