@@ -27,13 +27,6 @@ def int8_kernel(int8_ops: Int8Kernels) -> Int8Kernels:
     return int8_ops
 
 
-def _widths() -> list[int]:
-    from gpu.packed_linear import int8_kernels
-
-    kernels = int8_kernels()
-    return torch.ops.actorserve.int8_matmul_widths() if kernels is not None and kernels.matmul is not None else []
-
-
 def _int8_linear_arithmetic(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """What Int8Linear computes, exactly, in torch: activations quantized per row, the integer dot
     product with the 8-bit weights in int64, times the weight's scale in float32 (as oneDNN's
@@ -44,12 +37,9 @@ def _int8_linear_arithmetic(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return dequantize_rows_torch(dot.float() * sw, sx, bias, x.dtype)
 
 
-@pytest.mark.parametrize("width", _widths())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("out_features", "in_features"), [(100, 70), (192, 96), (64, 576)])
-def test_each_int8_kernel_path_gives_int8_linears_bits(
-    int8_kernel: Int8Kernels, width: int, dtype: torch.dtype, out_features: int, in_features: int
-) -> None:
+def test_each_int8_kernel_path_gives_int8_linears_bits(int8_kernel: Int8Kernels, dtype: torch.dtype, out_features: int, in_features: int) -> None:
     """Every path compiled here (an AVX-512 machine runs the AVX2 one too), on shapes that are not
     whole 64-row blocks or 4-feature groups; with and without bias; whole blocks (few rows) and
     half blocks with every tail of a pass. Weights at full range, so the AVX2 path's int16 pairs
@@ -62,9 +52,10 @@ def test_each_int8_kernel_path_gives_int8_linears_bits(
         for rows in (1, 2, 3, 4, 6, 7, 8, 9, 16, 64):
             x = (torch.randn(rows, in_features) * torch.logspace(-2, 1, rows)[:, None]).to(dtype)
             x[:, 0] = x.float().abs().amax(dim=1).neg().to(dtype)  # q = -127 at the largest weight
-            got = torch.ops.actorserve.int8_matmul_at(x, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, b, out_features, width)
             want = _int8_linear_arithmetic(x, weight, b)
-            assert got.dtype == dtype and torch.equal(got, want), (rows, b is None, (got.float() - want.float()).abs().max())
+            for width in torch.ops.actorserve.int8_matmul_widths():
+                got = torch.ops.actorserve.int8_matmul_at(x, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, b, out_features, width)
+                assert got.dtype == dtype and torch.equal(got, want), (width, rows, b is None, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -83,20 +74,20 @@ def test_int8_kernel_gives_onednns_bits(int8_kernel: Int8Kernels, dtype: torch.d
         assert torch.equal(kernel(x), reference(x)), rows
 
 
-@pytest.mark.parametrize("width", _widths())
-def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(int8_kernel: Int8Kernels, width: int) -> None:
+def test_a_row_gets_the_same_bits_alone_as_in_a_large_batch(int8_kernel: Int8Kernels) -> None:
     """Alone a row takes whole weight blocks, in a batch half blocks several rows at a time: a
-    request's output must not depend on which."""
+    request's output must not depend on which, on any path."""
     torch.manual_seed(1)
     layer = Int8Linear([torch.randn(160, 96) * 0.05], [torch.randn(160)], int8_kernel)
     x = torch.randn(LARGE_BATCH + 4, 96).to(torch.bfloat16)
+    for width in torch.ops.actorserve.int8_matmul_widths():
 
-    def run(rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.actorserve.int8_matmul_at(rows, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, layer.bias, 160, width)
+        def run(rows: torch.Tensor, width: int = width) -> torch.Tensor:
+            return torch.ops.actorserve.int8_matmul_at(rows, layer.kernel_weight, layer.kernel_offsets, layer.weight_scale, layer.bias, 160, width)
 
-    batched = run(x)
-    for i in range(x.shape[0]):
-        assert torch.equal(run(x[i : i + 1]), batched[i : i + 1]), i
+        batched = run(x)
+        for i in range(x.shape[0]):
+            assert torch.equal(run(x[i : i + 1]), batched[i : i + 1]), (width, i)
 
 
 def _runner(path, dtype: str, quantization: str | None = "int8", kv_cache_dtype: str = "auto") -> ModelRunner:
