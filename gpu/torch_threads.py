@@ -19,8 +19,8 @@ before every step and costs one `get_num_threads` when nothing changed.
 
 The price: on cores that other processes keep busy, a team that spins the full count loses its
 time slices to the spinning (BENCHMARKS.md, "One user on a CPU": an int8 batch-1 step 131 ms at
-load 3.5-4.3, against 31-33 ms throttled). GOMP_SPINCOUNT=100 in the server's environment, which the core process inherits,
-gives such a machine the throttled behaviour back.
+load 3.5-4.3, against 31-33 ms throttled). GOMP_SPINCOUNT=100 in the server's environment, which
+the core process inherits, gives such a machine the throttled behaviour back.
 
 On a CPU the forward's team also holds every core while a step runs, and the serving path (the
 core's event loop handing a token on, the frontend writing it to the client) waits for a time
